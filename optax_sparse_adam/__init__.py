@@ -1,0 +1,22 @@
+"""Lazy (sparse) Adam for JAX and optax: update only the rows a gradient touches."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from optax_sparse_adam._apply import apply_updates
+from optax_sparse_adam._compat import sparse_aware
+from optax_sparse_adam._rows import IndexedRows, is_sparse
+from optax_sparse_adam._transform import scale_by_sparse_adam, sparse_adam
+
+try:
+    __version__ = version("optax_sparse_adam")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "IndexedRows",
+    "apply_updates",
+    "is_sparse",
+    "scale_by_sparse_adam",
+    "sparse_adam",
+    "sparse_aware",
+]

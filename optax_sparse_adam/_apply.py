@@ -1,0 +1,63 @@
+"""Applying updates that may hold sparse leaves."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_sparse_adam import _rows
+
+__all__ = ["apply_updates"]
+
+
+def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
+    """Applies updates to parameters; a drop-in for :func:`optax.apply_updates`.
+
+    Dense update leaves are added as optax does (``p + u`` cast to ``p``'s
+    dtype). A sparse leaf (:class:`IndexedRows` or BCOO) adds its values to the
+    rows it addresses only, with one scatter, so the cost is O(touched rows);
+    duplicates add up and padding is dropped. Under :func:`jax.jit` with the
+    parameters donated (``donate_argnums``) the scatter is done in place. A
+    ``None`` update leaves its parameter as it is.
+
+    Args:
+      params: A tree of parameters.
+      updates: A tree of updates with the structure of ``params``; leaves may be
+        arrays, sparse leaves or ``None``.
+
+    Returns:
+      The updated parameters, with the structure, shapes and dtypes of ``params``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> p = jnp.zeros((3, 2), jnp.float32)
+      >>> u = osa.IndexedRows(jnp.array([2, -1]), jnp.ones((2, 2), jnp.float32), 3)
+      >>> osa.apply_updates(p, u)
+      Array([[0., 0.],
+             [0., 0.],
+             [1., 1.]], dtype=float32)
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_rows.is_leaf)
+    try:
+        param_leaves = treedef.flatten_up_to(params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"apply_updates: the update tree does not match the parameters: {e}") from None
+    out = []
+    for (path, u), p in zip(leaves, param_leaves, strict=True):
+        if u is None or p is None:
+            out.append(p)
+        elif _rows.is_sparse(u):
+            p = jnp.asarray(p)
+            sp = _rows.to_sparse_leaf(u, p.shape, path, "apply_updates")
+            out.append(p.at[sp.index()].add(sp.values.astype(p.dtype), mode="drop"))
+        else:
+            p, u = jnp.asarray(p), jnp.asarray(u)
+            if u.shape != p.shape:
+                raise ValueError(
+                    f"apply_updates: parameter {_rows.path_str(path)}: update shape {u.shape} "
+                    f"does not match the parameter shape {p.shape}"
+                )
+            out.append(jnp.asarray(p + u).astype(p.dtype))
+    return treedef.unflatten(out)

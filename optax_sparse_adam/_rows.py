@@ -1,0 +1,262 @@
+"""Sparse gradient representations: :class:`IndexedRows`, BCOO, and coalescing.
+
+Every sparse leaf is brought to one internal form, :class:`SparseLeaf`: an
+``(k, s)`` integer key per entry that addresses the first ``s`` axes of the
+parameter, and the ``(k, *shape[s:])`` values. An :class:`IndexedRows` is the
+case ``s == 1``; a BCOO with ``n_sparse == s`` maps onto it directly. Padding
+entries (any key component out of range) are given the key ``shape[:s]``, which
+every gather fills and every scatter drops, so a fixed capacity costs nothing
+but the slots it carries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse as jsparse
+
+__all__ = ["IndexedRows", "is_sparse"]
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexedRows:
+    """Row-sparse gradient or update for a parameter of shape ``(num_rows, *row_shape)``.
+
+    Entry ``i`` adds ``values[i]`` to row ``indices[i]``. Duplicate indices are
+    summed. An index ``< 0`` or ``>= num_rows`` is padding and is ignored, so a
+    batch can keep a fixed capacity under :func:`jax.jit`.
+
+    Attributes:
+      indices: Integer array of shape ``(k,)``.
+      values: Array of shape ``(k, *row_shape)``.
+      num_rows: Number of rows of the parameter (static).
+      unique_indices: Static promise that the in-range indices are distinct and
+        that padding entries hold zeros, as in the updates this library emits.
+        Lets later steps skip coalescing. Leave it ``False`` for gradients.
+    """
+
+    indices: jax.Array
+    values: jax.Array
+    num_rows: int
+    unique_indices: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the dense parameter this addresses."""
+        return (self.num_rows, *self.values.shape[1:])
+
+    @property
+    def dtype(self) -> Any:
+        return self.values.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def todense(self) -> jax.Array:
+        """The dense equivalent: duplicates summed, padding dropped."""
+        idx = jnp.where((self.indices >= 0) & (self.indices < self.num_rows), self.indices, self.num_rows)
+        return jnp.zeros(self.shape, self.values.dtype).at[idx].add(self.values, mode="drop")
+
+
+jax.tree_util.register_dataclass(
+    IndexedRows, data_fields=["indices", "values"], meta_fields=["num_rows", "unique_indices"]
+)
+
+
+def is_sparse(x: Any) -> bool:
+    """Whether ``x`` is a sparse leaf this library understands (``IndexedRows`` or BCOO)."""
+    return isinstance(x, (IndexedRows, jsparse.BCOO))
+
+
+def is_leaf(x: Any) -> bool:
+    """``is_leaf`` for tree functions: sparse leaves and ``None`` are leaves."""
+    return x is None or is_sparse(x)
+
+
+def path_str(path: Any) -> str:
+    return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+class SparseLeaf(NamedTuple):
+    """Internal form of a sparse leaf; see the module docstring."""
+
+    keys: jax.Array  # (k, s) int32, padding = shape[:s]
+    values: jax.Array  # (k, *shape[s:])
+    shape: tuple[int, ...]
+    unique: bool  # keys are known distinct and padding values zero
+    declared_unique: bool  # the static flag of the leaf it came from, kept on output
+    bcoo: bool
+
+    @property
+    def n_sparse(self) -> int:
+        return self.keys.shape[1]
+
+    def index(self) -> tuple[jax.Array, ...]:
+        """Index tuple for ``x.at[...]`` over the first ``n_sparse`` axes."""
+        return tuple(self.keys[:, j] for j in range(self.n_sparse))
+
+    def valid(self) -> jax.Array:
+        return self.keys[:, 0] < self.shape[0]
+
+    def replace_values(self, values: jax.Array) -> SparseLeaf:
+        return self._replace(values=values)
+
+    def to_leaf(self) -> IndexedRows | jsparse.BCOO:
+        """Back to the user-facing type it came from, with the same static metadata.
+
+        Keeping the metadata keeps the update tree's structure equal to the
+        gradient tree's, which optax's wrappers (``apply_if_finite``,
+        ``MultiSteps``, ``lax.cond`` in general) rely on.
+        """
+        if self.bcoo:
+            return jsparse.BCOO(
+                (self.values, self.keys), shape=self.shape, indices_sorted=False, unique_indices=self.declared_unique
+            )
+        return IndexedRows(self.keys[:, 0], self.values, self.shape[0], unique_indices=self.declared_unique)
+
+
+def _error(kind: type[Exception], where: str, path: Any, msg: str) -> Exception:
+    return kind(f"{where}: parameter {path_str(path)}: {msg}")
+
+
+def to_sparse_leaf(leaf: IndexedRows | jsparse.BCOO, param_shape: tuple[int, ...], path: Any, where: str) -> SparseLeaf:
+    """Validates ``leaf`` against its parameter's shape and converts it."""
+    param_shape = tuple(param_shape)
+    if not param_shape:
+        raise _error(
+            ValueError, where, path, f"a sparse gradient ({type(leaf).__name__}) cannot address a 0-d parameter"
+        )
+    if isinstance(leaf, jsparse.BCOO):
+        if leaf.n_batch:
+            raise _error(
+                ValueError, where, path, f"BCOO with batch dimensions is not supported (n_batch={leaf.n_batch})"
+            )
+        if tuple(leaf.shape) != param_shape:
+            raise _error(
+                ValueError,
+                where,
+                path,
+                f"BCOO shape {tuple(leaf.shape)} does not match the parameter shape {param_shape}",
+            )
+        keys, values, unique, bcoo = leaf.indices, leaf.data, bool(leaf.unique_indices), True
+    elif isinstance(leaf, IndexedRows):
+        idx, values = jnp.asarray(leaf.indices), jnp.asarray(leaf.values)
+        if not jnp.issubdtype(idx.dtype, jnp.integer):
+            raise _error(TypeError, where, path, f"IndexedRows.indices must be integers, got dtype {idx.dtype}")
+        if idx.ndim != 1:
+            raise _error(ValueError, where, path, f"IndexedRows.indices must be 1-D, got shape {idx.shape}")
+        if values.ndim < 1 or values.shape[0] != idx.shape[0]:
+            raise _error(
+                ValueError,
+                where,
+                path,
+                f"IndexedRows has {idx.shape[0]} indices but values of shape {values.shape}",
+            )
+        if leaf.num_rows != param_shape[0]:
+            raise _error(
+                ValueError,
+                where,
+                path,
+                f"IndexedRows.num_rows={leaf.num_rows} but the parameter has {param_shape[0]} rows",
+            )
+        if tuple(values.shape[1:]) != param_shape[1:]:
+            raise _error(
+                ValueError,
+                where,
+                path,
+                f"IndexedRows row shape {tuple(values.shape[1:])} does not match the parameter's row shape {param_shape[1:]}",
+            )
+        keys, unique, bcoo = idx[:, None], bool(leaf.unique_indices), False
+    else:  # pragma: no cover - callers dispatch on is_sparse
+        raise TypeError(type(leaf))
+    if not jnp.issubdtype(values.dtype, jnp.inexact):
+        raise _error(TypeError, where, path, f"sparse values must be floating point, got dtype {values.dtype}")
+    keys = keys.astype(jnp.int32)
+    n_sparse = keys.shape[1]
+    dims = jnp.asarray(np.array(param_shape[:n_sparse], dtype=np.int32))
+    valid = jnp.all((keys >= 0) & (keys < dims), axis=1)
+    keys = jnp.where(valid[:, None], keys, dims)
+    return SparseLeaf(keys, values, param_shape, unique, unique, bcoo)
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def representatives(keys: jax.Array, valid: jax.Array) -> jax.Array:
+    """For each entry, the position of one entry with the same key (``k`` for padding).
+
+    Sort-free: each round hashes the unresolved keys into a table of at least
+    ``4k`` slots, lets the entries of each slot elect one winner by scatter, and
+    resolves every entry whose key equals its slot winner's key. Entries with
+    equal keys always share a slot, so they always agree on the winner; each
+    round resolves at least every winner, and with a fresh hash per round the
+    expected number of rounds is small (about 3 at 8,192 entries).
+    """
+    k = keys.shape[0]
+    pos = jnp.arange(k, dtype=jnp.int32)
+    unresolved = jnp.int32(-1)
+    rep0 = jnp.where(valid, unresolved, k)
+    if k <= 1:
+        return jnp.where(valid, pos, k)
+    log_t = max(2, (4 * k - 1).bit_length())
+    table_size = 1 << log_t
+    ukeys = keys.astype(jnp.uint32)
+
+    def slots(round_: jax.Array) -> jax.Array:
+        h = _mix(round_.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15))
+        for j in range(keys.shape[1]):
+            h = _mix(h ^ ukeys[:, j])
+        return (h >> (32 - log_t)).astype(jnp.int32)
+
+    def cond(carry: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return jnp.any(carry[0] < 0)
+
+    def body(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        rep, round_ = carry
+        open_ = rep < 0
+        slot = jnp.where(open_, slots(round_), table_size)
+        table = jnp.zeros(table_size, jnp.int32).at[slot].set(pos, mode="drop")
+        winner = table.at[slot].get(mode="fill", fill_value=0)
+        same = open_ & jnp.all(keys[winner] == keys, axis=1)
+        return jnp.where(same, winner, rep), round_ + 1
+
+    rep, _ = jax.lax.while_loop(cond, body, (rep0, jnp.int32(0)))
+    return rep
+
+
+def coalesce(leaf: SparseLeaf) -> SparseLeaf:
+    """Sums duplicate keys into one entry each; other slots become zero padding.
+
+    The capacity ``k`` is kept, so shapes stay fixed under ``jit``. Entries
+    whose duplicates sum to zero stay (they are touched).
+    """
+    if leaf.unique:
+        return zero_padding(leaf)
+    k = leaf.keys.shape[0]
+    rep = representatives(leaf.keys, leaf.valid())
+    values = jnp.zeros_like(leaf.values).at[rep].add(leaf.values, mode="drop")
+    is_rep = rep == jnp.arange(k, dtype=jnp.int32)
+    dims = jnp.asarray(np.array(leaf.shape[: leaf.n_sparse], dtype=np.int32))
+    keys = jnp.where(is_rep[:, None], leaf.keys, dims)
+    return leaf._replace(keys=keys, values=values, unique=True)
+
+
+def _expand(mask: jax.Array, ndim: int) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
+
+
+def zero_padding(leaf: SparseLeaf) -> SparseLeaf:
+    """Zeroes the values of padding entries (duplicates are left as they are)."""
+    mask = _expand(leaf.valid(), leaf.values.ndim)
+    return leaf.replace_values(jnp.where(mask, leaf.values, jnp.zeros((), leaf.values.dtype)))

@@ -1,0 +1,315 @@
+"""The lazy (sparse) Adam transformation: :func:`scale_by_sparse_adam` and :func:`sparse_adam`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_sparse_adam import _rows
+from optax_sparse_adam._compat import sparse_aware
+
+__all__ = ["scale_by_sparse_adam", "sparse_adam"]
+
+EpsPlacement = Literal["optax", "torch"]
+MaskOrFn = bool | Any | Callable[[optax.Params], Any]
+_WHERE = "scale_by_sparse_adam"
+
+
+def _check_hparam(name: str, value: Any, *, lower: float, lower_open: bool) -> None:
+    """Checks a concrete scalar hyperparameter; traced or injected ones are left alone."""
+    if value is None or callable(value) or isinstance(value, jax.core.Tracer):
+        return
+    arr = np.asarray(value)
+    if arr.size != 1:
+        return
+    v = float(arr.reshape(()))
+    bad = math.isnan(v) or (v <= lower if lower_open else v < lower)
+    if name in ("b1", "b2"):
+        bad = bad or v >= 1.0
+        rule = "in [0, 1)"
+    else:
+        rule = f"> {lower:g}" if lower_open else f">= {lower:g}"
+    if bad:
+        raise ValueError(f"Invalid {name}: {value!r}; it must be {rule}")
+
+
+def _resolve_mask(mask: MaskOrFn, params: Any) -> Any:
+    return mask(params) if callable(mask) else mask
+
+
+def scale_by_sparse_adam(
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
+    eps_root: jax.typing.ArrayLike = 0.0,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    *,
+    maximize: bool = False,
+    eps_placement: EpsPlacement = "optax",
+    lazy_dense: MaskOrFn = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Rescales updates by lazy Adam: only the rows a gradient touches move.
+
+    For a sparse gradient leaf (:class:`IndexedRows` or a BCOO), duplicates are
+    summed into a touched set :math:`S`, and only :math:`S` is updated:
+
+    .. math::
+
+      m_S \leftarrow \beta_1 m_S + (1 - \beta_1) g_S, \qquad
+      v_S \leftarrow \beta_2 v_S + (1 - \beta_2) g_S^2,
+
+    with the step, for ``eps_placement="optax"``,
+
+    .. math::
+
+      u_S = \frac{m_S / (1 - \beta_1^t)}{\sqrt{v_S / (1 - \beta_2^t) + \epsilon_{root}} + \epsilon}
+
+    and for ``eps_placement="torch"`` (as ``torch.optim.SparseAdam``)
+
+    .. math::
+
+      u_S = \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t}
+            \frac{m_S}{\sqrt{v_S + \epsilon_{root}} + \epsilon}.
+
+    Outside :math:`S`, ``mu`` and ``nu`` are bitwise unchanged and the update is
+    a sparse leaf of the same type holding exactly the touched entries. The
+    step count :math:`t` advances on every call. A dense gradient leaf gets
+    plain Adam (identical to :func:`optax.scale_by_adam`) unless
+    ``lazy_dense`` selects it, in which case a row counts as touched when any of
+    its entries is nonzero. A ``None`` leaf is skipped.
+
+    Args:
+      b1: Decay rate of the first moment.
+      b2: Decay rate of the second moment.
+      eps: Term added to the denominator, outside the square root.
+      eps_root: Term added inside the square root.
+      mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
+      maximize: Whether to ascend rather than descend (negates the gradient).
+      eps_placement: ``"optax"`` or ``"torch"``; see above.
+      lazy_dense: Which dense gradient leaves to treat lazily: a bool, a tree
+        of bools (a prefix of the parameters), or a function of the parameters
+        returning one, as in optax's ``mask`` arguments.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is an
+      :class:`optax.ScaleByAdamState`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> tx = osa.scale_by_sparse_adam()
+      >>> params = {"table": jnp.zeros((4, 2), jnp.float32)}
+      >>> state = tx.init(params)
+      >>> g = osa.IndexedRows(jnp.array([1, 1, -1]), jnp.ones((3, 2), jnp.float32), 4)
+      >>> updates, state = tx.update({"table": g}, state)
+      >>> updates["table"].todense().round(3)
+      Array([[0., 0.],
+             [1., 1.],
+             [0., 0.],
+             [0., 0.]], dtype=float32)
+
+    References:
+      Kingma and Ba, `Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>`_, 2014; PyTorch's
+      ``torch.optim.SparseAdam``.
+    """
+    for name, value, lower, lower_open in (
+        ("b1", b1, 0.0, False),
+        ("b2", b2, 0.0, False),
+        ("eps", eps, 0.0, True),
+        ("eps_root", eps_root, 0.0, False),
+    ):
+        _check_hparam(name, value, lower=lower, lower_open=lower_open)
+    if eps_placement not in ("optax", "torch"):
+        raise ValueError(f"Invalid eps_placement: {eps_placement!r}; it must be 'optax' or 'torch'")
+    mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+
+    def init_fn(params: optax.Params) -> optax.ScaleByAdamState:
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+            nu=optax.tree.zeros_like(params),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.ScaleByAdamState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
+        del extra_args
+        count = optax.safe_increment(state.count)
+        bc1 = 1 - jnp.asarray(b1) ** count
+        bc2 = 1 - jnp.asarray(b2) ** count
+
+        def moments(g: jax.Array, m: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            """New (m, v) and the step for gradient rows ``g`` and moment rows ``m``, ``v``."""
+            if maximize:
+                g = -g
+            m = (1 - b1) * g + b1 * m
+            v = (1 - b2) * (g * g) + b2 * v
+            if eps_placement == "optax":
+                step = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + eps_root) + eps)
+            else:
+                scale = jnp.sqrt(bc2) / bc1
+                step = scale.astype(m.dtype) * m / (jnp.sqrt(v + eps_root) + eps)
+            return m, v, step
+
+        grads, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_rows.is_leaf)
+        mus = _flatten_like(treedef, state.mu, "mu")
+        nus = _flatten_like(treedef, state.nu, "nu")
+        mask_src = params if params is not None else updates
+        lazies = _flatten_like(
+            treedef,
+            jax.tree.map(
+                lambda m, x: jax.tree.map(lambda _: m, x, is_leaf=_rows.is_leaf),
+                _resolve_mask(lazy_dense, mask_src),
+                updates,
+                is_leaf=_rows.is_leaf,
+            ),
+            "lazy_dense",
+        )
+        out_u, out_m, out_v = [], [], []
+        for (path, g), m, v, lazy in zip(grads, mus, nus, lazies, strict=True):
+            if g is None:
+                out_u.append(None), out_m.append(m), out_v.append(v)
+                continue
+            if not isinstance(m, jax.Array | np.ndarray):
+                raise ValueError(
+                    f"{_WHERE}: parameter {_rows.path_str(path)}: the gradient is a leaf but the "
+                    f"optimizer state holds a subtree {jax.tree.structure(m)}"
+                )
+            if _rows.is_sparse(g):
+                sp = _rows.coalesce(_rows.to_sparse_leaf(g, m.shape, path, _WHERE))
+                idx = sp.index()
+                m_rows = m.at[idx].get(mode="fill", fill_value=0)
+                v_rows = v.at[idx].get(mode="fill", fill_value=0)
+                new_m, new_v, step = moments(sp.values, m_rows, v_rows)
+                out_m.append(m.at[idx].set(new_m.astype(m.dtype if mu_dtype is None else mu_dtype), mode="drop"))
+                out_v.append(v.at[idx].set(new_v.astype(v.dtype), mode="drop"))
+                out_u.append(sp.replace_values(step.astype(sp.values.dtype)).to_leaf())
+                continue
+            g = jnp.asarray(g)
+            if g.shape != m.shape:
+                raise ValueError(
+                    f"{_WHERE}: parameter {_rows.path_str(path)}: gradient shape {g.shape} "
+                    f"does not match the parameter shape {m.shape}"
+                )
+            new_m, new_v, step = moments(g, m, v)
+            if _is_true(lazy, path):
+                touched = jnp.any(g != 0, axis=tuple(range(1, g.ndim))) if g.ndim > 1 else g != 0
+                touched = _rows._expand(touched, g.ndim)
+                new_m = jnp.where(touched, new_m, m)
+                new_v = jnp.where(touched, new_v, v)
+                step = jnp.where(touched, step, jnp.zeros((), step.dtype))
+            out_m.append(new_m.astype(m.dtype if mu_dtype is None else mu_dtype))
+            out_v.append(new_v.astype(v.dtype))
+            out_u.append(step.astype(g.dtype))
+        # A None gradient over a subtree of parameters carried that subtree
+        # through as one "leaf", so unflattening restores the state's structure.
+        new_state = optax.ScaleByAdamState(count=count, mu=treedef.unflatten(out_m), nu=treedef.unflatten(out_v))
+        return treedef.unflatten(out_u), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_true(flag: Any, path: Any) -> bool:
+    if isinstance(flag, bool | np.bool_):
+        return bool(flag)
+    raise TypeError(
+        f"{_WHERE}: parameter {_rows.path_str(path)}: lazy_dense must give a Python bool per leaf, got {flag!r}"
+    )
+
+
+def _flatten_like(treedef: Any, tree: Any, what: str) -> list[Any]:
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{_WHERE}: the gradient tree does not match the optimizer's {what} tree (the parameters): {e}"
+        ) from None
+
+
+def sparse_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
+    eps_root: jax.typing.ArrayLike = 0.0,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    *,
+    maximize: bool = False,
+    eps_placement: EpsPlacement = "optax",
+    lazy_dense: MaskOrFn = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Lazy Adam for sparse gradients: a drop-in for :func:`optax.adam`.
+
+    Sparse gradient leaves (:class:`IndexedRows`, BCOO) update only the rows
+    they touch, in parameters and in both moments, so a step costs
+    O(touched rows). Dense leaves get exactly :func:`optax.adam`, or the lazy
+    rule where ``lazy_dense`` selects them. See :func:`scale_by_sparse_adam`
+    for the update rule:
+
+    .. math::
+
+      p_S \leftarrow p_S - \alpha_t \, u_S.
+
+    Args:
+      learning_rate: A float or an optax schedule.
+      b1: Decay rate of the first moment.
+      b2: Decay rate of the second moment.
+      eps: Term added to the denominator, outside the square root.
+      eps_root: Term added inside the square root.
+      mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
+      maximize: Whether to ascend rather than descend.
+      eps_placement: ``"optax"`` (as :func:`optax.adam`) or ``"torch"`` (as
+        ``torch.optim.SparseAdam``).
+      lazy_dense: Which dense gradient leaves to treat lazily (a row is touched
+        when any of its entries is nonzero): a bool, a tree of bools, or a
+        function of the parameters returning one.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`. Apply its updates with
+      :func:`optax_sparse_adam.apply_updates`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> params = {"emb": jnp.ones((5, 2), jnp.float32), "w": jnp.ones((2,), jnp.float32)}
+      >>> tx = osa.sparse_adam(0.1)
+      >>> state = tx.init(params)
+      >>> grads = {"emb": osa.IndexedRows(jnp.array([3]), jnp.ones((1, 2), jnp.float32), 5),
+      ...          "w": jnp.ones((2,), jnp.float32)}
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = osa.apply_updates(params, updates)
+      >>> params["emb"].round(3)
+      Array([[1. , 1. ],
+             [1. , 1. ],
+             [1. , 1. ],
+             [0.9, 0.9],
+             [1. , 1. ]], dtype=float32)
+
+    References:
+      Kingma and Ba, `Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>`_, 2014.
+    """
+    _check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    return optax.chain(
+        scale_by_sparse_adam(
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            eps_root=eps_root,
+            mu_dtype=mu_dtype,
+            maximize=maximize,
+            eps_placement=eps_placement,
+            lazy_dense=lazy_dense,
+        ),
+        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
+    )
