@@ -178,7 +178,7 @@ def to_sparse_leaf(leaf: IndexedRows | jsparse.BCOO, param_shape: tuple[int, ...
         raise _error(TypeError, where, path, f"sparse values must be floating point, got dtype {values.dtype}")
     keys = keys.astype(jnp.int32)
     n_sparse = keys.shape[1]
-    dims = jnp.asarray(np.array(param_shape[:n_sparse], dtype=np.int32))
+    dims = jnp.asarray(np.array(param_shape[:n_sparse], dtype=np.int32))[None, :]
     valid = jnp.all((keys >= 0) & (keys < dims), axis=1)
     keys = jnp.where(valid[:, None], keys, dims)
     return SparseLeaf(keys, values, param_shape, unique, unique, bcoo)
@@ -247,7 +247,7 @@ def coalesce(leaf: SparseLeaf) -> SparseLeaf:
     rep = representatives(leaf.keys, leaf.valid())
     values = jnp.zeros_like(leaf.values).at[rep].add(leaf.values, mode="drop")
     is_rep = rep == jnp.arange(k, dtype=jnp.int32)
-    dims = jnp.asarray(np.array(leaf.shape[: leaf.n_sparse], dtype=np.int32))
+    dims = jnp.asarray(np.array(leaf.shape[: leaf.n_sparse], dtype=np.int32))[None, :]
     keys = jnp.where(is_rep[:, None], leaf.keys, dims)
     return leaf._replace(keys=keys, values=values, unique=True)
 

@@ -145,8 +145,8 @@ def scale_by_sparse_adam(
     ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
         del extra_args
         count = optax.safe_increment(state.count)
-        bc1 = 1 - jnp.asarray(b1) ** count
-        bc2 = 1 - jnp.asarray(b2) ** count
+        bc1 = 1 - b1**count  # the same expression as optax, for bitwise equality
+        bc2 = 1 - b2**count
 
         def moments(g: jax.Array, m: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
             """New (m, v) and the step for gradient rows ``g`` and moment rows ``m``, ``v``."""

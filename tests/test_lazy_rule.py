@@ -1,0 +1,239 @@
+"""The lazy rule against a NumPy reference, and its behaviour under jit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental import sparse as jsparse
+from reference import LazyAdamReference
+
+import optax_sparse_adam as osa
+
+
+@st.composite
+def _problems(draw):
+    num_rows = draw(st.integers(1, 12))
+    row_shape = draw(st.sampled_from([(), (2,), (3,), (2, 2)]))
+    shape = (num_rows, *row_shape)
+    n_sparse = draw(st.integers(1, len(shape)))
+    capacity = draw(st.integers(0, 10))
+    steps = draw(st.integers(1, 4))
+    in_range = st.tuples(*[st.integers(0, n - 1) for n in shape[:n_sparse]])
+    padding = st.tuples(*[st.sampled_from([-3, -1, n, n + 5]) for n in shape[:n_sparse]])
+    batches = []
+    for _ in range(steps):
+        keys = draw(st.lists(st.one_of(in_range, in_range, padding), min_size=capacity, max_size=capacity))
+        batches.append(keys)
+    placement = draw(st.sampled_from(["optax", "torch"]))
+    maximize = draw(st.booleans())
+    return shape, n_sparse, capacity, batches, placement, maximize
+
+
+@settings(max_examples=60, deadline=None)
+@given(_problems(), st.integers(0, 2**31 - 1))
+def test_matches_numpy_reference(problem, seed):
+    shape, n_sparse, capacity, batches, placement, maximize = problem
+    rng = np.random.default_rng(seed)
+    init = rng.standard_normal(shape).astype(np.float32)
+    ref = LazyAdamReference(init, lr=0.1, eps_placement=placement, maximize=maximize)
+    tx = osa.sparse_adam(0.1, eps_placement=placement, maximize=maximize)
+    params = jnp.asarray(init)
+    state = tx.init(params)
+    for keys in batches:
+        values = rng.standard_normal((capacity, *shape[n_sparse:])).astype(np.float32)
+        ref.step(keys, list(values))
+        key_arr = jnp.asarray(np.array(keys, np.int32).reshape(capacity, n_sparse))
+        if n_sparse == 1 and rng.random() < 0.5:
+            grad = osa.IndexedRows(key_arr[:, 0], jnp.asarray(values), shape[0])
+        else:
+            grad = jsparse.BCOO((jnp.asarray(values), key_arr), shape=shape)
+        updates, state = tx.update(grad, state, params)
+        assert type(updates) is type(grad)
+        params = osa.apply_updates(params, updates)
+    np.testing.assert_allclose(params, ref.p, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(state[0].mu, ref.m, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(state[0].nu, ref.v, rtol=2e-5, atol=1e-7)
+    untouched = ref.m == 0  # never touched (every reference value is float64 noise otherwise)
+    np.testing.assert_array_equal(np.asarray(params)[untouched], init[untouched])
+    assert int(state[0].count) == len(batches)
+
+
+def _tables(num_rows=10, dim=3):
+    p = np.arange(num_rows * dim, dtype=np.float32).reshape(num_rows, dim) / 7 - 2
+    p[0, 0] = -0.0  # signed zero must survive too
+    return {"emb": jnp.asarray(p), "bias": jnp.zeros((dim,), jnp.float32)}
+
+
+def test_untouched_rows_are_bitwise_unchanged_sparse_and_lazy_dense():
+    params = _tables()
+    idx = jnp.array([3, 5, 3, -1], jnp.int32)
+    vals = jnp.ones((4, 3), jnp.float32)
+    touched = np.zeros(10, bool)
+    touched[[3, 5]] = True
+    for lazy, grad in [
+        (False, osa.IndexedRows(idx, vals, 10)),
+        (True, osa.IndexedRows(idx, vals, 10).todense()),
+    ]:
+        tx = osa.sparse_adam(0.5, lazy_dense={"emb": lazy, "bias": False})
+        p, s = params, tx.init(params)
+        # warm moments everywhere first, so "unchanged" is not just "still zero"
+        u, s = tx.update({"emb": jnp.ones((10, 3), jnp.float32), "bias": jnp.ones(3, jnp.float32)}, s, p)
+        p = osa.apply_updates(p, u)
+        before_p, before_m, before_v = (np.asarray(x["emb"]) for x in (p, s[0].mu, s[0].nu))
+        for _ in range(3):
+            u, s = jax.jit(tx.update)({"emb": grad, "bias": jnp.ones(3, jnp.float32)}, s, p)
+            p = jax.jit(osa.apply_updates)(p, u)
+        for before, after in [(before_p, p), (before_m, s[0].mu), (before_v, s[0].nu)]:
+            after = np.asarray(after["emb"])
+            assert after[~touched].tobytes() == before[~touched].tobytes()
+            assert not np.array_equal(after[touched], before[touched])
+
+
+def test_sparse_update_holds_exactly_the_touched_rows():
+    tx = osa.scale_by_sparse_adam()
+    grad = osa.IndexedRows(jnp.array([4, 1, 4, 9, -2, 1], jnp.int32), jnp.ones((6, 2), jnp.float32), 8)
+    updates, _ = tx.update(grad, tx.init(jnp.zeros((8, 2), jnp.float32)))
+    valid = (np.asarray(updates.indices) >= 0) & (np.asarray(updates.indices) < 8)
+    assert sorted(np.asarray(updates.indices)[valid].tolist()) == [1, 4]
+    assert updates.indices.shape == (6,)  # fixed capacity
+    np.testing.assert_array_equal(np.asarray(updates.values)[~valid], 0.0)
+
+
+def test_duplicates_that_sum_to_zero_are_touched():
+    tx = osa.sparse_adam(0.1)
+    p = jnp.ones((3, 2), jnp.float32)
+    s = tx.init(p)
+    u, s = tx.update(osa.IndexedRows(jnp.array([2], jnp.int32), jnp.ones((1, 2), jnp.float32), 3), s, p)
+    p = osa.apply_updates(p, u)
+    zero_sum = osa.IndexedRows(jnp.array([2, 2], jnp.int32), jnp.array([[1.0, 1.0], [-1.0, -1.0]], jnp.float32), 3)
+    u, s2 = tx.update(zero_sum, s, p)
+    np.testing.assert_allclose(s2[0].mu[2], 0.9 * s[0].mu[2])  # decayed: touched with g = 0
+    assert np.all(np.asarray(osa.apply_updates(p, u)[2]) < np.asarray(p[2]))  # and it still moves
+
+
+def test_count_advances_on_empty_and_all_padding_steps_and_none_skips():
+    tx = osa.sparse_adam(0.1)
+    params = {"a": jnp.ones((4, 2), jnp.float32), "b": jnp.ones((2,), jnp.float32)}
+    s = tx.init(params)
+    empty = osa.IndexedRows(jnp.zeros((0,), jnp.int32), jnp.zeros((0, 2), jnp.float32), 4)
+    padding = osa.IndexedRows(jnp.array([-1, 4], jnp.int32), jnp.ones((2, 2), jnp.float32), 4)
+    for g in (empty, padding):
+        u, s = tx.update({"a": g, "b": None}, s, params)
+        assert u["b"] is None
+        new = osa.apply_updates(params, u)
+        jax.tree.map(np.testing.assert_array_equal, new, params)
+    assert int(s[0].count) == 2
+    np.testing.assert_array_equal(s[0].mu["b"], 0.0)
+
+
+def test_jit_and_eager_agree_and_one_trace_over_varying_distinct_counts():
+    traces = 0
+    tx = osa.sparse_adam(0.05)
+
+    def step(params, state, idx, vals):
+        nonlocal traces
+        traces += 1
+        u, state = tx.update({"emb": osa.IndexedRows(idx, vals, 50)}, state, params)
+        return osa.apply_updates(params, u), state
+
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    rng = np.random.default_rng(0)
+    p_e = {"emb": jnp.asarray(rng.standard_normal((50, 4)), jnp.float32)}
+    p_j = jax.tree.map(jnp.copy, p_e)  # the jitted step donates its inputs
+    s_e, s_j = tx.init(p_e), tx.init(p_j)
+    for distinct in (1, 7, 16, 3, 0):
+        idx = np.full(16, -1, np.int32)
+        if distinct:  # the distinct rows, then repeats of them, then padding
+            n = min(16, distinct + 5)
+            idx[:n] = np.resize(rng.choice(50, distinct, replace=False), n)
+        vals = rng.standard_normal((16, 4)).astype(np.float32)
+        p_e, s_e = step(p_e, s_e, jnp.asarray(idx), jnp.asarray(vals))
+        p_j, s_j = jitted(p_j, s_j, jnp.asarray(idx), jnp.asarray(vals))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), (p_j, s_j), (p_e, s_e))
+    assert traces == 5 + 1  # every eager call traces; the jitted step traced once
+
+
+def test_extra_args_are_accepted_and_inject_hyperparams_matches():
+    params = _tables()
+    grads = {"emb": osa.IndexedRows(jnp.array([1, 2, 1], jnp.int32), jnp.ones((3, 3), jnp.float32), 10),
+             "bias": jnp.ones(3, jnp.float32)}
+    tx = osa.sparse_adam(0.1, b1=0.8)
+    u, _ = tx.update(grads, tx.init(params), params, value=jnp.float32(1.0), unknown_arg="ignored")
+    inj = optax.inject_hyperparams(osa.sparse_adam)(learning_rate=0.1, b1=0.8)
+    u2, _ = jax.jit(inj.update)(grads, inj.init(params), params)
+    # Injected hyperparameters are float32 arrays rather than Python floats, so 1 - b2**t rounds
+    # differently (optax.adam behaves the same way): equal up to float32 rounding.
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+        osa.apply_updates(params, u),
+        osa.apply_updates(params, u2),
+    )
+
+
+def test_schedule_equals_constant_and_multisteps_dense():
+    params = _tables()
+    grads = {"emb": jnp.ones((10, 3), jnp.float32), "bias": jnp.ones(3, jnp.float32)}
+    runs = []
+    for tx in (osa.sparse_adam(0.1), osa.sparse_adam(optax.constant_schedule(0.1))):
+        p, s = params, tx.init(params)
+        for _ in range(3):
+            u, s = tx.update(grads, s, p)
+            p = osa.apply_updates(p, u)
+        runs.append(p)
+    jax.tree.map(np.testing.assert_array_equal, *runs)
+    ms = optax.MultiSteps(osa.sparse_adam(0.1), every_k_schedule=2)
+    ref = optax.MultiSteps(optax.adam(0.1), every_k_schedule=2)
+    p1 = p2 = params
+    s1, s2 = ms.init(params), ref.init(params)
+    for _ in range(4):
+        u1, s1 = ms.update(grads, s1, p1)
+        u2, s2 = ref.update(grads, s2, p2)
+        p1, p2 = osa.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    jax.tree.map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_lazy_dense_mask_as_tree_and_callable():
+    params = _tables()
+    grad = {"emb": jnp.zeros((10, 3), jnp.float32).at[2].set(1.0), "bias": jnp.ones(3, jnp.float32)}
+    by_tree = osa.sparse_adam(0.1, lazy_dense={"emb": True, "bias": False})
+    by_fn = osa.sparse_adam(0.1, lazy_dense=lambda p: jax.tree.map(lambda x: x.ndim == 2, p))
+    outs = []
+    for tx in (by_tree, by_fn):
+        u, s = tx.update(grad, tx.init(params), params)
+        outs.append((osa.apply_updates(params, u), s[0]))
+        np.testing.assert_array_equal(s[0].mu["emb"][3:], 0.0)
+    jax.tree.map(np.testing.assert_array_equal, *outs)
+    dense = osa.sparse_adam(0.1)
+    _, s = dense.update(grad, dense.init(params), params)
+    assert np.all(np.asarray(s[0].nu["emb"][2]) > 0)
+
+
+def test_sharded_table_matches_unsharded():
+    """Rows sharded over 8 devices: the same numbers, and the table stays sharded."""
+    if jax.device_count() < 8:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by conftest)")
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows", None))
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.standard_normal((64, 4)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-2, 64, 32), jnp.int32)
+    vals = jnp.asarray(rng.standard_normal((32, 4)), jnp.float32)
+    tx = osa.sparse_adam(0.1)
+
+    @jax.jit
+    def step(p, s):
+        u, s = tx.update(osa.IndexedRows(idx, vals, 64), s, p)
+        return osa.apply_updates(p, u), s
+
+    p_ref, s_ref = step(table, tx.init(table))
+    sharded = jax.device_put(table, rows)
+    p_sh, s_sh = step(sharded, tx.init(sharded))
+    assert s_sh[0].mu.sharding.is_equivalent_to(rows, 2)
+    np.testing.assert_array_equal(p_sh, p_ref)
+    jax.tree.map(np.testing.assert_array_equal, s_sh, s_ref)
+    assert p_sh.sharding.is_equivalent_to(rows, 2)
