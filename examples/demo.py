@@ -115,8 +115,10 @@ def main() -> None:
         if step == 1 or step % 25 == 0:
             print(f"{step:5d} {losses[0]:16.4f} {losses[1]:17.4f}")
     med = {name: 1e3 * float(np.median(run[3][5:])) for name, run in runs.items()}
-    print(f"median step time: optax.adam {med['optax.adam']:.2f} ms, sparse_adam {med['sparse_adam']:.2f} ms "
-          f"({med['optax.adam'] / med['sparse_adam']:.1f}x faster)")
+    print(
+        f"median step time: optax.adam {med['optax.adam']:.2f} ms, sparse_adam {med['sparse_adam']:.2f} ms "
+        f"({med['optax.adam'] / med['sparse_adam']:.1f}x faster)"
+    )
 
 
 if __name__ == "__main__":

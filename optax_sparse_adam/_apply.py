@@ -39,11 +39,8 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
              [0., 0.],
              [1., 1.]], dtype=float32)
     """
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_rows.is_leaf)
-    try:
-        param_leaves = treedef.flatten_up_to(params)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"apply_updates: the update tree does not match the parameters: {e}") from None
+    leaves, treedef = _rows.flatten(updates)
+    param_leaves = _rows.flatten_up_to(treedef, params, "apply_updates", "parameters")
     out = []
     for (path, u), p in zip(leaves, param_leaves, strict=True):
         if u is None or p is None:
@@ -51,7 +48,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
         elif _rows.is_sparse(u):
             p = jnp.asarray(p)
             sp = _rows.to_sparse_leaf(u, p.shape, path, "apply_updates")
-            out.append(p.at[sp.index()].add(sp.values.astype(p.dtype), mode="drop"))
+            out.append(p.at[sp.row_index()].add(sp.values.astype(p.dtype), mode="drop"))
         else:
             p, u = jnp.asarray(p), jnp.asarray(u)
             if u.shape != p.shape:

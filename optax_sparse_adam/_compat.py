@@ -1,4 +1,31 @@
-"""Making stateless optax transformations correct on sparse leaves."""
+"""Making stateless optax transformations correct on sparse leaves.
+
+optax's wrappers meet sparse leaves too. What works, with ``tx`` built from
+:func:`~optax_sparse_adam.sparse_adam`:
+
+- ``optax.partition`` / ``optax.multi_transform`` and ``optax.masked``: a
+  label (or mask) tree works as it is. A label *function* is called on the
+  parameters at init but on the updates at each step, so it must take a sparse
+  leaf as one leaf: map with ``is_leaf=osa.is_sparse`` (a sparse leaf has its
+  parameter's ``shape``, ``ndim`` and ``dtype``, so both calls agree), or walk
+  the dicts by path (``flax.traverse_util.path_aware_map``). A plain
+  ``jax.tree.map`` descends into the leaf, labels its indices and values
+  apart, and optax then raises a pytree structure error.
+- ``optax.apply_if_finite(tx, ...)`` skips a step whose gradient holds a
+  non-finite value, state untouched. It inspects every array, padding
+  entries included; put ``sparse_aware(optax.zero_nans())`` in front to look
+  at the dense equivalent only.
+- ``optax.MultiSteps(tx, k)`` accumulates into dense buffers before ``tx``
+  runs, so it refuses sparse leaves (optax's pytree structure error, naming
+  the leaf). Hand it dense gradients (``g.todense()`` for each sparse leaf)
+  and mark those tables ``lazy_dense``: rows that no mini-batch touched stay
+  exactly zero in the accumulated mean and are skipped. The accumulation
+  costs O(table) per mini-step.
+- ``optax.inject_hyperparams(sparse_adam)``: the learning rate, ``b1``,
+  ``b2``, ``eps`` and ``eps_root`` become state, and changing them does not
+  recompile. Name ``mu_dtype`` and a callable ``lazy_dense`` in
+  ``static_args``: ``inject_hyperparams`` takes any callable for a schedule.
+"""
 
 from __future__ import annotations
 
@@ -22,11 +49,21 @@ def sparse_aware(
     optax's transformations map over every array of a tree, so on a BCOO or an
     :class:`IndexedRows` they also scale, clip or count the integer indices.
     This wrapper hands ``inner`` each sparse leaf's values instead, after
-    summing duplicates and zeroing padding, so that any norm, clip or scale it
-    computes equals the one of the dense equivalent gradient; it then puts the
-    new values back under the same indices. Parameters, where given, are
-    handed over as the touched rows only (so ``add_decayed_weights`` decays the
-    touched rows). Dense leaves pass through unchanged.
+    summing duplicates and zeroing padding, and then puts the new values back
+    under the same indices. Parameters, where given, are handed over as the
+    touched rows only. Dense leaves pass through unchanged.
+
+    The result equals that of ``inner`` on the dense equivalent gradient when
+    ``inner`` works entry by entry or through sums over entries:
+    ``clip_by_global_norm``, ``clip``, ``scale``, ``scale_by_learning_rate``,
+    ``scale_by_schedule``, ``zero_nans``, ``normalize_by_update_norm``. One
+    that reads the parameters entry by entry (``add_decayed_weights``) acts
+    on the touched rows only: untouched rows get no update. One that counts
+    entries or reads whole parameters gives another result, silently:
+    ``clip_by_block_rms`` (a mean over the leaf's entries) and
+    ``scale_by_trust_ratio`` (the norm of the touched rows, not of the
+    parameter). Transformations with per-parameter state (``trace``,
+    ``adam``) are refused at ``init``.
 
     Args:
       inner: A stateless transformation (its state may only hold scalars, such
@@ -63,14 +100,11 @@ def sparse_aware(
     def update_fn(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, Any]:
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_rows.is_leaf)
+        leaves, treedef = _rows.flatten(updates)
         if params is None:
             param_leaves: list[Any] = [None] * len(leaves)
         else:
-            try:
-                param_leaves = treedef.flatten_up_to(params)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"{_WHERE}: the update tree does not match the parameters: {e}") from None
+            param_leaves = _rows.flatten_up_to(treedef, params, _WHERE, "parameters")
         sparse: dict[int, _rows.SparseLeaf] = {}
         values, rows = [], []
         for i, ((path, u), p) in enumerate(zip(leaves, param_leaves, strict=True)):
@@ -82,7 +116,7 @@ def sparse_aware(
             sp = _rows.coalesce(sp) if coalesce else _rows.zero_padding(sp)
             sparse[i] = sp
             values.append(sp.values)
-            rows.append(None if p is None else p.at[sp.index()].get(mode="fill", fill_value=0))
+            rows.append(None if p is None else p.at[sp.row_index()].get(mode="fill", fill_value=0))
         new_values, state = inner.update(
             treedef.unflatten(values), state, None if params is None else treedef.unflatten(rows), **extra_args
         )

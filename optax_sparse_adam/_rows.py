@@ -78,6 +78,19 @@ def is_leaf(x: Any) -> bool:
     return x is None or is_sparse(x)
 
 
+def flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """``(path, leaf)`` pairs and the treedef, with sparse leaves and ``None`` as leaves."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+
+
+def flatten_up_to(treedef: Any, tree: Any, where: str, what: str) -> list[Any]:
+    """``tree``'s subtrees at the leaves of ``treedef``, or a clear error when the trees differ."""
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: the update tree does not match the {what} tree: {e}") from None
+
+
 def path_str(path: Any) -> str:
     return jax.tree_util.keystr(tuple(path)) or "<root>"
 
@@ -96,7 +109,7 @@ class SparseLeaf(NamedTuple):
     def n_sparse(self) -> int:
         return self.keys.shape[1]
 
-    def index(self) -> tuple[jax.Array, ...]:
+    def row_index(self) -> tuple[jax.Array, ...]:
         """Index tuple for ``x.at[...]`` over the first ``n_sparse`` axes."""
         return tuple(self.keys[:, j] for j in range(self.n_sparse))
 

@@ -148,7 +148,7 @@ def scale_by_sparse_adam(
         bc1 = 1 - b1**count  # the same expression as optax, for bitwise equality
         bc2 = 1 - b2**count
 
-        def moments(g: jax.Array, m: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        def moments(g: Any, m: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
             """New (m, v) and the step for gradient rows ``g`` and moment rows ``m``, ``v``."""
             if maximize:
                 g = -g
@@ -161,40 +161,27 @@ def scale_by_sparse_adam(
                 step = scale.astype(m.dtype) * m / (jnp.sqrt(v + eps_root) + eps)
             return m, v, step
 
-        grads, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_rows.is_leaf)
-        mus = _flatten_like(treedef, state.mu, "mu")
-        nus = _flatten_like(treedef, state.nu, "nu")
-        mask_src = params if params is not None else updates
-        lazies = _flatten_like(
-            treedef,
-            jax.tree.map(
-                lambda m, x: jax.tree.map(lambda _: m, x, is_leaf=_rows.is_leaf),
-                _resolve_mask(lazy_dense, mask_src),
-                updates,
-                is_leaf=_rows.is_leaf,
-            ),
-            "lazy_dense",
-        )
-        out_u, out_m, out_v = [], [], []
-        for (path, g), m, v, lazy in zip(grads, mus, nus, lazies, strict=True):
+        def leaf_update(path: Any, g: Any, m: Any, v: Any, lazy: Any) -> tuple[Any, Any, Any]:
             if g is None:
-                out_u.append(None), out_m.append(m), out_v.append(v)
-                continue
+                return None, m, v
             if not isinstance(m, jax.Array | np.ndarray):
                 raise ValueError(
                     f"{_WHERE}: parameter {_rows.path_str(path)}: the gradient is a leaf but the "
                     f"optimizer state holds a subtree {jax.tree.structure(m)}"
                 )
+            m, v = jnp.asarray(m), jnp.asarray(v)
+            m_dtype = m.dtype if mu_dtype is None else mu_dtype
             if _rows.is_sparse(g):
                 sp = _rows.coalesce(_rows.to_sparse_leaf(g, m.shape, path, _WHERE))
-                idx = sp.index()
+                idx = sp.row_index()
                 m_rows = m.at[idx].get(mode="fill", fill_value=0)
                 v_rows = v.at[idx].get(mode="fill", fill_value=0)
                 new_m, new_v, step = moments(sp.values, m_rows, v_rows)
-                out_m.append(m.at[idx].set(new_m.astype(m.dtype if mu_dtype is None else mu_dtype), mode="drop"))
-                out_v.append(v.at[idx].set(new_v.astype(v.dtype), mode="drop"))
-                out_u.append(sp.replace_values(step.astype(sp.values.dtype)).to_leaf())
-                continue
+                return (
+                    sp.replace_values(step.astype(sp.values.dtype)).to_leaf(),
+                    m.at[idx].set(new_m.astype(m_dtype), mode="drop"),
+                    v.at[idx].set(new_v.astype(v.dtype), mode="drop"),
+                )
             g = jnp.asarray(g)
             if g.shape != m.shape:
                 raise ValueError(
@@ -208,9 +195,22 @@ def scale_by_sparse_adam(
                 new_m = jnp.where(touched, new_m, m)
                 new_v = jnp.where(touched, new_v, v)
                 step = jnp.where(touched, step, jnp.zeros((), step.dtype))
-            out_m.append(new_m.astype(m.dtype if mu_dtype is None else mu_dtype))
-            out_v.append(new_v.astype(v.dtype))
-            out_u.append(step.astype(g.dtype))
+            return step.astype(g.dtype), new_m.astype(m_dtype), new_v.astype(v.dtype)
+
+        grads, treedef = _rows.flatten(updates)
+        mus = _rows.flatten_up_to(treedef, state.mu, _WHERE, "optimizer state's mu (the parameters')")
+        nus = _rows.flatten_up_to(treedef, state.nu, _WHERE, "optimizer state's nu (the parameters')")
+        mask = _resolve_mask(lazy_dense, params if params is not None else updates)
+        lazies = _rows.flatten_up_to(
+            treedef,
+            jax.tree.map(
+                lambda m, x: jax.tree.map(lambda _: m, x, is_leaf=_rows.is_leaf), mask, updates, is_leaf=_rows.is_leaf
+            ),
+            _WHERE,
+            "lazy_dense",
+        )
+        results = [leaf_update(path, g, *rest) for (path, g), *rest in zip(grads, mus, nus, lazies, strict=True)]
+        out_u, out_m, out_v = (list(col) for col in zip(*results, strict=True)) if results else ([], [], [])
         # A None gradient over a subtree of parameters carried that subtree
         # through as one "leaf", so unflattening restores the state's structure.
         new_state = optax.ScaleByAdamState(count=count, mu=treedef.unflatten(out_m), nu=treedef.unflatten(out_v))
@@ -225,15 +225,6 @@ def _is_true(flag: Any, path: Any) -> bool:
     raise TypeError(
         f"{_WHERE}: parameter {_rows.path_str(path)}: lazy_dense must give a Python bool per leaf, got {flag!r}"
     )
-
-
-def _flatten_like(treedef: Any, tree: Any, what: str) -> list[Any]:
-    try:
-        return treedef.flatten_up_to(tree)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{_WHERE}: the gradient tree does not match the optimizer's {what} tree (the parameters): {e}"
-        ) from None
 
 
 def sparse_adam(

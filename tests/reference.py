@@ -13,8 +13,16 @@ class LazyAdamReference:
     float64 and compared against float32 results with a tolerance.
     """
 
-    def __init__(self, param: np.ndarray, lr: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 eps_placement: str = "optax", maximize: bool = False) -> None:
+    def __init__(
+        self,
+        param: np.ndarray,
+        lr: float,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        eps_placement: str = "optax",
+        maximize: bool = False,
+    ) -> None:
         self.p = np.array(param, dtype=np.float64)
         self.m = np.zeros_like(self.p)
         self.v = np.zeros_like(self.p)

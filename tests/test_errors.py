@@ -50,33 +50,67 @@ IDX = jnp.array([0, 1], jnp.int32)
 
 
 def _grads(table=None, scale=None):
-    return {"enc": {"table": table if table is not None else jnp.zeros((6, 3), jnp.float32),
-                    "scale": scale if scale is not None else jnp.ones((), jnp.float32)}}
+    return {
+        "enc": {
+            "table": table if table is not None else jnp.zeros((6, 3), jnp.float32),
+            "scale": scale if scale is not None else jnp.ones((), jnp.float32),
+        }
+    }
 
 
 @pytest.mark.parametrize(
     ("grads", "error", "match"),
     [
         ({"enc": {"table": jnp.zeros((6, 3), jnp.float32)}}, ValueError, "does not match"),
-        ({"enc": {"table": jnp.zeros((6, 3), jnp.float32), "scale": jnp.ones((), jnp.float32),
-                  "extra": jnp.ones((), jnp.float32)}}, ValueError, "does not match"),
+        (
+            {
+                "enc": {
+                    "table": jnp.zeros((6, 3), jnp.float32),
+                    "scale": jnp.ones((), jnp.float32),
+                    "extra": jnp.ones((), jnp.float32),
+                }
+            },
+            ValueError,
+            "does not match",
+        ),
         (_grads(table=jnp.zeros((5, 3), jnp.float32)), ValueError, r"\['enc'\]\['table'\].*shape \(5, 3\)"),
-        (_grads(table=osa.IndexedRows(IDX.astype(jnp.float32), ROWS, 6)), TypeError,
-         r"\['enc'\]\['table'\].*must be integers"),
+        (
+            _grads(table=osa.IndexedRows(IDX.astype(jnp.float32), ROWS, 6)),
+            TypeError,
+            r"\['enc'\]\['table'\].*must be integers",
+        ),
         (_grads(table=osa.IndexedRows(IDX[:, None], ROWS, 6)), ValueError, r"\['enc'\]\['table'\].*must be 1-D"),
-        (_grads(table=osa.IndexedRows(IDX, jnp.ones((3, 3), jnp.float32), 6)), ValueError,
-         r"\['enc'\]\['table'\].*2 indices but values of shape \(3, 3\)"),
+        (
+            _grads(table=osa.IndexedRows(IDX, jnp.ones((3, 3), jnp.float32), 6)),
+            ValueError,
+            r"\['enc'\]\['table'\].*2 indices but values of shape \(3, 3\)",
+        ),
         (_grads(table=osa.IndexedRows(IDX, ROWS, 7)), ValueError, r"\['enc'\]\['table'\].*num_rows=7"),
-        (_grads(table=osa.IndexedRows(IDX, jnp.ones((2, 4), jnp.float32), 6)), ValueError,
-         r"\['enc'\]\['table'\].*row shape \(4,\)"),
-        (_grads(table=osa.IndexedRows(IDX, jnp.ones((2, 3), jnp.int32), 6)), TypeError,
-         r"\['enc'\]\['table'\].*floating point"),
-        (_grads(table=jsparse.BCOO.fromdense(jnp.ones((2, 6, 3), jnp.float32), n_batch=1)), ValueError,
-         r"\['enc'\]\['table'\].*batch dimensions"),
-        (_grads(table=jsparse.BCOO.fromdense(jnp.ones((6, 4), jnp.float32))), ValueError,
-         r"\['enc'\]\['table'\].*BCOO shape \(6, 4\)"),
-        (_grads(scale=osa.IndexedRows(IDX, jnp.ones((2,), jnp.float32), 1)), ValueError,
-         r"\['enc'\]\['scale'\].*0-d parameter"),
+        (
+            _grads(table=osa.IndexedRows(IDX, jnp.ones((2, 4), jnp.float32), 6)),
+            ValueError,
+            r"\['enc'\]\['table'\].*row shape \(4,\)",
+        ),
+        (
+            _grads(table=osa.IndexedRows(IDX, jnp.ones((2, 3), jnp.int32), 6)),
+            TypeError,
+            r"\['enc'\]\['table'\].*floating point",
+        ),
+        (
+            _grads(table=jsparse.BCOO.fromdense(jnp.ones((2, 6, 3), jnp.float32), n_batch=1)),
+            ValueError,
+            r"\['enc'\]\['table'\].*batch dimensions",
+        ),
+        (
+            _grads(table=jsparse.BCOO.fromdense(jnp.ones((6, 4), jnp.float32))),
+            ValueError,
+            r"\['enc'\]\['table'\].*BCOO shape \(6, 4\)",
+        ),
+        (
+            _grads(scale=osa.IndexedRows(IDX, jnp.ones((2,), jnp.float32), 1)),
+            ValueError,
+            r"\['enc'\]\['scale'\].*0-d parameter",
+        ),
     ],
 )
 @pytest.mark.parametrize("jit", [False, True])

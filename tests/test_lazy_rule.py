@@ -160,8 +160,10 @@ def test_jit_and_eager_agree_and_one_trace_over_varying_distinct_counts():
 
 def test_extra_args_are_accepted_and_inject_hyperparams_matches():
     params = _tables()
-    grads = {"emb": osa.IndexedRows(jnp.array([1, 2, 1], jnp.int32), jnp.ones((3, 3), jnp.float32), 10),
-             "bias": jnp.ones(3, jnp.float32)}
+    grads = {
+        "emb": osa.IndexedRows(jnp.array([1, 2, 1], jnp.int32), jnp.ones((3, 3), jnp.float32), 10),
+        "bias": jnp.ones(3, jnp.float32),
+    }
     tx = osa.sparse_adam(0.1, b1=0.8)
     u, _ = tx.update(grads, tx.init(params), params, value=jnp.float32(1.0), unknown_arg="ignored")
     inj = optax.inject_hyperparams(osa.sparse_adam)(learning_rate=0.1, b1=0.8)

@@ -53,8 +53,11 @@ def _assert_close(a, b):
         ("indexed_rows", {}, lambda g, rng: {"emb": _all_rows_indexed(g["emb"], rng), "w": jnp.asarray(g["w"])}),
         ("bcoo_rows", {}, lambda g, rng: {"emb": _all_entries_bcoo(g["emb"], 1), "w": jnp.asarray(g["w"])}),
         ("bcoo_elements", {}, lambda g, rng: {"emb": _all_entries_bcoo(g["emb"], 2), "w": jnp.asarray(g["w"])}),
-        ("mixed", {"lazy_dense": {"emb": False, "w": True}},
-         lambda g, rng: {"emb": _all_rows_indexed(g["emb"], rng), "w": jnp.asarray(g["w"])}),
+        (
+            "mixed",
+            {"lazy_dense": {"emb": False, "w": True}},
+            lambda g, rng: {"emb": _all_rows_indexed(g["emb"], rng), "w": jnp.asarray(g["w"])},
+        ),
     ],
 )
 def test_equals_optax_adam_when_every_row_is_touched(name, tx_kwargs, make_grad):

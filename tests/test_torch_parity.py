@@ -68,10 +68,7 @@ def test_matches_torch_sparse_adam(shape, n_sparse, as_bcoo, maximize):
 
     @jax.jit
     def step(params, state, keys, values):
-        if as_bcoo:
-            g = jsparse.BCOO((values, keys), shape=shape)
-        else:
-            g = osa.IndexedRows(keys[:, 0], values, shape[0])
+        g = jsparse.BCOO((values, keys), shape=shape) if as_bcoo else osa.IndexedRows(keys[:, 0], values, shape[0])
         updates, state = tx.update({"w": g}, state, params)
         return osa.apply_updates(params, updates), state
 
