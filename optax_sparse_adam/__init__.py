@@ -4,6 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._compat import sparse_aware
+from optax_sparse_adam._embed import RowLookup, lookup, value_and_row_grad
 from optax_sparse_adam._rows import IndexedRows, is_sparse
 from optax_sparse_adam._transform import scale_by_sparse_adam, sparse_adam
 
@@ -14,9 +15,12 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedRows",
+    "RowLookup",
     "apply_updates",
     "is_sparse",
+    "lookup",
     "scale_by_sparse_adam",
     "sparse_adam",
     "sparse_aware",
+    "value_and_row_grad",
 ]

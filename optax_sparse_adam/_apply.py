@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -47,8 +46,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
             out.append(p)
         elif _rows.is_sparse(u):
             p = jnp.asarray(p)
-            sp = _rows.to_sparse_leaf(u, p.shape, path, "apply_updates")
-            out.append(p.at[sp.row_index()].add(sp.values.astype(p.dtype), mode="drop"))
+            out.append(_rows.to_sparse_leaf(u, p.shape, path, "apply_updates").add_to(p))
         else:
             p, u = jnp.asarray(p), jnp.asarray(u)
             if u.shape != p.shape:

@@ -35,9 +35,17 @@ class IndexedRows:
       values: Array of shape ``(k, *row_shape)``.
       num_rows: Number of rows of the parameter (static).
       unique_indices: Static promise that the in-range indices are distinct and
-        that padding entries hold zeros, as in the updates this library emits.
-        Lets later steps skip coalescing. Leave it ``False`` for gradients.
+        that padding entries hold zeros; it lets the optimizer skip summing
+        duplicates. Set it only where the promise holds, as in the gradients
+        :meth:`RowLookup.grad` builds; an update keeps its gradient's flag.
+
+    Adding an ``IndexedRows`` to a dense array (``table + rows``) adds its
+    values to their rows with one scatter, so :func:`optax.apply_updates`, and
+    with it ``nnx.Optimizer`` and ``TrainState.apply_gradients``, take sparse
+    updates as they are.
     """
+
+    __array_ufunc__ = None  # NumPy defers ``ndarray + IndexedRows`` to __radd__
 
     indices: jax.Array
     values: jax.Array
@@ -56,6 +64,13 @@ class IndexedRows:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    def __radd__(self, other: Any) -> jax.Array:
+        """``other + self`` for a dense ``other`` of this shape: a scatter-add into its rows."""
+        other = jnp.asarray(other)
+        return to_sparse_leaf(self, other.shape, (), "IndexedRows.__add__").add_to(other)
+
+    __add__ = __radd__
 
     def todense(self) -> jax.Array:
         """The dense equivalent: duplicates summed, padding dropped."""
@@ -115,6 +130,10 @@ class SparseLeaf(NamedTuple):
 
     def valid(self) -> jax.Array:
         return self.keys[:, 0] < self.shape[0]
+
+    def add_to(self, dense: jax.Array) -> jax.Array:
+        """``dense`` plus this leaf: one scatter-add into the addressed entries, in ``dense``'s dtype."""
+        return dense.at[self.row_index()].add(self.values.astype(dense.dtype), mode="drop")
 
     def replace_values(self, values: jax.Array) -> SparseLeaf:
         return self._replace(values=values)
@@ -182,7 +201,8 @@ def to_sparse_leaf(leaf: IndexedRows | jsparse.BCOO, param_shape: tuple[int, ...
                 ValueError,
                 where,
                 path,
-                f"IndexedRows row shape {tuple(values.shape[1:])} does not match the parameter's row shape {param_shape[1:]}",
+                f"IndexedRows row shape {tuple(values.shape[1:])} does not match "
+                f"the parameter's row shape {param_shape[1:]}",
             )
         keys, unique, bcoo = idx[:, None], bool(leaf.unique_indices), False
     else:  # pragma: no cover - callers dispatch on is_sparse

@@ -302,5 +302,6 @@ def sparse_adam(
             eps_placement=eps_placement,
             lazy_dense=lazy_dense,
         ),
-        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
+        # A scale is linear per entry: no need to sum duplicates first.
+        sparse_aware(optax.scale_by_learning_rate(learning_rate), coalesce=False),
     )

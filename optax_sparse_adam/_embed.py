@@ -1,0 +1,247 @@
+"""Row gradients for embedding tables: :func:`lookup` and :func:`value_and_row_grad`.
+
+Differentiating a loss with respect to a whole table makes JAX build a
+table-sized gradient, zeros but for the rows a batch looked up. The fast path
+differentiates with respect to those rows instead: a batch's ids are
+deduplicated, each distinct row is gathered once, and the model indexes the
+small array of gathered rows. The gradient of that array is already summed per
+distinct row, so it becomes an :class:`IndexedRows` with ``unique_indices=True``
+and the optimizer step costs O(rows looked up) from end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_sparse_adam import _rows
+
+__all__ = ["RowLookup", "lookup", "value_and_row_grad"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLookup:
+    """The distinct rows that a batch of ids looks up in a table, gathered once.
+
+    ``rows[inverse]`` equals ``table[ids]`` for in-range ids, and is zero for
+    padding ids (``< 0`` or ``>= num_rows``). The capacity ``k`` is the number
+    of ids, so shapes are fixed under :func:`jax.jit`; the slots that do not
+    hold a distinct in-range id are padding.
+
+    Attributes:
+      indices: ``(k,)`` int32: the distinct in-range ids, one slot each;
+        ``num_rows`` in the other slots.
+      rows: ``(k, *row_shape)``: ``table[indices]``, zeros in padding slots.
+      inverse: int32 with the shape of the ids: the slot of each id in
+        ``rows``.
+      num_rows: Number of rows of the table (static).
+    """
+
+    indices: jax.Array
+    rows: jax.Array
+    inverse: jax.Array
+    num_rows: int
+
+    def grad(self, d_rows: jax.Array) -> _rows.IndexedRows:
+        """The table's gradient, given the gradient ``d_rows`` of a loss with respect to ``rows``.
+
+        Args:
+          d_rows: An array with the shape of ``rows``.
+
+        Returns:
+          An :class:`IndexedRows` holding ``d_rows`` under ``indices``, with
+          padding slots zeroed and ``unique_indices=True``, so that the
+          optimizer needs no coalescing of its own.
+        """
+        d_rows = jnp.asarray(d_rows)
+        if d_rows.shape != self.rows.shape:
+            raise ValueError(f"RowLookup.grad: d_rows has shape {d_rows.shape}, expected {self.rows.shape}")
+        valid = _rows._expand(self.indices < self.num_rows, d_rows.ndim)
+        values = jnp.where(valid, d_rows, jnp.zeros((), d_rows.dtype))
+        return _rows.IndexedRows(self.indices, values, self.num_rows, unique_indices=True)
+
+
+jax.tree_util.register_dataclass(RowLookup, data_fields=["indices", "rows", "inverse"], meta_fields=["num_rows"])
+
+
+def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
+    """Deduplicates ``ids`` and gathers each distinct row of ``table`` once.
+
+    Deduplication is sort-free (a few rounds of hashing and scatters over the
+    ``k`` ids) and costs O(k), independent of the table's size. Differentiate
+    a loss with respect to ``rows``, index it with ``inverse`` where the model
+    would index the table with ``ids``, and turn the gradient into the table's
+    with :meth:`RowLookup.grad`. :func:`value_and_row_grad` does all of this
+    for a tree of parameters.
+
+    Args:
+      table: An array of shape ``(num_rows, *row_shape)``.
+      ids: Integer ids of any shape. Ids ``< 0`` or ``>= num_rows`` are
+        padding: they look up zeros and receive no gradient.
+
+    Returns:
+      A :class:`RowLookup` with capacity ``k = ids.size``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> table = jnp.arange(8.0, dtype=jnp.float32).reshape(4, 2)
+      >>> lk = osa.lookup(table, jnp.array([3, 1, 3, -1]))
+      >>> lk.rows[lk.inverse]
+      Array([[6., 7.],
+             [2., 3.],
+             [6., 7.],
+             [0., 0.]], dtype=float32)
+      >>> d_rows = jax.grad(lambda rows: rows[lk.inverse].sum())(lk.rows)
+      >>> lk.grad(d_rows).todense()
+      Array([[0., 0.],
+             [1., 1.],
+             [0., 0.],
+             [2., 2.]], dtype=float32)
+    """
+    table = jnp.asarray(table)
+    ids = jnp.asarray(ids)
+    if table.ndim < 1:
+        raise ValueError(f"lookup: the table must have at least one axis, got shape {table.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"lookup: ids must be integers, got dtype {ids.dtype}")
+    num_rows = table.shape[0]
+    flat = ids.reshape(-1)
+    if jnp.iinfo(flat.dtype).bits < 32:  # so that comparing with num_rows cannot overflow
+        flat = flat.astype(jnp.int32)
+    k = flat.shape[0]
+    valid = (flat >= 0) & (flat < num_rows)
+    keys = jnp.where(valid, flat, num_rows).astype(jnp.int32)
+    pos = jnp.arange(k, dtype=jnp.int32)
+    rep = _rows.representatives(keys[:, None], valid)
+    indices = jnp.where(rep == pos, keys, np.int32(num_rows))
+    rows = table.at[indices].get(mode="fill", fill_value=0)
+    inverse = jnp.where(valid, rep, pos).reshape(ids.shape)
+    return RowLookup(indices, rows, inverse, num_rows)
+
+
+class _Slot:
+    """Stands in for the ``i``-th leaf of the parameters while ``tables`` selects leaves."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+def value_and_row_grad(
+    fun: Callable[..., Any], tables: Callable[[Any], Any], *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """Like :func:`jax.value_and_grad`, with row gradients for the embedding tables.
+
+    The returned function takes ``(params, ids, *args, **kwargs)``. It looks
+    up ``ids`` in the tables that ``tables`` selects (:func:`lookup`), and
+    calls ``fun(params_rows, positions, *args, **kwargs)``, where
+    ``params_rows`` is ``params`` with each table replaced by its gathered rows
+    and ``positions`` is ``ids`` with each id replaced by its slot in them. A
+    model that indexes its tables with the ids therefore computes the same
+    loss when given ``params_rows`` and ``positions`` instead; the loss is
+    differentiated with respect to ``params_rows``, and each table's gradient
+    comes back as an :class:`IndexedRows` (``unique_indices=True``), every other
+    leaf's as a dense array. No table-sized array is built, so with
+    :func:`sparse_adam` and :func:`apply_updates` the tables' step costs
+    O(ids per batch) under :func:`jax.jit`.
+
+    A table selected more than once (say, for positive and negative samples)
+    is looked up once, with all of its ids; its positions index the same rows.
+
+    With ``flax.nnx``, split the model (``graphdef, params = nnx.split(model,
+    nnx.Param)``) and merge it with ``params_rows`` inside ``fun``; then update
+    with ``tx.update`` and :func:`apply_updates` rather than
+    ``nnx.Optimizer.update``, which calls :func:`optax.apply_updates`. With
+    ``flax.linen``, whose modules check a parameter's shape against their
+    attributes, apply a clone of the module whose table sizes are the lookups'
+    capacity (e.g. ``model.clone(num_users=ids.size)``).
+
+    Args:
+      fun: The loss, ``fun(params, positions, *args, **kwargs)``, returning a
+        scalar (or ``(scalar, aux)`` with ``has_aux``).
+      tables: Selects the tables from a tree with the structure of ``params``,
+        e.g. ``lambda p: (p["user"], p["item"])``; it may only index into the
+        tree. Each selected leaf, in order, is paired with one leaf of ``ids``.
+      has_aux: Whether ``fun`` returns ``(value, aux)``.
+
+    Returns:
+      A function of ``(params, ids, *args, **kwargs)`` returning ``(value,
+      grads)``, with ``grads`` of the structure of ``params``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> params = {"emb": jnp.ones((1000, 2), jnp.float32), "w": jnp.ones((2,), jnp.float32)}
+      >>> def loss(p, ids):
+      ...   return (p["emb"][ids] @ p["w"]).sum()
+      >>> value, grads = osa.value_and_row_grad(loss, lambda p: p["emb"])(params, jnp.array([5, 5, 7]))
+      >>> value
+      Array(6., dtype=float32)
+      >>> grads["emb"].values.shape, grads["w"]
+      ((3, 2), Array([3., 3.], dtype=float32))
+      >>> tx = osa.sparse_adam(0.1)
+      >>> updates, _ = tx.update(grads, tx.init(params), params)
+      >>> osa.apply_updates(params, updates)["emb"][4:8]
+      Array([[1. , 1. ],
+             [0.9, 0.9],
+             [1. , 1. ],
+             [0.9, 0.9]], dtype=float32)
+    """
+
+    def wrapped(params: Any, ids: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        treedef: Any  # jax's PyTreeDef, which type checkers do not see
+        id_treedef: Any
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        paths = [_rows.path_str(path) for path, _ in path_leaves]
+        leaves = [leaf for _, leaf in path_leaves]
+        selected = jax.tree.leaves(tables(treedef.unflatten([_Slot(i) for i in range(len(leaves))])))
+        for s in selected:
+            if not isinstance(s, _Slot):
+                raise TypeError(
+                    "value_and_row_grad: `tables` must select leaves of params (index into the tree it is "
+                    f"given), but it returned a {type(s).__name__}"
+                )
+        id_leaves, id_treedef = jax.tree.flatten(ids)
+        if len(id_leaves) != len(selected):
+            raise ValueError(
+                f"value_and_row_grad: `tables` selected {len(selected)} table(s) "
+                f"({', '.join(paths[s.i] for s in selected)}) but `ids` holds {len(id_leaves)} array(s); "
+                "give one array of ids per selected table"
+            )
+        id_leaves = [jnp.asarray(x) for x in id_leaves]
+        for s, x in zip(selected, id_leaves, strict=True):
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(
+                    f"value_and_row_grad: the ids for table {paths[s.i]} must be integers, got dtype {x.dtype}"
+                )
+            if jnp.ndim(leaves[s.i]) < 1:
+                raise ValueError(f"value_and_row_grad: table {paths[s.i]} must have at least one axis, got a scalar")
+        by_table: dict[int, list[int]] = {}
+        for j, s in enumerate(selected):
+            by_table.setdefault(s.i, []).append(j)
+        lookups: dict[int, RowLookup] = {}
+        positions: list[Any] = [None] * len(id_leaves)
+        for i, js in by_table.items():
+            flat = [id_leaves[j].reshape(-1) for j in js]
+            lk = lookup(leaves[i], flat[0] if len(flat) == 1 else jnp.concatenate(flat))
+            lookups[i] = lk
+            start = 0
+            for j, f in zip(js, flat, strict=True):
+                positions[j] = lk.inverse[start : start + f.shape[0]].reshape(id_leaves[j].shape)
+                start += f.shape[0]
+        positions_tree = id_treedef.unflatten(positions)
+
+        def inner(diff: list[Any]) -> Any:
+            return fun(treedef.unflatten(diff), positions_tree, *args, **kwargs)
+
+        diff = [lookups[i].rows if i in lookups else leaf for i, leaf in enumerate(leaves)]
+        value, grads = jax.value_and_grad(inner, has_aux=has_aux)(diff)
+        grads = [lookups[i].grad(g) if i in lookups else g for i, g in enumerate(grads)]
+        return value, treedef.unflatten(grads)
+
+    return wrapped

@@ -1,0 +1,462 @@
+"""Flax train steps: the lazy opt-in on dense gradients, and the fast path with row gradients.
+
+Both paths apply the same rule (a table row moves when the batch looks it up),
+so on the same model and data they give the same losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
+from hypothesis import given, settings
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+import optax_sparse_adam as osa
+
+N_USERS, N_ITEMS, FEATURES, HIDDEN, BATCH = 300, 400, 8, 16, 32
+LR = 5e-2
+EPOCHS = 4
+
+
+def embedding_tables(params: Any) -> Any:
+    """``lazy_dense`` mask: the embedding tables, found by their parameter name."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: "embedding" in jax.tree_util.keystr(path), params)
+
+
+def make_batches(n: int, seed: int = 0) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+    """``n`` batches of (users, items, ratings), the ratings from hidden rank-2 factors."""
+    rng = np.random.default_rng(seed)
+    user_factors = rng.standard_normal((N_USERS, 2), dtype=np.float32)
+    item_factors = rng.standard_normal((N_ITEMS, 2), dtype=np.float32)
+    batches = []
+    for _ in range(n):
+        users = rng.integers(0, N_USERS, BATCH, dtype=np.int32)
+        items = rng.integers(0, N_ITEMS, BATCH, dtype=np.int32)
+        ratings = np.sum(user_factors[users] * item_factors[items], axis=1)
+        batches.append((jnp.asarray(users), jnp.asarray(items), jnp.asarray(ratings)))
+    return batches
+
+
+def all_shapes(jaxpr: Jaxpr) -> list[tuple[int, ...]]:
+    """Shapes of every intermediate in ``jaxpr``, sub-jaxprs (jit, while, cond, custom_vjp) included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        shapes += [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                if isinstance(sub, ClosedJaxpr):
+                    shapes += all_shapes(sub.jaxpr)
+                elif isinstance(sub, Jaxpr):
+                    shapes += all_shapes(sub)
+    return shapes
+
+
+def table_sized(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    smallest = min(N_USERS, N_ITEMS) * FEATURES
+    return [s for s in shapes if int(np.prod(s)) >= smallest]
+
+
+def take_or_zero(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table[ids]``, zero for out-of-range ids: the meaning ``lookup`` gives padding."""
+    valid = _expand((ids >= 0) & (ids < table.shape[0]), ids.ndim + table.ndim - 1)
+    return jnp.where(valid, table[jnp.clip(ids, 0, table.shape[0] - 1)], jnp.zeros((), table.dtype))
+
+
+def _expand(mask: jax.Array, ndim: int) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# lookup and value_and_row_grad, on plain JAX
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lookup_rows_and_grad_match_dense(dtype: Any) -> None:
+    table = jax.random.normal(jax.random.key(0), (50, 3), dtype)
+    ids = jnp.array([[4, 7, 4], [-1, 50, 7], [0, 4, 49]], jnp.int32)
+    weights = jax.random.normal(jax.random.key(1), (3, 3, 3), dtype)
+    lk = osa.lookup(table, ids)
+    np.testing.assert_array_equal(lk.rows[lk.inverse], take_or_zero(table, ids))
+    assert lk.rows.dtype == dtype and lk.inverse.shape == ids.shape and lk.inverse.dtype == jnp.int32
+
+    d_rows = jax.grad(lambda rows: jnp.sum(rows[lk.inverse] * weights).astype(jnp.float32))(lk.rows)
+    grad = lk.grad(d_rows)
+    assert grad.unique_indices and grad.values.dtype == dtype
+    dense = jax.grad(lambda t: jnp.sum(take_or_zero(t, ids) * weights).astype(jnp.float32))(table)
+    np.testing.assert_allclose(grad.todense().astype(jnp.float32), dense.astype(jnp.float32), rtol=1e-2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-3, 12), min_size=1, max_size=16))
+def test_lookup_keeps_the_unique_indices_invariants(ids_list: list[int]) -> None:
+    num_rows = 10
+    ids = jnp.asarray(np.array(ids_list + [-1] * (16 - len(ids_list)), np.int32))  # one capacity: one compile
+    table = jnp.arange(num_rows * 2, dtype=jnp.float32).reshape(num_rows, 2)
+    lk = jax.jit(osa.lookup)(table, ids)
+    np.testing.assert_array_equal(lk.rows[lk.inverse], take_or_zero(table, ids))
+    idx = np.asarray(lk.indices)
+    in_range = idx[idx < num_rows]
+    assert sorted(in_range) == sorted({i for i in ids_list if 0 <= i < num_rows})
+    assert np.all((idx >= 0) & (idx <= num_rows))
+    # Gradients of padding slots are zero even if the loss sends some there.
+    grad = lk.grad(jnp.ones_like(lk.rows))
+    np.testing.assert_array_equal(np.asarray(grad.values)[idx == num_rows], 0.0)
+    touched = np.isin(np.arange(num_rows, dtype=np.int32), in_range)
+    np.testing.assert_array_equal(grad.todense(), np.repeat(touched[:, None], 2, axis=1).astype(np.float32))
+
+
+def test_lookup_takes_narrow_integer_ids() -> None:
+    table = jnp.arange(600, dtype=jnp.float32).reshape(300, 2)
+    lk = osa.lookup(table, jnp.array([7, 255, 7], jnp.uint8))
+    np.testing.assert_array_equal(lk.rows[lk.inverse], table[jnp.array([7, 255, 7], jnp.int32)])
+
+
+def test_value_and_row_grad_matches_jax_grad() -> None:
+    params = {
+        "emb": jax.random.normal(jax.random.key(0), (20, 4), jnp.float32),
+        "w": jax.random.normal(jax.random.key(1), (4,), jnp.float32),
+    }
+    pos = jnp.array([1, 5, 5, -1], jnp.int32)
+    neg = jnp.array([[5, 9], [2, 30]], jnp.int32)
+
+    def loss(p: Any, ids: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        emb, emb_neg = take_or_zero(p["emb"], ids[0]), take_or_zero(p["emb"], ids[1])
+        value = jnp.sum(jnp.tanh(emb @ p["w"])) - jnp.sum(jnp.tanh(emb_neg @ p["w"]))
+        return value, p["emb"].shape[0]
+
+    # One table selected twice: looked up once with both arrays of ids.
+    (value, aux), grads = osa.value_and_row_grad(loss, lambda p: (p["emb"], p["emb"]), has_aux=True)(params, (pos, neg))
+    (ref_value, _), ref = jax.value_and_grad(loss, has_aux=True)(params, (pos, neg))
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    assert aux == pos.size + neg.size  # the fun saw the rows of both lookups in place of the table
+    assert isinstance(grads["emb"], osa.IndexedRows) and grads["emb"].values.shape == (8, 4)
+    np.testing.assert_allclose(grads["emb"].todense(), ref["emb"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(grads["w"], ref["w"], rtol=1e-6)
+
+
+def test_value_and_row_grad_rejects_bad_input() -> None:
+    params = {"emb": jnp.zeros((5, 2), jnp.float32)}
+    ids = jnp.array([1], jnp.int32)
+
+    def loss(p: Any, ids: Any) -> jax.Array:
+        return p["emb"].sum()
+
+    with pytest.raises(ValueError, match="selected 1 table"):
+        osa.value_and_row_grad(loss, lambda p: p["emb"])(params, (ids, ids))
+    with pytest.raises(TypeError, match="must be integers"):
+        osa.value_and_row_grad(loss, lambda p: p["emb"])(params, jnp.array([1.0], jnp.float32))
+    with pytest.raises(TypeError, match="must select leaves"):
+        osa.value_and_row_grad(loss, lambda p: jnp.zeros((1,), jnp.float32))(params, ids)
+    with pytest.raises(ValueError, match="at least one axis"):
+        osa.value_and_row_grad(loss, lambda p: p["step"])({"step": jnp.zeros((), jnp.float32)}, ids)
+    with pytest.raises(ValueError, match="d_rows has shape"):
+        osa.lookup(params["emb"], ids).grad(jnp.zeros((2, 2), jnp.float32))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# flax.nnx
+
+
+class NnxRecommender(nnx.Module):
+    def __init__(self, n_users: int, n_items: int, *, rngs: nnx.Rngs) -> None:
+        self.user = nnx.Embed(n_users, FEATURES, rngs=rngs)
+        self.item = nnx.Embed(n_items, FEATURES, rngs=rngs)
+        self.hidden = nnx.Linear(2 * FEATURES, HIDDEN, rngs=rngs)
+        self.out = nnx.Linear(HIDDEN, 1, rngs=rngs)
+
+    def __call__(self, users: jax.Array, items: jax.Array) -> jax.Array:
+        x = jnp.concatenate([self.user(users), self.item(items)], axis=-1)
+        return self.out(jax.nn.gelu(self.hidden(x)))[..., 0]
+
+
+def nnx_lazy_trainer() -> tuple[NnxRecommender, nnx.Optimizer, Any, list[int]]:
+    """The dense path: ``nnx.Optimizer`` with the lazy opt-in on the tables."""
+    model = NnxRecommender(N_USERS, N_ITEMS, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, osa.sparse_adam(LR, lazy_dense=embedding_tables), wrt=nnx.Param)
+    traces = []
+
+    @nnx.jit
+    def train_step(model: NnxRecommender, optimizer: nnx.Optimizer, users: Any, items: Any, y: Any) -> jax.Array:
+        traces.append(1)
+
+        def loss_fn(model: NnxRecommender) -> jax.Array:
+            return jnp.mean((model(users, items) - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return model, optimizer, train_step, traces
+
+
+def nnx_fast_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Any:
+    """The fast path's step: row gradients, then ``tx.update`` and ``osa.apply_updates`` on the split state."""
+
+    def train_step(params: Any, opt_state: Any, users: Any, items: Any, y: Any) -> tuple[Any, Any, jax.Array]:
+        def loss_fn(p: Any, ids: tuple[jax.Array, jax.Array]) -> jax.Array:
+            return jnp.mean((nnx.merge(graphdef, p)(*ids) - y) ** 2)
+
+        loss, grads = osa.value_and_row_grad(loss_fn, lambda p: (p["user"], p["item"]))(params, (users, items))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return osa.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+def nnx_fast_trainer() -> tuple[Any, Any, Any, Any]:
+    model = NnxRecommender(N_USERS, N_ITEMS, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = osa.sparse_adam(LR)
+    return graphdef, params, tx.init(params), jax.jit(nnx_fast_step(graphdef, tx))
+
+
+def nnx_tables(params: Any) -> dict[str, jax.Array]:
+    pure = nnx.as_pure(params)
+    return {"user": pure["user"]["embedding"], "item": pure["item"]["embedding"]}
+
+
+def assert_trained(losses: list[float]) -> None:
+    """The last pass over the batches has a clearly lower loss than the first."""
+    first, last = np.mean(losses[: len(losses) // EPOCHS]), np.mean(losses[-len(losses) // EPOCHS :])
+    assert last < 0.75 * first, (first, last)
+
+
+def check_untouched(before: dict[str, Any], after: dict[str, Any], users: jax.Array, items: jax.Array) -> None:
+    """Rows the batch did not look up are bitwise unchanged; the rows it did look up all moved."""
+    for name, ids, n in (("user", users, N_USERS), ("item", items, N_ITEMS)):
+        touched = np.isin(np.arange(n), np.asarray(ids))
+        b, a = np.asarray(before[name]), np.asarray(after[name])
+        np.testing.assert_array_equal(a[~touched], b[~touched])
+        assert np.all(np.any(a[touched] != b[touched], axis=1))
+
+
+def test_nnx_optimizer_lazy_dense_trains_and_leaves_untouched_rows() -> None:
+    model, optimizer, train_step, traces = nnx_lazy_trainer()
+    losses = []
+    for i, (users, items, y) in enumerate(EPOCHS * make_batches(10)):
+        before = nnx_tables(nnx.state(model, nnx.Param))
+        before_mu = nnx_tables(nnx.as_pure(optimizer.opt_state)[0].mu)
+        before_nu = nnx_tables(nnx.as_pure(optimizer.opt_state)[0].nu)
+        losses.append(float(train_step(model, optimizer, users, items, y)))
+        if i in (0, 1, 39):
+            check_untouched(before, nnx_tables(nnx.state(model, nnx.Param)), users, items)
+            check_untouched(before_mu, nnx_tables(nnx.as_pure(optimizer.opt_state)[0].mu), users, items)
+            check_untouched(before_nu, nnx_tables(nnx.as_pure(optimizer.opt_state)[0].nu), users, items)
+    assert len(traces) == 1
+    assert_trained(losses)
+
+
+def test_nnx_fast_path_trains_and_leaves_untouched_rows() -> None:
+    _, params, opt_state, train_step = nnx_fast_trainer()
+    losses = []
+    for i, (users, items, y) in enumerate(EPOCHS * make_batches(10)):
+        before, before_mu = nnx_tables(params), nnx_tables(opt_state[0].mu)
+        params, opt_state, loss = train_step(params, opt_state, users, items, y)
+        losses.append(float(loss))
+        if i in (0, 1, 39):
+            check_untouched(before, nnx_tables(params), users, items)
+            check_untouched(before_mu, nnx_tables(opt_state[0].mu), users, items)
+    assert train_step._cache_size() == 1
+    assert_trained(losses)
+
+
+def test_nnx_fast_path_with_padding_ids() -> None:
+    """A batch of fixed capacity padded with ``-1``: padding looks up zeros and moves nothing."""
+    _, params, opt_state, train_step = nnx_fast_trainer()
+    users, items, y = make_batches(1)[0]
+    users, items = users.at[::4].set(-1), items.at[1::4].set(N_ITEMS)
+    before, before_nu = nnx_tables(params), nnx_tables(opt_state[0].nu)
+    params, opt_state, loss = train_step(params, opt_state, users, items, y)
+    assert np.isfinite(loss)
+    check_untouched(before, nnx_tables(params), users, items)
+    check_untouched(before_nu, nnx_tables(opt_state[0].nu), users, items)
+
+
+def test_nnx_both_paths_train_to_the_same_loss() -> None:
+    model, optimizer, lazy_step, _ = nnx_lazy_trainer()
+    graphdef, params, opt_state, fast_step = nnx_fast_trainer()
+    for users, items, y in make_batches(40, seed=1):
+        lazy_loss = lazy_step(model, optimizer, users, items, y)
+        params, opt_state, fast_loss = fast_step(params, opt_state, users, items, y)
+        np.testing.assert_allclose(fast_loss, lazy_loss, rtol=1e-4)
+    lazy_params = nnx.state(model, nnx.Param)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), params, lazy_params)
+    # The trained state merges back into a model as usual.
+    users, items, _ = make_batches(1, seed=2)[0]
+    np.testing.assert_allclose(nnx.merge(graphdef, params)(users, items), model(users, items), rtol=1e-4, atol=1e-5)
+
+
+def test_nnx_fast_path_builds_no_table_sized_gradient() -> None:
+    graphdef, params, _, _ = nnx_fast_trainer()
+    users, items, y = make_batches(1)[0]
+
+    def loss_fn(p: Any, ids: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return jnp.mean((nnx.merge(graphdef, p)(*ids) - y) ** 2)
+
+    row_grad = osa.value_and_row_grad(loss_fn, lambda p: (p["user"], p["item"]))
+    assert table_sized(all_shapes(jax.make_jaxpr(row_grad)(params, (users, items)).jaxpr)) == []
+    # The check can see one: differentiating the whole table builds its gradient.
+    dense_grad = jax.value_and_grad(lambda p: loss_fn(p, (users, items)))
+    assert (N_USERS, FEATURES) in table_sized(all_shapes(jax.make_jaxpr(dense_grad)(params).jaxpr))
+
+
+def test_nnx_fast_step_needs_no_table_sized_scratch_memory() -> None:
+    # Compiled for a model too large to train here: the shapes are all it needs.
+    n_users, n_items = 200_000, 300_000
+    model = nnx.eval_shape(lambda: NnxRecommender(n_users, n_items, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model, nnx.Param)
+    users, items, y = make_batches(1)[0]
+    table_bytes = n_users * FEATURES * 4
+
+    def scratch_bytes(train_step: Any, tx: optax.GradientTransformation) -> int:
+        # Parameters and state donated: the tables and moments are updated in place.
+        step = jax.jit(train_step, donate_argnums=(0, 1))
+        compiled = step.lower(params, jax.eval_shape(tx.init, params), users, items, y).compile()
+        stats = compiled.memory_analysis()
+        assert stats is not None
+        return int(stats.temp_size_in_bytes)
+
+    assert scratch_bytes(nnx_fast_step(graphdef, osa.sparse_adam(LR)), osa.sparse_adam(LR)) < table_bytes / 100
+
+    lazy_tx = osa.sparse_adam(LR, lazy_dense=embedding_tables)
+
+    def dense_step(params: Any, opt_state: Any, users: Any, items: Any, y: Any) -> tuple[Any, Any, jax.Array]:
+        def loss_fn(p: Any) -> jax.Array:
+            return jnp.mean((nnx.merge(graphdef, p)(users, items) - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = lazy_tx.update(grads, opt_state, params)
+        return osa.apply_updates(params, updates), opt_state, loss
+
+    # The same measure sees the dense gradients of the lazy path.
+    assert scratch_bytes(dense_step, lazy_tx) > table_bytes
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# flax.linen with TrainState
+
+
+class LinenRecommender(nn.Module):
+    n_users: int
+    n_items: int
+
+    @nn.compact
+    def __call__(self, users: jax.Array, items: jax.Array) -> jax.Array:
+        user = nn.Embed(self.n_users, FEATURES, name="user")(users)
+        item = nn.Embed(self.n_items, FEATURES, name="item")(items)
+        x = jax.nn.gelu(nn.Dense(HIDDEN)(jnp.concatenate([user, item], axis=-1)))
+        return nn.Dense(1)(x)[..., 0]
+
+
+class SparseTrainState(train_state.TrainState):
+    """``TrainState`` whose updates may be sparse: applied with ``osa.apply_updates``."""
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> SparseTrainState:
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        params = osa.apply_updates(self.params, updates)
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
+
+
+LINEN_MODEL = LinenRecommender(N_USERS, N_ITEMS)
+
+
+def linen_state(cls: type[train_state.TrainState], tx: optax.GradientTransformation) -> Any:
+    ids = jnp.zeros((1,), jnp.int32)
+    params = LINEN_MODEL.init(jax.random.key(0), ids, ids)["params"]
+    state = cls.create(apply_fn=LINEN_MODEL.apply, params=params, tx=tx)
+    # ``create`` sets ``step=0``, a Python int, which the second step would retrace for.
+    return state.replace(step=jnp.zeros((), jnp.int32))
+
+
+def linen_lazy_step() -> Any:
+    """The dense path: ``jax.value_and_grad`` and the stock ``TrainState.apply_gradients``."""
+
+    @jax.jit
+    def train_step(state: train_state.TrainState, users: Any, items: Any, y: Any) -> tuple[Any, jax.Array]:
+        def loss_fn(params: Any) -> jax.Array:
+            return jnp.mean((state.apply_fn({"params": params}, users, items) - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return train_step
+
+
+def linen_predict(model: LinenRecommender, params: Any, users: jax.Array, items: jax.Array) -> jax.Array:
+    return cast(jax.Array, model.apply({"params": params}, users, items))
+
+
+def linen_loss(params: Any, ids: tuple[jax.Array, jax.Array], y: jax.Array) -> jax.Array:
+    # linen checks each parameter's shape against the module's attributes, so
+    # the fast path applies a clone whose tables have the rows' sizes.
+    model = LINEN_MODEL.clone(
+        n_users=params["user"]["embedding"].shape[0], n_items=params["item"]["embedding"].shape[0]
+    )
+    return jnp.mean((linen_predict(model, params, *ids) - y) ** 2)
+
+
+def linen_fast_step() -> Any:
+    """The fast path: row gradients and ``SparseTrainState.apply_gradients``."""
+
+    @jax.jit
+    def train_step(state: SparseTrainState, users: Any, items: Any, y: Any) -> tuple[Any, jax.Array]:
+        row_grad = osa.value_and_row_grad(linen_loss, lambda p: (p["user"], p["item"]))
+        loss, grads = row_grad(state.params, (users, items), y)
+        return state.apply_gradients(grads=grads), loss
+
+    return train_step
+
+
+def linen_tables(tree: Any) -> dict[str, jax.Array]:
+    return {k: tree[k]["embedding"] for k in ("user", "item")}
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["lazy_dense", "fast_path"])
+def test_linen_train_state_trains_and_leaves_untouched_rows(fast: bool) -> None:
+    if fast:
+        state, train_step = linen_state(SparseTrainState, osa.sparse_adam(LR)), linen_fast_step()
+    else:
+        tx = osa.sparse_adam(LR, lazy_dense=embedding_tables)
+        state, train_step = linen_state(train_state.TrainState, tx), linen_lazy_step()
+    losses = []
+    for i, (users, items, y) in enumerate(EPOCHS * make_batches(10)):
+        before, before_mu = linen_tables(state.params), linen_tables(state.opt_state[0].mu)
+        before_nu = linen_tables(state.opt_state[0].nu)
+        state, loss = train_step(state, users, items, y)
+        losses.append(float(loss))
+        if i in (0, 39):
+            check_untouched(before, linen_tables(state.params), users, items)
+            check_untouched(before_mu, linen_tables(state.opt_state[0].mu), users, items)
+            check_untouched(before_nu, linen_tables(state.opt_state[0].nu), users, items)
+    assert train_step._cache_size() == 1
+    assert int(state.step) == len(losses)
+    assert_trained(losses)
+
+
+def test_linen_both_paths_train_to_the_same_loss() -> None:
+    lazy = linen_state(train_state.TrainState, osa.sparse_adam(LR, lazy_dense=embedding_tables))
+    fast = linen_state(SparseTrainState, osa.sparse_adam(LR))
+    lazy_step, fast_step = linen_lazy_step(), linen_fast_step()
+    for users, items, y in make_batches(40, seed=1):
+        lazy, lazy_loss = lazy_step(lazy, users, items, y)
+        fast, fast_loss = fast_step(fast, users, items, y)
+        np.testing.assert_allclose(fast_loss, lazy_loss, rtol=1e-4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), fast.params, lazy.params)
+
+
+def test_linen_fast_path_builds_no_table_sized_gradient() -> None:
+    params = linen_state(train_state.TrainState, osa.sparse_adam(LR)).params
+    users, items, y = make_batches(1)[0]
+    row_grad = osa.value_and_row_grad(linen_loss, lambda p: (p["user"], p["item"]))
+    assert table_sized(all_shapes(jax.make_jaxpr(row_grad)(params, (users, items), y).jaxpr)) == []
+    dense_grad = jax.value_and_grad(lambda p: jnp.mean((linen_predict(LINEN_MODEL, p, users, items) - y) ** 2))
+    assert (N_USERS, FEATURES) in table_sized(all_shapes(jax.make_jaxpr(dense_grad)(params).jaxpr))
