@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from optax_sparse_adam import _rows
 
@@ -34,8 +33,8 @@ class RowLookup:
     hold a distinct in-range id are padding.
 
     Attributes:
-      indices: ``(k,)`` int32: the distinct in-range ids, one slot each;
-        ``num_rows`` in the other slots.
+      indices: ``(k,)`` int32: the distinct in-range ids, one slot each, in
+        the leading slots; ``num_rows`` in the slots after them.
       rows: ``(k, *row_shape)``: ``table[indices]``, zeros in padding slots.
       inverse: int32 with the shape of the ids: the slot of each id in
         ``rows``.
@@ -119,9 +118,14 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     keys = jnp.where(valid, flat, num_rows).astype(jnp.int32)
     pos = jnp.arange(k, dtype=jnp.int32)
     rep = _rows.representatives(keys[:, None], valid)
-    indices = jnp.where(rep == pos, keys, np.int32(num_rows))
+    is_rep = rep == pos
+    # Pack the distinct ids into the leading slots, so that the optimizer stops
+    # after the last one (see for_each_chunk).
+    slot = jnp.cumsum(is_rep, dtype=jnp.int32) - 1
+    indices = jnp.full((k,), num_rows, jnp.int32).at[jnp.where(is_rep, slot, k)].set(keys, mode="drop")
     rows = table.at[indices].get(mode="fill", fill_value=0)
-    inverse = jnp.where(valid, rep, pos).reshape(ids.shape)
+    # A padding id reads the last slot, which is padding (a zero row) whenever there is a padding id.
+    inverse = jnp.where(valid, slot.at[rep].get(mode="fill", fill_value=0), k - 1).reshape(ids.shape)
     return RowLookup(indices, rows, inverse, num_rows)
 
 

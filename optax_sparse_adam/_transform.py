@@ -173,15 +173,23 @@ def scale_by_sparse_adam(
             m_dtype = m.dtype if mu_dtype is None else mu_dtype
             if _rows.is_sparse(g):
                 sp = _rows.coalesce(_rows.to_sparse_leaf(g, m.shape, path, _WHERE))
-                idx = sp.row_index()
-                m_rows = m.at[idx].get(mode="fill", fill_value=0)
-                v_rows = v.at[idx].get(mode="fill", fill_value=0)
-                new_m, new_v, step = moments(sp.values, m_rows, v_rows)
-                return (
-                    sp.replace_values(step.astype(sp.values.dtype)).to_leaf(),
-                    m.at[idx].set(new_m.astype(m_dtype), mode="drop"),
-                    v.at[idx].set(new_v.astype(v.dtype), mode="drop"),
-                )
+
+                def rows_update(start: Any, chunk: _rows.SparseLeaf, carry: Any) -> Any:
+                    m, v, out = carry
+                    idx = chunk.row_index()
+                    m_rows = m.at[idx].get(mode="fill", fill_value=0)
+                    v_rows = v.at[idx].get(mode="fill", fill_value=0)
+                    new_m, new_v, step = moments(chunk.values, m_rows, v_rows)
+                    valid = _rows._expand(chunk.valid(), step.ndim)
+                    step = jnp.where(valid, step, jnp.zeros((), step.dtype)).astype(out.dtype)
+                    return (
+                        m.at[idx].set(new_m.astype(m_dtype), mode="drop"),
+                        v.at[idx].set(new_v.astype(v.dtype), mode="drop"),
+                        jax.lax.dynamic_update_slice_in_dim(out, step, start, 0),
+                    )
+
+                m, v, out = _rows.for_each_chunk(sp, rows_update, (m, v, jnp.zeros_like(sp.values)))
+                return sp.replace_values(out).to_leaf(), m, v
             g = jnp.asarray(g)
             if g.shape != m.shape:
                 raise ValueError(
