@@ -113,7 +113,7 @@ def sparse_aware(
                 rows.append(p)
                 continue
             sp = _rows.to_sparse_leaf(u, u.shape if p is None else p.shape, path, _WHERE)
-            sp = _rows.coalesce(sp) if coalesce else _rows.zero_padding(sp)
+            sp = _rows.zero_padding(_rows.coalesce(sp) if coalesce else sp)
             sparse[i] = sp
             values.append(sp.values)
             rows.append(None if p is None else p.at[sp.row_index()].get(mode="fill", fill_value=0))

@@ -117,9 +117,11 @@ class SparseLeaf(NamedTuple):
     keys: jax.Array  # (k, s) int32, padding = shape[:s]
     values: jax.Array  # (k, *shape[s:])
     shape: tuple[int, ...]
-    unique: bool  # keys are known distinct and padding values zero
-    declared_unique: bool  # the static flag of the leaf it came from, kept on output
+    unique: bool  # keys are known distinct (and padding values zero)
+    declared_unique: bool  # the static flags of the leaf it came from, kept on output
+    declared_sorted: bool
     bcoo: bool
+    sorted: bool = False  # keys known in lexicographic order (padding, = shape, last)
 
     @property
     def n_sparse(self) -> int:
@@ -148,13 +150,24 @@ class SparseLeaf(NamedTuple):
 
         Keeping the metadata keeps the update tree's structure equal to the
         gradient tree's, which optax's wrappers (``apply_if_finite``,
-        ``MultiSteps``, ``lax.cond`` in general) rely on.
+        ``MultiSteps``, ``lax.cond`` in general) rely on. A BCOO declared
+        sorted is sorted again if coalescing reordered it.
         """
-        if self.bcoo:
-            return jsparse.BCOO(
-                (self.values, self.keys), shape=self.shape, indices_sorted=False, unique_indices=self.declared_unique
+        if not self.bcoo:
+            return IndexedRows(self.keys[:, 0], self.values, self.shape[0], unique_indices=self.declared_unique)
+        leaf = self
+        if self.declared_sorted and not self.sorted:
+            k, n_sparse = self.keys.shape
+            *keys, perm = jax.lax.sort(
+                (*(self.keys[:, j] for j in range(n_sparse)), jnp.arange(k, dtype=jnp.int32)), num_keys=n_sparse
             )
-        return IndexedRows(self.keys[:, 0], self.values, self.shape[0], unique_indices=self.declared_unique)
+            leaf = self._replace(keys=jnp.stack(keys, axis=1), values=self.values[perm], sorted=True)
+        return jsparse.BCOO(
+            (leaf.values, leaf.keys),
+            shape=self.shape,
+            indices_sorted=self.declared_sorted,
+            unique_indices=self.declared_unique,
+        )
 
 
 def _error(kind: type[Exception], where: str, path: Any, msg: str) -> Exception:
@@ -180,7 +193,10 @@ def to_sparse_leaf(leaf: IndexedRows | jsparse.BCOO, param_shape: tuple[int, ...
                 path,
                 f"BCOO shape {tuple(leaf.shape)} does not match the parameter shape {param_shape}",
             )
+        if not jnp.issubdtype(leaf.indices.dtype, jnp.integer):
+            raise _error(TypeError, where, path, f"BCOO indices must be integers, got dtype {leaf.indices.dtype}")
         keys, values, unique, bcoo = leaf.indices, leaf.data, bool(leaf.unique_indices), True
+        declared_sorted = bool(leaf.indices_sorted)
     elif isinstance(leaf, IndexedRows):
         idx, values = jnp.asarray(leaf.indices), jnp.asarray(leaf.values)
         if not jnp.issubdtype(idx.dtype, jnp.integer):
@@ -209,7 +225,7 @@ def to_sparse_leaf(leaf: IndexedRows | jsparse.BCOO, param_shape: tuple[int, ...
                 f"IndexedRows row shape {tuple(values.shape[1:])} does not match "
                 f"the parameter's row shape {param_shape[1:]}",
             )
-        keys, unique, bcoo = idx[:, None], bool(leaf.unique_indices), False
+        keys, unique, bcoo, declared_sorted = idx[:, None], bool(leaf.unique_indices), False, False
     else:  # pragma: no cover - callers dispatch on is_sparse
         raise TypeError(type(leaf))
     if not jnp.issubdtype(values.dtype, jnp.inexact):
@@ -219,7 +235,7 @@ def to_sparse_leaf(leaf: IndexedRows | jsparse.BCOO, param_shape: tuple[int, ...
     dims = jnp.asarray(np.array(param_shape[:n_sparse], dtype=np.int32))[None, :]
     valid = jnp.all((keys >= 0) & (keys < dims), axis=1)
     keys = jnp.where(valid[:, None], keys, dims)
-    return SparseLeaf(keys, values, param_shape, unique, unique, bcoo)
+    return SparseLeaf(keys, values, param_shape, unique, unique, declared_sorted, bcoo, sorted=declared_sorted)
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -292,7 +308,7 @@ def coalesce(leaf: SparseLeaf) -> SparseLeaf:
     values = jnp.zeros_like(leaf.values).at[target].add(leaf.values, mode="drop")
     dims = jnp.asarray(np.array(leaf.shape[: leaf.n_sparse], dtype=np.int32))[None, :]
     keys = jnp.broadcast_to(dims, leaf.keys.shape).at[jnp.where(is_rep, slot, k)].set(leaf.keys, mode="drop")
-    return leaf._replace(keys=keys, values=values, unique=True)
+    return leaf._replace(keys=keys, values=values, unique=True, sorted=False)
 
 
 def _chunk_size(k: int) -> int:
