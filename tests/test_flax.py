@@ -269,6 +269,33 @@ def test_nnx_fast_path_trains_and_leaves_untouched_rows() -> None:
     assert_trained(losses)
 
 
+def test_nnx_optimizer_takes_row_gradients() -> None:
+    """``nnx.Optimizer.update`` applies ``IndexedRows`` updates as they are (they add into the tables' rows)."""
+    model = NnxRecommender(N_USERS, N_ITEMS, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, osa.sparse_adam(LR), wrt=nnx.Param)
+    _, params, opt_state, fast_step = nnx_fast_trainer()
+
+    @nnx.jit
+    def train_step(model: NnxRecommender, optimizer: nnx.Optimizer, users: Any, items: Any, y: Any) -> jax.Array:
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def loss_fn(p: Any, ids: tuple[jax.Array, jax.Array]) -> jax.Array:
+            return jnp.mean((nnx.merge(graphdef, p)(*ids) - y) ** 2)
+
+        loss, grads = osa.value_and_row_grad(loss_fn, lambda p: (p["user"], p["item"]))(params, (users, items))
+        optimizer.update(model, grads)
+        return loss
+
+    for i, (users, items, y) in enumerate(make_batches(10)):
+        before = nnx_tables(nnx.state(model, nnx.Param))
+        loss = train_step(model, optimizer, users, items, y)
+        params, opt_state, fast_loss = fast_step(params, opt_state, users, items, y)
+        np.testing.assert_array_equal(loss, fast_loss)
+        if i == 0:
+            check_untouched(before, nnx_tables(nnx.state(model, nnx.Param)), users, items)
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.Param), params)
+
+
 def test_nnx_fast_path_with_padding_ids() -> None:
     """A batch of fixed capacity padded with ``-1``: padding looks up zeros and moves nothing."""
     _, params, opt_state, train_step = nnx_fast_trainer()
@@ -357,15 +384,6 @@ class LinenRecommender(nn.Module):
         return nn.Dense(1)(x)[..., 0]
 
 
-class SparseTrainState(train_state.TrainState):
-    """``TrainState`` whose updates may be sparse: applied with ``osa.apply_updates``."""
-
-    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> SparseTrainState:
-        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-        params = osa.apply_updates(self.params, updates)
-        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
-
-
 LINEN_MODEL = LinenRecommender(N_USERS, N_ITEMS)
 
 
@@ -405,10 +423,10 @@ def linen_loss(params: Any, ids: tuple[jax.Array, jax.Array], y: jax.Array) -> j
 
 
 def linen_fast_step() -> Any:
-    """The fast path: row gradients and ``SparseTrainState.apply_gradients``."""
+    """The fast path: row gradients and the stock ``TrainState.apply_gradients`` (``IndexedRows`` add into tables)."""
 
     @jax.jit
-    def train_step(state: SparseTrainState, users: Any, items: Any, y: Any) -> tuple[Any, jax.Array]:
+    def train_step(state: train_state.TrainState, users: Any, items: Any, y: Any) -> tuple[Any, jax.Array]:
         row_grad = osa.value_and_row_grad(linen_loss, lambda p: (p["user"], p["item"]))
         loss, grads = row_grad(state.params, (users, items), y)
         return state.apply_gradients(grads=grads), loss
@@ -423,7 +441,7 @@ def linen_tables(tree: Any) -> dict[str, jax.Array]:
 @pytest.mark.parametrize("fast", [False, True], ids=["lazy_dense", "fast_path"])
 def test_linen_train_state_trains_and_leaves_untouched_rows(fast: bool) -> None:
     if fast:
-        state, train_step = linen_state(SparseTrainState, osa.sparse_adam(LR)), linen_fast_step()
+        state, train_step = linen_state(train_state.TrainState, osa.sparse_adam(LR)), linen_fast_step()
     else:
         tx = osa.sparse_adam(LR, lazy_dense=embedding_tables)
         state, train_step = linen_state(train_state.TrainState, tx), linen_lazy_step()
@@ -444,7 +462,7 @@ def test_linen_train_state_trains_and_leaves_untouched_rows(fast: bool) -> None:
 
 def test_linen_both_paths_train_to_the_same_loss() -> None:
     lazy = linen_state(train_state.TrainState, osa.sparse_adam(LR, lazy_dense=embedding_tables))
-    fast = linen_state(SparseTrainState, osa.sparse_adam(LR))
+    fast = linen_state(train_state.TrainState, osa.sparse_adam(LR))
     lazy_step, fast_step = linen_lazy_step(), linen_fast_step()
     for users, items, y in make_batches(40, seed=1):
         lazy, lazy_loss = lazy_step(lazy, users, items, y)
