@@ -158,12 +158,13 @@ def value_and_row_grad(
     is looked up once, with all of its ids; its positions index the same rows.
 
     With ``flax.nnx``, split the model (``graphdef, params = nnx.split(model,
-    nnx.Param)``) and merge it with ``params_rows`` inside ``fun``; then update
-    with ``tx.update`` and :func:`apply_updates` rather than
-    ``nnx.Optimizer.update``, which calls :func:`optax.apply_updates`. With
+    nnx.Param)``) and merge it with ``params_rows`` inside ``fun``; the
+    gradients go to ``nnx.Optimizer.update`` as they are, since an
+    :class:`IndexedRows` update adds into its table's rows. With
     ``flax.linen``, whose modules check a parameter's shape against their
     attributes, apply a clone of the module whose table sizes are the lookups'
-    capacity (e.g. ``model.clone(num_users=ids.size)``).
+    capacity (e.g. ``model.clone(num_users=ids.size)``); the stock
+    ``TrainState.apply_gradients`` takes the gradients.
 
     Args:
       fun: The loss, ``fun(params, positions, *args, **kwargs)``, returning a
