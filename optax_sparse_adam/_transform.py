@@ -148,17 +148,26 @@ def scale_by_sparse_adam(
         bc1 = 1 - b1**count  # the same expression as optax, for bitwise equality
         bc2 = 1 - b2**count
 
-        def moments(g: Any, m: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-            """New (m, v) and the step for gradient rows ``g`` and moment rows ``m``, ``v``."""
+        def moments(g: Any, m: Any, v: Any, touched: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+            """New (m, v) and the step for gradient rows ``g`` and moment rows ``m``, ``v``.
+
+            Where ``touched`` is given, the other rows keep ``m`` and ``v`` (and get a zero step).
+            """
             if maximize:
                 g = -g
-            m = (1 - b1) * g + b1 * m
-            v = (1 - b2) * (g * g) + b2 * v
+            if touched is None:
+                m = (1 - b1) * g + b1 * m
+                v = (1 - b2) * (g * g) + b2 * v
+            else:
+                m = jnp.where(touched, (1 - b1) * g + b1 * m, m)
+                v = jnp.where(touched, (1 - b2) * (g * g) + b2 * v, v)
             if eps_placement == "optax":
                 step = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + eps_root) + eps)
             else:
                 scale = jnp.sqrt(bc2) / bc1
                 step = scale.astype(m.dtype) * m / (jnp.sqrt(v + eps_root) + eps)
+            if touched is not None:
+                step = jnp.where(touched, step, jnp.zeros((), step.dtype))
             return m, v, step
 
         def leaf_update(path: Any, g: Any, m: Any, v: Any, lazy: Any) -> tuple[Any, Any, Any]:
@@ -196,13 +205,14 @@ def scale_by_sparse_adam(
                     f"{_WHERE}: parameter {_rows.path_str(path)}: gradient shape {g.shape} "
                     f"does not match the parameter shape {m.shape}"
                 )
-            new_m, new_v, step = moments(g, m, v)
-            if _is_true(lazy, path):
-                touched = jnp.any(g != 0, axis=tuple(range(1, g.ndim))) if g.ndim > 1 else g != 0
-                touched = _rows._expand(touched, g.ndim)
-                new_m = jnp.where(touched, new_m, m)
-                new_v = jnp.where(touched, new_v, v)
-                step = jnp.where(touched, step, jnp.zeros((), step.dtype))
+            if not _is_true(lazy, path):
+                new_m, new_v, step = moments(g, m, v)
+                return step.astype(g.dtype), new_m.astype(m_dtype), new_v.astype(v.dtype)
+            # Lazy: a row is touched when any entry is nonzero (NaN counts). A float max
+            # reduces without materializing a table-sized mask.
+            axes = tuple(range(1, g.ndim))
+            touched = jnp.max(jnp.abs(g), axis=axes, keepdims=True) != 0 if g.ndim > 1 else g != 0
+            new_m, new_v, step = moments(g, m, v, touched)
             return step.astype(g.dtype), new_m.astype(m_dtype), new_v.astype(v.dtype)
 
         grads, treedef = _rows.flatten(updates)
