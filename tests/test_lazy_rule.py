@@ -222,14 +222,14 @@ def test_sharded_table_matches_unsharded():
     mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows", None))
     rng = np.random.default_rng(1)
-    table = jnp.asarray(rng.standard_normal((64, 4)), jnp.float32)
-    idx = jnp.asarray(rng.integers(-2, 64, 32), jnp.int32)
-    vals = jnp.asarray(rng.standard_normal((32, 4)), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((4096, 4)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-2, 4096, 2048), jnp.int32)  # capacity 2048: processed in chunks
+    vals = jnp.asarray(rng.standard_normal((2048, 4)), jnp.float32)
     tx = osa.sparse_adam(0.1)
 
     @jax.jit
     def step(p, s):
-        u, s = tx.update(osa.IndexedRows(idx, vals, 64), s, p)
+        u, s = tx.update(osa.IndexedRows(idx, vals, 4096), s, p)
         return osa.apply_updates(p, u), s
 
     p_ref, s_ref = step(table, tx.init(table))
@@ -239,3 +239,32 @@ def test_sharded_table_matches_unsharded():
     np.testing.assert_array_equal(p_sh, p_ref)
     jax.tree.map(np.testing.assert_array_equal, s_sh, s_ref)
     assert p_sh.sharding.is_equivalent_to(rows, 2)
+
+
+@pytest.mark.parametrize("unique", [False, True])
+def test_large_capacity_in_chunks_matches_reference(unique):
+    """Capacities over 1,024 run in chunks up to the last valid slot; valid entries anywhere must count."""
+    rng = np.random.default_rng(3)
+    num_rows, k = 3000, 4096
+    init = rng.standard_normal((num_rows, 3)).astype(np.float32)
+    ref = LazyAdamReference(init, lr=0.1)
+    tx = osa.sparse_adam(0.1)
+    params = jnp.asarray(init)
+    state = tx.init(params)
+    step = jax.jit(lambda p, s, g: (lambda u, s: (osa.apply_updates(p, u), s))(*tx.update(g, s, p)))
+    for n_valid in (2500, 40, 4000):
+        if unique:  # distinct rows spread over all slots, the last slot among them
+            idx = np.full(k, -1, np.int64)
+            slots = np.append(rng.choice(k - 1, min(n_valid, num_rows) - 1, replace=False), k - 1)
+            idx[slots] = rng.choice(num_rows, len(slots), replace=False)
+        else:  # duplicates and padding everywhere
+            idx = rng.integers(0, num_rows, k)
+            idx[rng.choice(k, k - n_valid, replace=False)] = rng.choice([-1, num_rows], k - n_valid)
+        values = rng.standard_normal((k, 3)).astype(np.float32)
+        values[(idx < 0) | (idx >= num_rows)] = 0.0 if unique else 5.0
+        ref.step([(int(i),) for i in idx], list(values))
+        grad = osa.IndexedRows(jnp.asarray(idx, jnp.int32), jnp.asarray(values), num_rows, unique_indices=unique)
+        params, state = step(params, state, grad)
+    np.testing.assert_allclose(params, ref.p, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(state[0].mu, ref.m, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(state[0].nu, ref.v, rtol=2e-5, atol=1e-7)
