@@ -1,0 +1,320 @@
+"""Optimizer-step contenders, the batches they see, and the timing loop.
+
+A contender turns a :class:`Config` and its :class:`Batches` into a
+:data:`Stepper`: a callable that runs one optimizer step on its own table and
+returns once the step has finished. The table, the moments and any fixed
+gradient live inside the stepper, so dropping it frees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+
+import optax_sparse_adam as osa
+
+LEARNING_RATE = 1e-3
+ZIPF_EXPONENT = 1.2
+# Ranks of the Zipf law are spread over the table by a multiplicative hash, so
+# the hot rows are scattered through memory rather than packed at its start.
+_SPREAD = 2654435761
+
+Distribution = Literal["zipf", "uniform"]
+Stepper = Callable[[int], None]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Config:
+    """One point of the grid: a float32 table of ``rows x width`` and a batch of ``batch`` ids."""
+
+    rows: int
+    width: int
+    batch: int
+    dist: Distribution
+
+    @property
+    def label(self) -> str:
+        return f"{count_label(self.rows)} x {self.width}, {self.batch} ids, {self.dist}"
+
+    @property
+    def table_bytes(self) -> int:
+        return self.rows * self.width * 4
+
+
+def count_label(n: int) -> str:
+    """``10000000`` as ``1e7``; other numbers as they are."""
+    exp = round(math.log10(n)) if n > 0 else 0
+    return f"1e{exp}" if n == 10**exp else str(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """A pool of id batches for one configuration, cycled through by the steppers.
+
+    Attributes:
+      ids: ``int32`` arrays of shape ``(batch,)``, one per pool entry.
+      values: The ``(batch, width)`` float32 gradient rows, shared by every entry
+        (their content does not change the cost of a step).
+      distinct: Mean number of distinct ids per batch.
+    """
+
+    ids: list[np.ndarray]
+    values: np.ndarray
+    distinct: float
+
+
+def sample_ids(rng: np.random.Generator, rows: int, size: int, dist: Distribution) -> np.ndarray:
+    """Draws ``size`` row ids in ``[0, rows)``.
+
+    ``"zipf"`` draws ranks from Zipf(1.2) truncated to the table (rank ``r``
+    with probability proportional to ``r ** -1.2``, by rejection) and spreads
+    them over the table with a fixed bijective hash; ``"uniform"`` draws rows
+    uniformly.
+    """
+    if dist == "uniform":
+        return rng.integers(0, rows, size=size, dtype=np.int64).astype(np.int32)
+    drawn: list[np.ndarray] = []
+    have = 0
+    while have < size:
+        ranks = rng.zipf(ZIPF_EXPONENT, size=2 * size) - 1
+        ranks = ranks[ranks < rows]
+        drawn.append(ranks)
+        have += ranks.size
+    ranks = np.concatenate(drawn)[:size]
+    # gcd(_SPREAD, 10**k) == 1, so this permutes [0, rows) for the grid's sizes.
+    return ((ranks * _SPREAD) % rows).astype(np.int32)
+
+
+def make_batches(cfg: Config, pool: int, seed: int) -> Batches:
+    """Draws ``pool`` batches of ids and one block of gradient rows for ``cfg``."""
+    rng = np.random.default_rng(seed)
+    ids = [sample_ids(rng, cfg.rows, cfg.batch, cfg.dist) for _ in range(pool)]
+    values = rng.standard_normal((cfg.batch, cfg.width), dtype=np.float32)
+    distinct = float(np.mean([np.unique(i).size for i in ids]))
+    return Batches(ids=ids, values=values, distinct=distinct)
+
+
+class Contender(NamedTuple):
+    """A way of running one optimizer step.
+
+    Attributes:
+      name: Short key used in ``results.json`` and the plots.
+      label: Human-readable name for the tables.
+      dense: Whether a step streams whole table-sized arrays (such contenders
+        are skipped where those arrays do not fit).
+      tables: About how many table-sized arrays it holds while it runs.
+      make: Builds the stepper for a configuration.
+    """
+
+    name: str
+    label: str
+    dense: bool
+    tables: int
+    make: Callable[[Config, Batches], Stepper]
+
+
+class JaxStepper:
+    """Runs a jitted, donated ``step(params, state, *inputs) -> (params, state)``.
+
+    The inputs of step ``i`` are ``inputs[i % len(inputs)]``, placed on the
+    device beforehand so that no host transfer is timed.
+    """
+
+    def __init__(self, step: Callable[..., Any], params: Any, state: Any, inputs: Sequence[tuple[Any, ...]]):
+        self._step = step
+        self._params, self._state = params, state
+        self._inputs = [tuple(jax.device_put(x) for x in args) for args in inputs]
+
+    def __call__(self, i: int) -> None:
+        self._params, self._state = self._step(self._params, self._state, *self._inputs[i % len(self._inputs)])
+        jax.block_until_ready((self._params, self._state))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _scatter_dense(shape: tuple[int, int], ids: jax.Array, values: jax.Array) -> jax.Array:
+    return jnp.zeros(shape, jnp.float32).at[ids].add(values)
+
+
+def _dense_grad_jax(cfg: Config, batches: Batches) -> jax.Array:
+    """The dense equivalent of the first batch's gradient."""
+    return _scatter_dense((cfg.rows, cfg.width), batches.ids[0], batches.values)
+
+
+def _dense_grad_torch(cfg: Config, batches: Batches) -> torch.Tensor:
+    grad = torch.zeros((cfg.rows, cfg.width), dtype=torch.float32)
+    return grad.index_add_(0, torch.from_numpy(batches.ids[0]).long(), torch.from_numpy(batches.values))
+
+
+def _table_jax(cfg: Config) -> jax.Array:
+    return jnp.full((cfg.rows, cfg.width), 0.01, jnp.float32)
+
+
+def make_optax_adam(cfg: Config, batches: Batches) -> Stepper:
+    """``optax.adam`` on a dense gradient, jitted with params and state donated."""
+    tx = optax.adam(LEARNING_RATE)
+
+    def step(params: jax.Array, state: Any, grad: jax.Array) -> tuple[jax.Array, Any]:
+        updates, state = tx.update(grad, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = _table_jax(cfg)
+    return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), [(_dense_grad_jax(cfg, batches),)])
+
+
+def make_osa_dense(cfg: Config, batches: Batches) -> Stepper:
+    """This library on a dense gradient with ``lazy_dense=True`` (rows with a nonzero are touched)."""
+    tx = osa.sparse_adam(LEARNING_RATE, lazy_dense=True)
+
+    def step(params: jax.Array, state: Any, grad: jax.Array) -> tuple[jax.Array, Any]:
+        updates, state = tx.update(grad, state)
+        return osa.apply_updates(params, updates), state
+
+    params = _table_jax(cfg)
+    return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), [(_dense_grad_jax(cfg, batches),)])
+
+
+def sparse_step(num_rows: int) -> tuple[optax.GradientTransformation, Callable[..., Any]]:
+    """The library's sparse step on an ``IndexedRows`` gradient, and its transformation (not jitted)."""
+    tx = osa.sparse_adam(LEARNING_RATE)
+
+    def step(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
+        updates, state = tx.update(osa.IndexedRows(ids, values, num_rows), state)
+        return osa.apply_updates(params, updates), state
+
+    return tx, step
+
+
+def make_osa_sparse(cfg: Config, batches: Batches) -> Stepper:
+    """This library on ``IndexedRows`` gradients, jitted with params and state donated."""
+    tx, step = sparse_step(cfg.rows)
+    params = _table_jax(cfg)
+    return JaxStepper(
+        jax.jit(step, donate_argnums=(0, 1)),
+        params,
+        tx.init(params),
+        [(ids, batches.values) for ids in batches.ids],
+    )
+
+
+def make_torch_sparse_adam(cfg: Config, batches: Batches) -> Stepper:
+    """``torch.optim.SparseAdam`` on an uncoalesced COO gradient (it coalesces inside ``step``)."""
+    param = torch.nn.Parameter(torch.full((cfg.rows, cfg.width), 0.01, dtype=torch.float32))
+    opt = torch.optim.SparseAdam([param], lr=LEARNING_RATE)
+    ids = [torch.from_numpy(i).long()[None] for i in batches.ids]
+    values = torch.from_numpy(batches.values)
+    size = (cfg.rows, cfg.width)
+
+    def run(i: int) -> None:
+        param.grad = torch.sparse_coo_tensor(ids[i % len(ids)], values, size, check_invariants=False)
+        opt.step()
+
+    return run
+
+
+def make_torch_sparse_adam_1t(cfg: Config, batches: Batches) -> Stepper:
+    """``torch.optim.SparseAdam`` as above, on one thread.
+
+    With every core in use, ``torch.set_num_threads(cores)`` leaves PyTorch's
+    threads waiting on each other whenever another process holds a core; on a
+    shared machine one thread gives the steadier figure.
+    """
+    step = make_torch_sparse_adam(cfg, batches)
+
+    def run(i: int) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            step(i)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+def make_torch_adam(cfg: Config, batches: Batches) -> Stepper:
+    """``torch.optim.Adam`` on a dense gradient."""
+    param = torch.nn.Parameter(torch.full((cfg.rows, cfg.width), 0.01, dtype=torch.float32))
+    opt = torch.optim.Adam([param], lr=LEARNING_RATE)
+    param.grad = _dense_grad_torch(cfg, batches)
+
+    def run(i: int) -> None:
+        del i
+        opt.step()
+
+    return run
+
+
+CONTENDERS: tuple[Contender, ...] = (
+    Contender("osa_sparse", "optax_sparse_adam, sparse (IndexedRows)", False, 3, make_osa_sparse),
+    Contender("torch_sparse_adam", "torch.optim.SparseAdam", False, 3, make_torch_sparse_adam),
+    Contender("torch_sparse_adam_1t", "torch.optim.SparseAdam, 1 thread", False, 3, make_torch_sparse_adam_1t),
+    Contender("optax_adam", "optax.adam (dense)", True, 5, make_optax_adam),
+    Contender("osa_dense", "optax_sparse_adam, dense (lazy_dense=True)", True, 5, make_osa_dense),
+    Contender("torch_adam", "torch.optim.Adam (dense)", True, 5, make_torch_adam),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingPlan:
+    """How many steps to run.
+
+    Attributes:
+      warmup: Untimed steps first (compilation, first-touch page faults, lazy
+        state); a slow contender stops after two once those after the first
+        have taken half of ``budget_s``.
+      timed: Timed steps for a fast contender.
+      min_timed: Fewest timed steps for a slow one.
+      budget_s: Seconds of timed steps a slow contender gets (its step count is
+        cut to fit, down to ``min_timed``).
+      rounds: The timed steps are split into this many rounds; contenders that
+        share memory take turns round by round, so that drifting load on a
+        shared machine hits them alike.
+    """
+
+    warmup: int
+    timed: int
+    min_timed: int
+    budget_s: float
+    rounds: int
+
+
+def _timed(stepper: Stepper, i: int) -> float:
+    start = time.perf_counter()
+    stepper(i)
+    return time.perf_counter() - start
+
+
+def time_steppers(steppers: dict[str, Stepper], plan: TimingPlan) -> dict[str, list[float]]:
+    """Times each stepper's steps in seconds, interleaving them round by round."""
+    counts: dict[str, int] = {}
+    for name, stepper in steppers.items():
+        warm: list[float] = []
+        while len(warm) < plan.warmup and (len(warm) < 2 or sum(warm[1:]) < plan.budget_s / 2):
+            warm.append(_timed(stepper, len(warm)))
+        # The first warm-up step compiles; the fastest of the others estimates a step.
+        estimate = min(warm[1:] or warm or [0.0])
+        fit = int(plan.budget_s / estimate) if estimate > 0 else plan.timed
+        counts[name] = max(plan.min_timed, min(plan.timed, fit))
+    samples: dict[str, list[float]] = {name: [] for name in steppers}
+    for r in range(plan.rounds):
+        for name, stepper in steppers.items():
+            todo = counts[name] * (r + 1) // plan.rounds - len(samples[name])
+            for _ in range(todo):
+                samples[name].append(_timed(stepper, plan.warmup + len(samples[name])))
+    return samples
+
+
+def release() -> None:
+    """Frees what dropped steppers held."""
+    gc.collect()

@@ -1,0 +1,36 @@
+"""The benchmark runs end to end at tiny sizes and writes its report (its timings are not checked)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_smoke_writes_report(tmp_path: pathlib.Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    table = (tmp_path / "results.md").read_text()
+    assert "| configuration |" in table
+    assert "## End-to-end train step" in table
+    for name in ("step_time_vs_rows.png", "step_time_vs_batch.png", "step_time_vs_width.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["smoke"] is True
+    assert doc["configs"]
+    for record in doc["configs"]:
+        assert set(record["results"]) == set(doc["contenders"])
+    assert doc["compiles_once"]["traces"] == 1
