@@ -116,16 +116,13 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     k = flat.shape[0]
     valid = (flat >= 0) & (flat < num_rows)
     keys = jnp.where(valid, flat, num_rows).astype(jnp.int32)
-    pos = jnp.arange(k, dtype=jnp.int32)
-    rep = _rows.representatives(keys[:, None], valid)
-    is_rep = rep == pos
-    # Pack the distinct ids into the leading slots, so that the optimizer stops
+    # The distinct ids go into the leading slots, so that the optimizer stops
     # after the last one (see for_each_chunk).
-    slot = jnp.cumsum(is_rep, dtype=jnp.int32) - 1
-    indices = jnp.full((k,), num_rows, jnp.int32).at[jnp.where(is_rep, slot, k)].set(keys, mode="drop")
+    target, packed = _rows.pack_distinct(keys[:, None], valid, _rows.padding_key(table.shape, 1))
+    indices = packed[:, 0]
     rows = table.at[indices].get(mode="fill", fill_value=0)
     # A padding id reads the last slot, which is padding (a zero row) whenever there is a padding id.
-    inverse = jnp.where(valid, slot.at[rep].get(mode="fill", fill_value=0), k - 1).reshape(ids.shape)
+    inverse = jnp.where(valid, target, k - 1).reshape(ids.shape)
     return RowLookup(indices, rows, inverse, num_rows)
 
 

@@ -232,7 +232,7 @@ def to_sparse_leaf(leaf: IndexedRows | jsparse.BCOO, param_shape: tuple[int, ...
         raise _error(TypeError, where, path, f"sparse values must be floating point, got dtype {values.dtype}")
     keys = keys.astype(jnp.int32)
     n_sparse = keys.shape[1]
-    dims = jnp.asarray(np.array(param_shape[:n_sparse], dtype=np.int32))[None, :]
+    dims = padding_key(param_shape, n_sparse)
     valid = jnp.all((keys >= 0) & (keys < dims), axis=1)
     keys = jnp.where(valid[:, None], keys, dims)
     return SparseLeaf(keys, values, param_shape, unique, unique, declared_sorted, bcoo, sorted=declared_sorted)
@@ -300,15 +300,36 @@ def coalesce(leaf: SparseLeaf) -> SparseLeaf:
     """
     if leaf.unique:
         return leaf
-    k = leaf.keys.shape[0]
-    rep = representatives(leaf.keys, leaf.valid())
+    target, keys = pack_distinct(leaf.keys, leaf.valid(), padding_key(leaf.shape, leaf.n_sparse))
+    values = jnp.zeros_like(leaf.values).at[target].add(leaf.values, mode="drop")
+    return leaf._replace(keys=keys, values=values, unique=True, sorted=False)
+
+
+def padding_key(shape: tuple[int, ...], n_sparse: int) -> jax.Array:
+    """The ``(1, n_sparse)`` key that marks padding: ``shape[:n_sparse]``, out of range on every axis."""
+    return jnp.asarray(np.array(shape[:n_sparse], dtype=np.int32))[None, :]
+
+
+def pack_distinct(keys: jax.Array, valid: jax.Array, pad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Gives each distinct valid key one slot, the slots packed first.
+
+    Args:
+      keys: ``(k, s)`` int32 keys.
+      valid: ``(k,)`` bool, False for padding entries.
+      pad: ``(1, s)`` key for the slots after the distinct keys.
+
+    Returns:
+      ``(target, packed)``: ``target[i]`` is the slot of entry ``i``'s key
+      (``k`` for padding); ``packed`` holds each distinct key once, in its slot,
+      and ``pad`` in the slots after the last one.
+    """
+    k = keys.shape[0]
+    rep = representatives(keys, valid)
     is_rep = rep == jnp.arange(k, dtype=jnp.int32)
     slot = jnp.cumsum(is_rep, dtype=jnp.int32) - 1  # packed slot of each representative
     target = jnp.where(rep < k, slot.at[rep].get(mode="fill", fill_value=k), k)
-    values = jnp.zeros_like(leaf.values).at[target].add(leaf.values, mode="drop")
-    dims = jnp.asarray(np.array(leaf.shape[: leaf.n_sparse], dtype=np.int32))[None, :]
-    keys = jnp.broadcast_to(dims, leaf.keys.shape).at[jnp.where(is_rep, slot, k)].set(leaf.keys, mode="drop")
-    return leaf._replace(keys=keys, values=values, unique=True, sorted=False)
+    packed = jnp.broadcast_to(pad, keys.shape).at[jnp.where(is_rep, slot, k)].set(keys, mode="drop")
+    return target, packed
 
 
 def _chunk_size(k: int) -> int:
