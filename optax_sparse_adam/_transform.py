@@ -285,7 +285,7 @@ def scale_by_sparse_adam(
         _check_state(state)
         count = optax.safe_increment(state.count)
 
-        def check(path: Any, g: Any, m: Any, v: Any, lazy: Any) -> tuple[Any, Any, Any]:
+        def check(path: Any, g: Any, m: Any, v: Any, lazy: Any, *p: Any) -> tuple[Any, Any, Any]:
             """The leaf's gradient, ``mu`` and ``nu`` if it takes the plain dense rule, else ``None``s."""
             if g is None:
                 return None, None, None
@@ -295,6 +295,14 @@ def scale_by_sparse_adam(
                     _WHERE,
                     path,
                     f"the gradient is a leaf but the optimizer state holds a subtree {jax.tree.structure(m)}",
+                )
+            if p and p[0] is not None and jnp.shape(p[0]) != m.shape:
+                raise param_error(
+                    ValueError,
+                    _WHERE,
+                    path,
+                    f"the optimizer state's mu has shape {m.shape} but the parameter has shape {jnp.shape(p[0])}: "
+                    "the state was built for other parameters; build it with `tx.init(params)`",
                 )
             if is_sparse(g):
                 return None, None, None
@@ -326,7 +334,8 @@ def scale_by_sparse_adam(
 
         lazy = _lazy_tree(lazy_dense, params if params is not None else updates, _WHERE)
         leaves = [(state.mu, "optimizer state's mu"), (state.nu, "optimizer state's nu"), (lazy, "lazy_dense mask")]
-        plain_g, plain_m, plain_v = map_leaves(check, updates, leaves, where=_WHERE, tree_name="gradient", n_out=3)
+        with_params = leaves + ([] if params is None else [(params, "parameters")])
+        plain_g, plain_m, plain_v = map_leaves(check, updates, with_params, where=_WHERE, tree_name="gradient", n_out=3)
         dense = _dense_adam(plain_g, plain_m, plain_v, state.count, adam)  # all at once, as optax.adam does
         leaves += [(tree, "dense step") for tree in dense]
         updates, mu, nu = map_leaves(leaf_rule, updates, leaves, where=_WHERE, tree_name="gradient", n_out=3)
