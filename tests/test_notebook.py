@@ -67,7 +67,7 @@ def execute(nb: nbformat.NotebookNode, cwd: pathlib.Path, env: dict[str, str]) -
     (kernel_dir / "kernel.json").write_text(json.dumps(spec))
     specs = KernelSpecManager(kernel_dirs=[str(kernel_dir.parent)], ensure_native_kernel=False)
     km = AsyncKernelManager(kernel_name=kernel_dir.name, kernel_spec_manager=specs)
-    client = NotebookClient(nb, km=km, timeout=600, record_timing=False, resources={"metadata": {"path": str(cwd)}})
+    client = NotebookClient(nb, km=km, timeout=1800, record_timing=False, resources={"metadata": {"path": str(cwd)}})
     return client.execute(cleanup_kc=True, env=env)
 
 
