@@ -18,7 +18,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_sparse_adam import _rows
+from optax_sparse_adam._coalesce import pack_distinct
+from optax_sparse_adam._indexed_rows import IndexedRows
+from optax_sparse_adam._keys import padding_key
+from optax_sparse_adam._tree import broadcast_rows, path_str
 
 __all__ = ["RowLookup", "lookup", "value_and_row_grad"]
 
@@ -46,7 +49,7 @@ class RowLookup:
     inverse: jax.Array
     num_rows: int
 
-    def grad(self, d_rows: jax.Array) -> _rows.IndexedRows:
+    def grad(self, d_rows: jax.Array) -> IndexedRows:
         """The table's gradient, given the gradient ``d_rows`` of a loss with respect to ``rows``.
 
         Args:
@@ -60,9 +63,9 @@ class RowLookup:
         d_rows = jnp.asarray(d_rows)
         if d_rows.shape != self.rows.shape:
             raise ValueError(f"RowLookup.grad: d_rows has shape {d_rows.shape}, expected {self.rows.shape}")
-        valid = _rows._expand(self.indices < self.num_rows, d_rows.ndim)
+        valid = broadcast_rows(self.indices < self.num_rows, d_rows.ndim)
         values = jnp.where(valid, d_rows, jnp.zeros((), d_rows.dtype))
-        return _rows.IndexedRows(self.indices, values, self.num_rows, unique_indices=True)
+        return IndexedRows(self.indices, values, self.num_rows, unique_indices=True)
 
 
 jax.tree_util.register_dataclass(RowLookup, data_fields=["indices", "rows", "inverse"], meta_fields=["num_rows"])
@@ -118,7 +121,7 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     keys = jnp.where(valid, flat, num_rows).astype(jnp.int32)
     # The distinct ids go into the leading slots, so that the optimizer stops
     # after the last one (see for_each_chunk).
-    target, packed = _rows.pack_distinct(keys[:, None], valid, _rows.padding_key(table.shape, 1))
+    target, packed = pack_distinct(keys[:, None], valid, padding_key(table.shape, 1))
     indices = packed[:, 0]
     rows = table.at[indices].get(mode="fill", fill_value=0)
     # A padding id reads the last slot, which is padding (a zero row) whenever there is a padding id.
@@ -199,7 +202,7 @@ def value_and_row_grad(
         treedef: Any  # jax's PyTreeDef, which type checkers do not see
         id_treedef: Any
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-        paths = [_rows.path_str(path) for path, _ in path_leaves]
+        paths = [path_str(path) for path, _ in path_leaves]
         leaves = [leaf for _, leaf in path_leaves]
         selected = jax.tree.leaves(tables(treedef.unflatten([_Slot(i) for i in range(len(leaves))])))
         for s in selected:
