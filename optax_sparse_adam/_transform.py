@@ -361,12 +361,32 @@ def sparse_adam(
     Sparse gradient leaves (:class:`IndexedRows`, BCOO) update only the rows
     they touch, in parameters and in both moments, so a step costs
     O(touched rows). Dense leaves get exactly :func:`optax.adam`, or the lazy
-    rule where ``lazy_dense`` selects them. See :func:`scale_by_sparse_adam`
-    for the update rule:
+    rule where ``lazy_dense`` selects them.
+
+    Let :math:`\alpha_t` represent the learning rate and :math:`\beta_1,
+    \beta_2, \varepsilon, \bar{\varepsilon}` the arguments ``b1``, ``b2``,
+    ``eps`` and ``eps_root``. Let :math:`g_t` be the gradient, with its
+    duplicate entries summed, and :math:`S_t` the rows (or entries) it
+    touches: every row of a dense leaf, the in-range keys of a sparse leaf,
+    the rows holding a nonzero of a ``lazy_dense`` leaf. With
+    :math:`m_0 = v_0 = 0`, at step :math:`t`, for the rows in :math:`S_t`:
 
     .. math::
 
-      p_S \leftarrow p_S - \alpha_t \, u_S.
+      \begin{align*}
+        m_t &\leftarrow \beta_1 \cdot m_{t-1} + (1-\beta_1) \cdot g_t \\
+        v_t &\leftarrow \beta_2 \cdot v_{t-1} + (1-\beta_2) \cdot |g_t|^2 \\
+        \hat{m}_t &\leftarrow m_t / {(1-\beta_1^t)} \\
+        \hat{v}_t &\leftarrow v_t / {(1-\beta_2^t)} \\
+        p_t &\leftarrow p_{t-1} - \alpha_t \cdot \hat{m}_t / \left({\sqrt{\hat{v}_t +
+          \bar{\varepsilon}} + \varepsilon} \right)
+      \end{align*}
+
+    and :math:`m, v, p` are unchanged outside :math:`S_t`. The step count
+    :math:`t` is global and advances on every call. With
+    ``eps_placement="torch"`` the last line is ``torch.optim.SparseAdam``'s,
+    :math:`p_t \leftarrow p_{t-1} - \alpha_t \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}
+    \, m_t / (\sqrt{v_t + \bar{\varepsilon}} + \varepsilon)`.
 
     Args:
       learning_rate: A float or an optax schedule.
