@@ -50,10 +50,11 @@ def _moments(g: jax.Array, m: jax.Array, v: jax.Array, adam: _Adam) -> tuple[jax
 
 def _step(m: jax.Array, v: jax.Array, count: jax.Array, adam: _Adam) -> jax.Array:
     """Adam's step from the new moments, for either placement of ``eps``."""
-    bc1, bc2 = 1 - adam.b1**count, 1 - adam.b2**count  # optax's bias corrections, in float32
     if adam.eps_placement == "optax":
-        return (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + adam.eps_root) + adam.eps)
-    scale = jnp.sqrt(bc2) / bc1
+        m_hat = optax.tree.bias_correction(m, adam.b1, count)
+        v_hat = optax.tree.bias_correction(v, adam.b2, count)
+        return m_hat / (jnp.sqrt(v_hat + adam.eps_root) + adam.eps)
+    scale = jnp.sqrt(1 - adam.b2**count) / (1 - adam.b1**count)
     return scale.astype(m.dtype) * m / (jnp.sqrt(v + adam.eps_root) + adam.eps)
 
 
