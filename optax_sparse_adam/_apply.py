@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam import _rows
+from optax_sparse_adam import _native, _rows
 
 __all__ = ["apply_updates"]
 
@@ -46,7 +47,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
             out.append(p)
         elif _rows.is_sparse(u):
             p = jnp.asarray(p)
-            out.append(_rows.to_sparse_leaf(u, p.shape, path, "apply_updates").add_to(p))
+            out.append(add_rows(p, _rows.to_sparse_leaf(u, p.shape, path, "apply_updates")))
         else:
             p, u = jnp.asarray(p), jnp.asarray(u)
             if u.shape != p.shape:
@@ -56,3 +57,10 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
                 )
             out.append(jnp.asarray(p + u).astype(p.dtype))
     return treedef.unflatten(out)
+
+
+def add_rows(p: jax.Array, leaf: _rows.SparseLeaf) -> jax.Array:
+    """``p`` plus a sparse leaf: the native scatter-add on the CPU where it applies, else XLA's."""
+    if not _native.supports(p.shape, leaf.n_sparse, p.dtype, leaf.values.dtype):
+        return leaf.add_to(p)
+    return _native.select(lambda: _native.scatter_add(p, leaf.keys[:, 0], leaf.values), lambda: leaf.add_to(p))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_sparse_adam import _rows
+from optax_sparse_adam import _fused, _native, _rows
 from optax_sparse_adam._compat import sparse_aware
 
 __all__ = ["scale_by_sparse_adam", "sparse_adam"]
@@ -170,6 +170,48 @@ def scale_by_sparse_adam(
                 step = jnp.where(touched, step, jnp.zeros((), step.dtype))
             return m, v, step
 
+        def sparse_rows_xla(sp: _rows.SparseLeaf, m: Any, v: Any, m_dtype: Any) -> tuple[_rows.SparseLeaf, Any, Any]:
+            """The sparse leaf rule in XLA: the coalesced leaf of step rows, and the new ``m``, ``v``."""
+            sp = _rows.coalesce(sp)
+
+            def rows_update(start: Any, chunk: _rows.SparseLeaf, carry: Any) -> Any:
+                m, v, out = carry
+                idx = chunk.row_index()
+                m_rows = m.at[idx].get(mode="fill", fill_value=0)
+                v_rows = v.at[idx].get(mode="fill", fill_value=0)
+                new_m, new_v, step = moments(chunk.values, m_rows, v_rows)
+                valid = _rows._expand(chunk.valid(), step.ndim)
+                step = jnp.where(valid, step, jnp.zeros((), step.dtype)).astype(out.dtype)
+                return (
+                    m.at[idx].set(new_m.astype(m_dtype), mode="drop"),
+                    v.at[idx].set(new_v.astype(v.dtype), mode="drop"),
+                    jax.lax.dynamic_update_slice_in_dim(out, step, start, 0),
+                )
+
+            m, v, out = _rows.for_each_chunk(sp, rows_update, (m, v, jnp.zeros_like(sp.values)))
+            return sp.replace_values(out), m, v
+
+        def sparse_update(sp: _rows.SparseLeaf, m: Any, v: Any, m_dtype: Any) -> tuple[Any, Any, Any]:
+            """The sparse leaf rule: the native CPU kernel where it applies (see ``_native``), else XLA."""
+            if not _native.supports(m.shape, sp.n_sparse, m.dtype, m_dtype, v.dtype, sp.values.dtype):
+                leaf, m, v = sparse_rows_xla(sp, m, v, m_dtype)
+                return leaf.to_leaf(), m, v
+            scalars = _native.adam_scalars(b1, b2, eps, eps_root, bc1, bc2)
+            flags = {"torch_eps": eps_placement == "torch", "maximize": maximize, "unique": sp.unique}
+
+            def native() -> tuple[jax.Array, ...]:
+                new_m, new_v, keys, step = _native.sparse_adam_rows(m, v, sp.keys[:, 0], sp.values, scalars, **flags)
+                return keys[:, None], step, new_m, new_v
+
+            def xla() -> tuple[jax.Array, ...]:
+                leaf, new_m, new_v = sparse_rows_xla(sp, m, v, m_dtype)
+                return leaf.keys, leaf.values, new_m, new_v
+
+            keys, step, m, v = _native.select(native, xla)
+            # As coalesce leaves it: distinct keys packed first, or a unique leaf's keys in place.
+            leaf = sp._replace(keys=keys, values=step, unique=True, sorted=sp.unique and sp.sorted)
+            return leaf.to_leaf(), m, v
+
         def leaf_update(path: Any, g: Any, m: Any, v: Any, lazy: Any) -> tuple[Any, Any, Any]:
             if g is None:
                 return None, m, v
@@ -181,24 +223,7 @@ def scale_by_sparse_adam(
             m, v = jnp.asarray(m), jnp.asarray(v)
             m_dtype = m.dtype if mu_dtype is None else mu_dtype
             if _rows.is_sparse(g):
-                sp = _rows.coalesce(_rows.to_sparse_leaf(g, m.shape, path, _WHERE))
-
-                def rows_update(start: Any, chunk: _rows.SparseLeaf, carry: Any) -> Any:
-                    m, v, out = carry
-                    idx = chunk.row_index()
-                    m_rows = m.at[idx].get(mode="fill", fill_value=0)
-                    v_rows = v.at[idx].get(mode="fill", fill_value=0)
-                    new_m, new_v, step = moments(chunk.values, m_rows, v_rows)
-                    valid = _rows._expand(chunk.valid(), step.ndim)
-                    step = jnp.where(valid, step, jnp.zeros((), step.dtype)).astype(out.dtype)
-                    return (
-                        m.at[idx].set(new_m.astype(m_dtype), mode="drop"),
-                        v.at[idx].set(new_v.astype(v.dtype), mode="drop"),
-                        jax.lax.dynamic_update_slice_in_dim(out, step, start, 0),
-                    )
-
-                m, v, out = _rows.for_each_chunk(sp, rows_update, (m, v, jnp.zeros_like(sp.values)))
-                return sp.replace_values(out).to_leaf(), m, v
+                return sparse_update(_rows.to_sparse_leaf(g, m.shape, path, _WHERE), m, v, m_dtype)
             g = jnp.asarray(g)
             if g.shape != m.shape:
                 raise ValueError(
@@ -309,7 +334,7 @@ def sparse_adam(
       <https://arxiv.org/abs/1412.6980>`_, 2014.
     """
     _check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
-    return optax.chain(
+    tx = optax.chain(
         scale_by_sparse_adam(
             b1=b1,
             b2=b2,
@@ -323,3 +348,6 @@ def sparse_adam(
         # A scale is linear per entry: no need to sum duplicates first.
         sparse_aware(optax.scale_by_learning_rate(learning_rate), coalesce=False),
     )
+    # update_and_apply may fuse this chain into one pass per row.
+    _fused.register(tx, _fused.FusedSpec(learning_rate, b1, b2, eps, eps_root, maximize, eps_placement))
+    return tx
