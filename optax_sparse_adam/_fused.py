@@ -8,8 +8,11 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from optax_sparse_adam import _native, _rows
+from optax_sparse_adam import _native
 from optax_sparse_adam._apply import apply_updates
+from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._keys import SparseLeaf, to_sparse_leaf
+from optax_sparse_adam._tree import is_leaf
 
 __all__ = ["update_and_apply"]
 
@@ -92,7 +95,7 @@ def update_and_apply(
         updates, state = tx.update(grads, state, params)
         return apply_updates(params, updates), state
 
-    grad_leaves, treedef = _rows.flatten(grads)
+    grad_leaves, treedef = _flatten(grads)
     # Everything else takes the plain path: the step count and a schedule's count advance there.
     rest = treedef.unflatten([None if i in fused else g for i, (_, g) in enumerate(grad_leaves)])
     updates, new_state = tx.update(rest, state, params)
@@ -118,7 +121,7 @@ def update_and_apply(
                 scalars,
                 torch_eps=spec.eps_placement == "torch",
                 maximize=spec.maximize,
-                unique=sp.unique,
+                unique=sp.distinct,
             )
             for i, sp in fused.items()
         ]
@@ -140,19 +143,30 @@ def update_and_apply(
     return treedef.unflatten(out_p), (adam_state, *new_state[1:])
 
 
-def _fusable_leaves(grads: Any, state: Any, params: Any) -> dict[int, _rows.SparseLeaf]:
-    """The sparse gradient leaves the fused kernel handles, by position, validated."""
-    grad_leaves, treedef = _rows.flatten(grads)
-    p_leaves = _rows.flatten_up_to(treedef, params, "update_and_apply", "parameters")
-    m_leaves = _rows.flatten_up_to(treedef, state[0].mu, "update_and_apply", "optimizer state's mu")
-    v_leaves = _rows.flatten_up_to(treedef, state[0].nu, "update_and_apply", "optimizer state's nu")
+def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """``(path, leaf)`` pairs and the treedef, sparse leaves and ``None`` as leaves."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+
+
+def _fusable_leaves(grads: Any, state: Any, params: Any) -> dict[int, SparseLeaf]:
+    """The sparse gradient leaves the fused kernel handles, by position, validated.
+
+    Trees that do not match, or a state of another shape, give none: the two plain calls then report them.
+    """
+    grad_leaves, treedef = _flatten(grads)
+    try:
+        p_leaves = treedef.flatten_up_to(params)
+        m_leaves = treedef.flatten_up_to(state[0].mu)
+        v_leaves = treedef.flatten_up_to(state[0].nu)
+    except (ValueError, TypeError, AttributeError, IndexError):
+        return {}
     fused = {}
     for i, ((path, g), p, m, v) in enumerate(zip(grad_leaves, p_leaves, m_leaves, v_leaves, strict=True)):
-        if not (_rows.is_sparse(g) and all(isinstance(x, jax.Array) for x in (p, m, v))):
+        if not (is_sparse(g) and all(isinstance(x, jax.Array) for x in (p, m, v))):
             continue
         if not p.shape == m.shape == v.shape:
-            continue  # the plain path reports it
-        sp = _rows.to_sparse_leaf(g, p.shape, path, "scale_by_sparse_adam")
+            continue
+        sp = to_sparse_leaf(g, p.shape, path, "scale_by_sparse_adam")
         if _native.supports(p.shape, sp.n_sparse, p.dtype, m.dtype, v.dtype, sp.values.dtype):
             fused[i] = sp
     return fused
