@@ -273,7 +273,8 @@ def _by_row_shards(fn: Callable[..., tuple[jax.Array, ...]], rule: str, summed: 
         sharding_rule=rule,
         need_replication_factors=tuple(f for f in ("w", "k", "s") if f in rule.split()),
     )
-    return call
+    # Under vmap (custom_partitioning has no batching rule), one call per batch element, in a loop.
+    return jax.custom_batching.sequential_vmap(call)
 
 
 def sparse_adam_rows(

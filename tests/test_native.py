@@ -288,3 +288,20 @@ def test_row_sharded_table_stays_sharded_on_both_calls():
     for a, b in (outs[:2], outs[2:]):
         chex.assert_trees_all_equal(a, b)
     np.testing.assert_array_max_ulp(np.asarray(outs[0][0]), np.asarray(outs[2][0]), maxulp=1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [False, True])
+def test_vmapped_step_equals_xla(fused):
+    """Under vmap the kernel runs once per batch element (no batching rule is needed from the caller)."""
+    tx = osa.sparse_adam(0.1)
+    step = _step_fn(tx, fused)
+    tables = jnp.linspace(-1.0, 1.0, 2 * NUM_ROWS * WIDTH, dtype=jnp.float32).reshape(2, NUM_ROWS, WIDTH)
+    ids = jnp.asarray([[1, 1, 2, -1], [3, NUM_ROWS, 3, 5]], jnp.int32)
+    values = jnp.ones((2, 4, WIDTH), jnp.float32)
+    outs = []
+    for kernels in (True, False):
+        with osa.use_kernels(kernels):
+            outs.append(jax.jit(jax.vmap(step))(tables, jax.vmap(tx.init)(tables), ids, values))
+    chex.assert_trees_all_equal(outs[0][1], outs[1][1])
+    np.testing.assert_array_max_ulp(np.asarray(outs[0][0]), np.asarray(outs[1][0]), maxulp=1)
