@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(wildcard optax_sparse_adam/csrc/*)
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=..."; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest -n 2
+	OPTAX_SPARSE_ADAM_REQUIRE_KERNELS=1 $(PY) -m pytest -n 2
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

@@ -60,10 +60,14 @@ def count_label(n: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Batches:
-    """A pool of id batches for one configuration, cycled through by the steppers.
+    """Id batches for one configuration, one per step: as many as a contender runs steps, so each is fresh.
+
+    Every contender sees the same sequence on its own table, so no contender's
+    rows are warm in the cache from a batch it saw before (the pool only
+    cycles past the steps of a timing plan).
 
     Attributes:
-      ids: ``int32`` arrays of shape ``(batch,)``, one per pool entry.
+      ids: ``int32`` arrays of shape ``(batch,)``, one per step.
       values: The ``(batch, width)`` float32 gradient rows, shared by every entry
         (their content does not change the cost of a step).
       distinct: Mean number of distinct ids per batch.
@@ -115,6 +119,7 @@ class Contender(NamedTuple):
         are skipped where those arrays do not fit).
       tables: About how many table-sized arrays it holds while it runs.
       make: Builds the stepper for a configuration.
+      native: Whether it needs the library's native CPU kernels (skipped where they were not built).
     """
 
     name: str
@@ -122,22 +127,34 @@ class Contender(NamedTuple):
     dense: bool
     tables: int
     make: Callable[[Config, Batches], Stepper]
+    native: bool = False
 
 
 class JaxStepper:
     """Runs a jitted, donated ``step(params, state, *inputs) -> (params, state)``.
 
     The inputs of step ``i`` are ``inputs[i % len(inputs)]``, placed on the
-    device beforehand so that no host transfer is timed.
+    device beforehand so that no host transfer is timed. ``kernels`` chooses
+    the library's native CPU kernels or its XLA path (``osa.use_kernels``),
+    for tracing and for every call, as jit's cache keys on it.
     """
 
-    def __init__(self, step: Callable[..., Any], params: Any, state: Any, inputs: Sequence[tuple[Any, ...]]):
+    def __init__(
+        self,
+        step: Callable[..., Any],
+        params: Any,
+        state: Any,
+        inputs: Sequence[tuple[Any, ...]],
+        kernels: bool = True,
+    ):
         self._step = step
         self._params, self._state = params, state
         self._inputs = [tuple(jax.device_put(x) for x in args) for args in inputs]
+        self._kernels = kernels
 
     def __call__(self, i: int) -> None:
-        self._params, self._state = self._step(self._params, self._state, *self._inputs[i % len(self._inputs)])
+        with osa.use_kernels(self._kernels):
+            self._params, self._state = self._step(self._params, self._state, *self._inputs[i % len(self._inputs)])
         jax.block_until_ready((self._params, self._state))
 
 
@@ -184,27 +201,58 @@ def make_osa_dense(cfg: Config, batches: Batches) -> Stepper:
     return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), [(_dense_grad_jax(cfg, batches),)])
 
 
-def sparse_step(num_rows: int) -> tuple[optax.GradientTransformation, Callable[..., Any]]:
-    """The library's sparse step on an ``IndexedRows`` gradient, and its transformation (not jitted)."""
+def sparse_step(num_rows: int, fused: bool = False) -> tuple[optax.GradientTransformation, Callable[..., Any]]:
+    """The library's sparse step on an ``IndexedRows`` gradient, and its transformation (not jitted).
+
+    ``fused``: ``osa.update_and_apply`` rather than ``tx.update`` and ``osa.apply_updates``.
+    """
     tx = osa.sparse_adam(LEARNING_RATE)
 
     def step(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
-        updates, state = tx.update(osa.IndexedRows(ids, values, num_rows), state)
+        grads = osa.IndexedRows(ids, values, num_rows)
+        if fused:
+            return osa.update_and_apply(tx, grads, state, params)
+        updates, state = tx.update(grads, state)
         return osa.apply_updates(params, updates), state
 
     return tx, step
 
 
-def make_osa_sparse(cfg: Config, batches: Batches) -> Stepper:
-    """This library on ``IndexedRows`` gradients, jitted with params and state donated."""
-    tx, step = sparse_step(cfg.rows)
+def _sparse_stepper(cfg: Config, batches: Batches, *, fused: bool, kernels: bool) -> Stepper:
+    tx, step = sparse_step(cfg.rows, fused)
     params = _table_jax(cfg)
-    return JaxStepper(
-        jax.jit(step, donate_argnums=(0, 1)),
-        params,
-        tx.init(params),
-        [(ids, batches.values) for ids in batches.ids],
-    )
+    inputs = [(ids, batches.values) for ids in batches.ids]
+    return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), inputs, kernels)
+
+
+def make_osa_sparse(cfg: Config, batches: Batches) -> Stepper:
+    """This library on ``IndexedRows`` gradients: ``tx.update`` + ``apply_updates`` on the native CPU kernels."""
+    return _sparse_stepper(cfg, batches, fused=False, kernels=True)
+
+
+def make_osa_fused(cfg: Config, batches: Batches) -> Stepper:
+    """``osa.update_and_apply``: one native pass per touched row for p, m and v."""
+    return _sparse_stepper(cfg, batches, fused=True, kernels=True)
+
+
+def make_osa_sparse_xla(cfg: Config, batches: Batches) -> Stepper:
+    """``tx.update`` + ``apply_updates`` on the portable XLA path (``osa.use_kernels(False)``)."""
+    return _sparse_stepper(cfg, batches, fused=False, kernels=False)
+
+
+def make_floor(cfg: Config, batches: Batches) -> Stepper:
+    """The memory floor: a native kernel that reads and writes the rows of p, m and v each id touches, nothing else."""
+    from optax_sparse_adam import _native
+
+    def step(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
+        m, v = state
+        params, m, v = _native.touch_rows(params, m, v, ids, values)
+        return params, (m, v)
+
+    params = _table_jax(cfg)
+    state = (jnp.zeros_like(params), jnp.zeros_like(params))
+    inputs = [(ids, batches.values) for ids in batches.ids]
+    return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, state, inputs)
 
 
 def make_torch_sparse_adam(cfg: Config, batches: Batches) -> Stepper:
@@ -222,26 +270,6 @@ def make_torch_sparse_adam(cfg: Config, batches: Batches) -> Stepper:
     return run
 
 
-def make_torch_sparse_adam_1t(cfg: Config, batches: Batches) -> Stepper:
-    """``torch.optim.SparseAdam`` as above, on one thread.
-
-    With every core in use, ``torch.set_num_threads(cores)`` leaves PyTorch's
-    threads waiting on each other whenever another process holds a core; on a
-    shared machine one thread gives the steadier figure.
-    """
-    step = make_torch_sparse_adam(cfg, batches)
-
-    def run(i: int) -> None:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            step(i)
-        finally:
-            torch.set_num_threads(threads)
-
-    return run
-
-
 def make_torch_adam(cfg: Config, batches: Batches) -> Stepper:
     """``torch.optim.Adam`` on a dense gradient."""
     param = torch.nn.Parameter(torch.full((cfg.rows, cfg.width), 0.01, dtype=torch.float32))
@@ -255,10 +283,16 @@ def make_torch_adam(cfg: Config, batches: Batches) -> Stepper:
     return run
 
 
+# PyTorch runs on the thread count the process set once (run.py --torch-threads); switching it per step
+# left its thread pools cold and made torch.optim.Adam 10x slower than its dense work.
 CONTENDERS: tuple[Contender, ...] = (
-    Contender("osa_sparse", "optax_sparse_adam, sparse (IndexedRows)", False, 3, make_osa_sparse),
+    Contender("osa_sparse", "optax_sparse_adam, native: tx.update + apply_updates", False, 3, make_osa_sparse, True),
+    Contender("osa_fused", "optax_sparse_adam, native: update_and_apply", False, 3, make_osa_fused, True),
+    Contender(
+        "osa_sparse_xla", "optax_sparse_adam, XLA path: tx.update + apply_updates", False, 3, make_osa_sparse_xla
+    ),
+    Contender("floor", "floor: touched rows of p, m, v read and written", False, 3, make_floor, True),
     Contender("torch_sparse_adam", "torch.optim.SparseAdam", False, 3, make_torch_sparse_adam),
-    Contender("torch_sparse_adam_1t", "torch.optim.SparseAdam, 1 thread", False, 3, make_torch_sparse_adam_1t),
     Contender("optax_adam", "optax.adam (dense)", True, 5, make_optax_adam),
     Contender("osa_dense", "optax_sparse_adam, dense (lazy_dense=True)", True, 5, make_osa_dense),
     Contender("torch_adam", "torch.optim.Adam (dense)", True, 5, make_torch_adam),

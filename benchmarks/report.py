@@ -26,23 +26,32 @@ import matplotlib.pyplot as plt
 
 STYLES: dict[str, dict[str, Any]] = {
     "osa_sparse": {"color": "tab:blue", "marker": "o"},
+    "osa_fused": {"color": "tab:cyan", "marker": "P"},
+    "osa_sparse_xla": {"color": "tab:blue", "marker": "o", "linestyle": "--", "markerfacecolor": "none"},
+    "floor": {"color": "black", "marker": "x", "linestyle": ":"},
     "torch_sparse_adam": {"color": "tab:orange", "marker": "s"},
-    "torch_sparse_adam_1t": {"color": "tab:orange", "marker": "s", "linestyle": "--", "markerfacecolor": "none"},
     "optax_adam": {"color": "tab:red", "marker": "^"},
     "osa_dense": {"color": "tab:purple", "marker": "v"},
     "torch_adam": {"color": "tab:brown", "marker": "D"},
 }
 SHORT = {
     "osa_sparse": "sparse path",
+    "osa_fused": "update_and_apply",
+    "osa_sparse_xla": "sparse path, XLA",
+    "floor": "floor",
     "torch_sparse_adam": "torch SparseAdam",
-    "torch_sparse_adam_1t": "torch SparseAdam 1 thread",
     "optax_adam": "optax.adam",
     "osa_dense": "dense path",
     "torch_adam": "torch Adam",
 }
-# The sparse contenders, and those each configuration's sparse path is compared with.
-SPARSE = ("osa_sparse", "torch_sparse_adam", "torch_sparse_adam_1t")
-COMPARED = ("torch_sparse_adam", "torch_sparse_adam_1t", "optax_adam")
+# The sparse contenders, and those each configuration's sparse path (native tx.update + apply_updates) is compared with.
+SPARSE = ("osa_sparse", "osa_fused", "osa_sparse_xla", "floor", "torch_sparse_adam")
+COMPARED = ("torch_sparse_adam", "optax_adam", "osa_sparse_xla", "floor")
+# The library's own steps, judged against the targets.
+OURS = ("osa_fused", "osa_sparse")
+TARGET_TORCH, TARGET_FLOOR, TARGET_FLAT = 4.0, 1.5, 1.5
+TARGET_OPTAX = {(10**6, 64, 8192, "zipf"): 50.0, (10**7, 64, 8192, "zipf"): 200.0}
+TARGET_E2E = 3.0
 # Plot file name to the sweeps it draws, one panel each.
 PLOTS = {
     "step_time_vs_rows.png": ("rows (zipf)", "rows (uniform)"),
@@ -177,13 +186,18 @@ def _method_lines(doc: dict[str, Any]) -> list[str]:
         f"steps that follow {plan['warmup']} untimed warm-up step(s), taken with `jax.block_until_ready` (JAX) or "
         f"on return (PyTorch). A slow dense contender runs fewer timed steps (at least {plan['min_timed']}, about "
         f"{plan['budget_s']:g} s in all).",
-        f"- torch SparseAdam and torch Adam run on `torch.set_num_threads({s['torch_threads']})`; torch SparseAdam "
-        "1 thread is the same step on one thread, steadier where other processes hold a core (with every core in "
-        "use, PyTorch's threads wait on each other whenever one of them is descheduled).",
+        f"- torch SparseAdam and torch Adam run on `torch.set_num_threads({s['torch_threads']})`, set once for the "
+        "process (run again with `--torch-threads 1` for one thread).",
+        f"- Sparse path: `tx.update` + `osa.apply_updates` on the native CPU kernels; update_and_apply: "
+        "`osa.update_and_apply` (one pass per touched row for p, m, v); sparse path, XLA: the same two calls inside "
+        f"`osa.use_kernels(False)`; floor: a native kernel that reads and writes the row of p, m and v of every id "
+        f"and does nothing else (kernel path of this run: {doc.get('kernel_path', 'xla')}).",
         f"- The contenders of one configuration that fit in {s['resident_gb']:g} GB together run in the same "
         f"process, taking turns in {plan['rounds']} round(s), so each ratio compares figures taken side by side.",
         "- Tables are float32. JAX steps are jitted with the parameters and the optimizer state donated. Each step "
-        f"sees the next of {s['pool']} pre-drawn batches of ids. Zipf ids: ranks drawn from Zipf(1.2) truncated to "
+        f"sees a fresh batch of ids: {s['pool']} batches are drawn per configuration, one per step (warm-up "
+        "included), the same sequence for every contender, each on its own table. Zipf ids:"
+        " ranks drawn from Zipf(1.2) truncated to "
         "the table, spread over it by a fixed bijective hash; uniform ids: uniform over the table. Dense "
         "contenders get the dense equivalent of one batch's gradient.",
         f"- Bytes touched by a sparse step: distinct rows x width x 4 bytes x {s['touched_arrays']} (read g, p, m, "
@@ -197,22 +211,33 @@ def _with_min(result: dict[str, Any] | None) -> str:
     return f"{_ms(result['median_ms'])} ({_ms(result['min_ms'])})"
 
 
-def _ratio_with_min(results: dict[str, dict[str, Any]], name: str) -> str:
-    slow, fast = results.get(name, {}), results["osa_sparse"]
-    if "median_ms" not in slow:
+def _ratio_with_min(results: dict[str, dict[str, Any]], slow_name: str, fast_name: str) -> str:
+    slow, fast = results.get(slow_name, {}), results.get(fast_name, {})
+    if "median_ms" not in slow or "median_ms" not in fast:
         return "-"
     return f"{_ratio(slow['median_ms'] / fast['median_ms'])} ({_ratio(slow['min_ms'] / fast['min_ms'])})"
 
 
+# Headline ratios: (slower, faster), read "slower / faster".
+HEADLINE_RATIOS = (
+    ("torch_sparse_adam", "osa_fused"),
+    ("torch_sparse_adam", "osa_sparse"),
+    ("optax_adam", "osa_fused"),
+    ("osa_fused", "floor"),
+    ("osa_sparse", "floor"),
+    ("osa_sparse_xla", "osa_fused"),
+)
+
+
 def _headline_lines(doc: dict[str, Any]) -> list[str]:
-    timed = ("osa_sparse", *COMPARED)
+    timed = ("osa_fused", "osa_sparse", "osa_sparse_xla", "floor", "torch_sparse_adam", "optax_adam")
     lines = [
         "| configuration | distinct rows | "
         + " | ".join(f"{SHORT[n]} (ms)" for n in timed)
         + " | "
-        + " | ".join(f"{SHORT[n]} / sparse path" for n in COMPARED)
+        + " | ".join(f"{SHORT[a]} / {SHORT[b]}" for a, b in HEADLINE_RATIOS)
         + " |",
-        "| --- | ---: | " + " | ".join("---:" for _ in timed + COMPARED) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in timed + HEADLINE_RATIOS) + " |",
     ]
     for r in _find(doc, "headline"):
         res = r["results"]
@@ -220,10 +245,109 @@ def _headline_lines(doc: dict[str, Any]) -> list[str]:
             f"| {_config_name(r['config'])} | {r['distinct']:.0f} | "
             + " | ".join(_with_min(res.get(n)) for n in timed)
             + " | "
-            + " | ".join(_ratio_with_min(res, n) for n in COMPARED)
+            + " | ".join(_ratio_with_min(res, a, b) for a, b in HEADLINE_RATIOS)
             + " |"
         )
     return lines
+
+
+def _median(result: dict[str, Any] | None) -> float | None:
+    return result["median_ms"] if result and "median_ms" in result else None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "**not measured**" if ok is None else "**met**" if ok else "**not met**"
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of the benchmark, with the figures that decide it (medians) and whether it is met."""
+    out: list[dict[str, Any]] = []
+    by_key = {
+        (c["config"]["rows"], c["config"]["width"], c["config"]["batch"], c["config"]["dist"]): c
+        for c in doc["configs"]
+    }
+    for r in _find(doc, "headline"):
+        res, name = r["results"], _config_name(r["config"])
+        for ours in OURS:
+            fast, torch_ms, floor = (
+                _median(res.get(ours)),
+                _median(res.get("torch_sparse_adam")),
+                _median(res.get("floor")),
+            )
+            ratio = None if fast is None or torch_ms is None else torch_ms / fast
+            out.append(
+                {
+                    "target": f">= {TARGET_TORCH:g}x torch SparseAdam, {SHORT[ours]}, {name}",
+                    "value": ratio,
+                    "met": None if ratio is None else ratio >= TARGET_TORCH,
+                }
+            )
+            over = None if fast is None or floor is None else fast / floor
+            out.append(
+                {
+                    "target": f"within {TARGET_FLOOR:g}x of the floor, {SHORT[ours]}, {name}",
+                    "value": over,
+                    "met": None if over is None else over <= TARGET_FLOOR,
+                }
+            )
+    for key, goal in TARGET_OPTAX.items():
+        r = by_key.get(key)
+        res = r["results"] if r else {}
+        fast, dense = _median(res.get("osa_fused")), _median(res.get("optax_adam"))
+        ratio = None if fast is None or dense is None else dense / fast
+        name = f"{count_label(key[0])} x {key[1]}, {key[2]} ids, {key[3]}"
+        out.append(
+            {
+                "target": f">= {goal:g}x optax.adam, update_and_apply, {name}",
+                "value": ratio,
+                "met": None if ratio is None else ratio >= goal,
+            }
+        )
+    for key, f in flatness(doc).items():
+        if any(key.endswith(n) for n in OURS):
+            out.append(
+                {
+                    "target": f"<= {TARGET_FLAT:g}x growth over table sizes (max / min), {key}",
+                    "value": f["max_over_min"],
+                    "met": f["max_over_min"] <= TARGET_FLAT,
+                }
+            )
+    e2e = doc.get("end_to_end", {}).get("ratios_vs_osa_sparse", {})
+    ratio = e2e.get("torch_sparse")
+    out.append(
+        {
+            "target": f">= {TARGET_E2E:g}x PyTorch end to end (fast path)",
+            "value": ratio,
+            "met": None if ratio is None else ratio >= TARGET_E2E,
+        }
+    )
+    return out
+
+
+def _target_lines(doc: dict[str, Any]) -> list[str]:
+    return [
+        f"- {t['target']}: {'-' if t['value'] is None else _ratio(t['value'])} {_verdict(t['met'])}"
+        for t in targets(doc)
+    ]
+
+
+def losses(doc: dict[str, Any]) -> list[str]:
+    """Every configuration where another contender beats the library's faster step (floor and XLA path aside)."""
+    out = []
+    for r in doc["configs"]:
+        res = r["results"]
+        ours = [m for m in (_median(res.get(n)) for n in OURS) if m is not None]
+        if not ours:
+            continue
+        best = min(ours)
+        for name in ("torch_sparse_adam", "optax_adam", "osa_dense", "torch_adam"):
+            t = _median(res.get(name))
+            if t is not None and t < best:
+                out.append(
+                    f"- {_config_name(r['config'])}: {SHORT[name]} {_ms(t)} ms against {_ms(best)} ms "
+                    f"({_ratio(best / t)} slower)"
+                )
+    return out or ["- none: the library's faster step wins every configuration measured"]
 
 
 def flatness(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -318,7 +442,13 @@ def _memory_lines(doc: dict[str, Any]) -> list[str]:
         "| step | temporary | temporary / one table | aliased (updated in place) |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for name, label in (("osa_sparse", "sparse path"), ("optax_adam", "optax.adam (dense gradient)")):
+    for name, label in (
+        ("osa_sparse", "sparse path"),
+        ("osa_fused", "update_and_apply"),
+        ("optax_adam", "optax.adam (dense gradient)"),
+    ):
+        if name not in m:
+            continue
         s = m[name]
         lines.append(
             f"| {label} | {_bytes(s['temp_bytes'])} | {100 * s['temp_fraction_of_table']:.2f}% "
@@ -364,13 +494,14 @@ def markdown(doc: dict[str, Any]) -> str:
             [
                 "## Headline: one optimizer step",
                 "",
-                "Targets: at least 2x faster than torch.optim.SparseAdam and 50x faster than optax.adam. "
                 "Median step time in ms, and in parentheses the fastest step (less sensitive to other load on a "
                 "shared machine); ratios likewise.",
                 "",
                 *_headline_lines(doc),
             ]
         )
+    sections.append(["## Targets (medians)", "", *_target_lines(doc)])
+    sections.append(["## Losses: where another step is faster", "", *losses(doc)])
     if _find(doc, "rows (zipf)") or _find(doc, "rows (uniform)"):
         sections.append(
             [
@@ -449,6 +580,7 @@ def plots(doc: dict[str, Any], out: pathlib.Path) -> None:
 def write_all(doc: dict[str, Any], out: pathlib.Path) -> None:
     """Writes ``results.json``, then ``results.md`` and the plots, into ``out``."""
     doc = {**doc, "flatness": flatness(doc)}
+    doc["targets"] = targets(doc)
     (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
     render(out)
 

@@ -130,7 +130,7 @@ def make_optax_dense(model: Model, data: Data) -> Stepper:
 
 
 def make_osa_fast(model: Model, data: Data) -> Stepper:
-    """This library's fast path: gradients with respect to the gathered rows, as ``IndexedRows``."""
+    """This library's fast path: gradients of the gathered rows as ``IndexedRows``, then ``update_and_apply``."""
     tx = osa.sparse_adam(LEARNING_RATE)
 
     def step(params: dict[str, Any], state: Any, ids: jax.Array, labels: jax.Array) -> tuple[dict[str, Any], Any]:
@@ -140,8 +140,7 @@ def make_osa_fast(model: Model, data: Data) -> Stepper:
             "table": osa.IndexedRows(ids.reshape(-1), d_rows.reshape(-1, model.width), model.rows),
             "mlp": d_mlp,
         }
-        updates, state = tx.update(grads, state)
-        return osa.apply_updates(params, updates), state
+        return osa.update_and_apply(tx, grads, state, params)
 
     params = _jax_params(data)
     return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), _jax_inputs(data))
@@ -159,8 +158,7 @@ def make_osa_row_grad(model: Model, data: Data) -> Stepper:
 
     def step(params: dict[str, Any], state: Any, ids: jax.Array, labels: jax.Array) -> tuple[dict[str, Any], Any]:
         _, grads = grad_fn(params, ids, labels)
-        updates, state = tx.update(grads, state)
-        return osa.apply_updates(params, updates), state
+        return osa.update_and_apply(tx, grads, state, params)
 
     params = _jax_params(data)
     return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), _jax_inputs(data))

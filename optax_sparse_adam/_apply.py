@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
+from optax_sparse_adam import _native
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._keys import to_sparse_leaf
+from optax_sparse_adam._keys import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._tree import map_leaves, param_error
 
 __all__ = ["apply_updates"]
@@ -22,13 +24,20 @@ def _apply_leaf(path: Any, u: Any, p: Any) -> tuple[Any]:
         return (p,)
     p = jnp.asarray(p)
     if is_sparse(u):
-        return (to_sparse_leaf(u, p.shape, path, _WHERE).add_to(p),)
+        return (add_rows(p, to_sparse_leaf(u, p.shape, path, _WHERE)),)
     u = jnp.asarray(u)
     if u.shape != p.shape:
         raise param_error(
             ValueError, _WHERE, path, f"update shape {u.shape} does not match the parameter shape {p.shape}"
         )
     return (jnp.asarray(p + u).astype(p.dtype),)
+
+
+def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
+    """``p`` plus a sparse leaf: the native scatter-add on the CPU where it applies, else XLA's."""
+    if not _native.supports(p.shape, leaf.n_sparse, p.dtype, leaf.values.dtype):
+        return leaf.add_to(p)
+    return _native.select(lambda: _native.scatter_add(p, leaf.keys[:, 0], leaf.values), lambda: leaf.add_to(p))
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_sparse_adam import _fused, _native
 from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._keys import SparseLeaf, for_each_chunk, to_sparse_leaf
@@ -122,6 +123,28 @@ def _sparse_adam(
 
     m, v, out = for_each_chunk(leaf, rows_update, (m, v, jnp.zeros_like(leaf.values)))
     return leaf._replace(values=out), m, v
+
+
+def _sparse_adam_rule(
+    leaf: SparseLeaf, m: jax.Array, v: jax.Array, count: jax.Array, adam: _Adam
+) -> tuple[SparseLeaf, jax.Array, jax.Array]:
+    """:func:`_sparse_adam` on the native CPU kernel where it applies (see ``_native``), else in XLA."""
+    if not _native.supports(m.shape, leaf.n_sparse, m.dtype, v.dtype, leaf.values.dtype):
+        return _sparse_adam(leaf, m, v, count, adam)
+    scalars = _native.adam_scalars(adam.b1, adam.b2, adam.eps, adam.eps_root, 1 - adam.b1**count, 1 - adam.b2**count)
+    flags = {"torch_eps": adam.eps_placement == "torch", "maximize": adam.maximize, "unique": leaf.distinct}
+
+    def native() -> tuple[jax.Array, ...]:
+        new_m, new_v, keys, step = _native.sparse_adam_rows(m, v, leaf.keys[:, 0], leaf.values, scalars, **flags)
+        return keys[:, None], step, new_m, new_v
+
+    def xla() -> tuple[jax.Array, ...]:
+        out, new_m, new_v = _sparse_adam(leaf, m, v, count, adam)
+        return out.keys, out.values, new_m, new_v
+
+    keys, step, new_m, new_v = _native.select(native, xla)
+    # As coalesce leaves it: distinct keys packed first, or a distinct leaf's keys in place.
+    return leaf._replace(keys=keys, values=step, distinct=True, sorted=leaf.distinct and leaf.sorted), new_m, new_v
 
 
 def _check_hparam(name: str, value: Any, *, lower: float, lower_open: bool, upper: float = math.inf) -> None:
@@ -326,7 +349,7 @@ def scale_by_sparse_adam(
                 return None, m, v
             if is_sparse(g):
                 leaf = to_sparse_leaf(g, jnp.shape(m), path, _WHERE, emits=True)
-                sparse, m, v = _sparse_adam(leaf, jnp.asarray(m), jnp.asarray(v), count, adam)
+                sparse, m, v = _sparse_adam_rule(leaf, jnp.asarray(m), jnp.asarray(v), count, adam)
                 return sparse.to_leaf(), m, v
             if lazy:
                 return _lazy_dense_adam(jnp.asarray(g), jnp.asarray(m), jnp.asarray(v), count, adam)
@@ -428,7 +451,7 @@ def sparse_adam(
       <https://arxiv.org/abs/1412.6980>`_, 2014.
     """
     _check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
-    return optax.chain(
+    tx = optax.chain(
         scale_by_sparse_adam(
             b1=b1,
             b2=b2,
@@ -441,3 +464,6 @@ def sparse_adam(
         ),
         sparse_aware(optax.scale_by_learning_rate(learning_rate)),
     )
+    # update_and_apply may fuse this chain into one pass per row.
+    _fused.register(tx, _fused.FusedSpec(learning_rate, b1, b2, eps, eps_root, maximize, eps_placement))
+    return tx

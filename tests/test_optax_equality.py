@@ -12,6 +12,8 @@ from jax.experimental import sparse as jsparse
 
 import optax_sparse_adam as osa
 
+pytestmark = pytest.mark.usefixtures("kernel_path")  # every test on both paths
+
 TOL = 1e-6
 N, D = 16, 3
 

@@ -11,6 +11,8 @@ from jax.experimental import sparse as jsparse
 
 import optax_sparse_adam as osa
 
+pytestmark = pytest.mark.usefixtures("kernel_path")  # every test on both paths
+
 torch.set_num_threads(1)
 
 RTOL, ATOL = 1e-5, 1e-7

@@ -1,0 +1,172 @@
+"""One call for an optimizer step and its application: :func:`update_and_apply`."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from optax_sparse_adam import _native
+from optax_sparse_adam._apply import apply_updates
+from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._keys import SparseLeaf, to_sparse_leaf
+from optax_sparse_adam._tree import is_leaf
+
+__all__ = ["update_and_apply"]
+
+
+class FusedSpec(NamedTuple):
+    """What :func:`update_and_apply` needs to know of a :func:`~optax_sparse_adam.sparse_adam` to fuse it."""
+
+    learning_rate: optax.ScalarOrSchedule
+    b1: Any
+    b2: Any
+    eps: Any
+    eps_root: Any
+    maximize: bool
+    eps_placement: str
+
+
+# The update functions of the optimizers sparse_adam built, and their hyperparameters.
+_SPECS: weakref.WeakKeyDictionary[Any, FusedSpec] = weakref.WeakKeyDictionary()
+
+
+def register(tx: optax.GradientTransformation, spec: FusedSpec) -> None:
+    """Marks ``tx`` (as :func:`~optax_sparse_adam.sparse_adam` returns it) as one :func:`update_and_apply` can fuse."""
+    _SPECS[tx.update] = spec
+
+
+def update_and_apply(
+    tx: optax.GradientTransformation, grads: optax.Updates, state: optax.OptState, params: optax.Params
+) -> tuple[optax.Params, optax.OptState]:
+    r"""One optimizer step applied to the parameters: ``tx.update`` then :func:`apply_updates`.
+
+    The result equals
+
+    .. code-block:: python
+
+      updates, state = tx.update(grads, state, params)
+      params = osa.apply_updates(params, updates)
+
+    for any ``tx``. Where ``tx`` is an optimizer built by
+    :func:`~optax_sparse_adam.sparse_adam` (not wrapped or chained further) and
+    the native CPU kernels apply (:func:`kernel_path` is ``"native-cpu"``;
+    float32 tables with one sparse axis), each sparse leaf is done in one pass
+    per touched row that reads and writes its parameters and both moments
+    together, without materializing the update:
+
+    .. math::
+
+      p_S \leftarrow p_S - \alpha_t \, u_S
+
+    with :math:`u_S` the step of :func:`scale_by_sparse_adam`. ``mu`` and ``nu``
+    are bitwise those of the two calls, and the parameters too; on other
+    platforms and for other leaves the two calls run. Use it under
+    :func:`jax.jit` with the parameters and state donated.
+
+    Args:
+      tx: An optax transformation.
+      grads: Gradients, with sparse leaves where ``tx`` takes them.
+      state: ``tx``'s state.
+      params: The parameters.
+
+    Returns:
+      ``(params, state)`` after the step.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> params = {"emb": jnp.ones((4, 2), jnp.float32)}
+      >>> tx = osa.sparse_adam(0.1)
+      >>> state = tx.init(params)
+      >>> grads = {"emb": osa.IndexedRows(jnp.array([2, 2, -1]), jnp.ones((3, 2), jnp.float32), 4)}
+      >>> params, state = osa.update_and_apply(tx, grads, state, params)
+      >>> params["emb"].round(3)
+      Array([[1. , 1. ],
+             [1. , 1. ],
+             [0.9, 0.9],
+             [1. , 1. ]], dtype=float32)
+    """
+    spec = _SPECS.get(tx.update)
+    fused = _fusable_leaves(grads, state, params) if spec is not None and _native.enabled() else {}
+    if spec is None or not fused:
+        updates, state = tx.update(grads, state, params)
+        return apply_updates(params, updates), state
+
+    grad_leaves, treedef = _flatten(grads)
+    # Everything else takes the plain path: the step count and a schedule's count advance there.
+    rest = treedef.unflatten([None if i in fused else g for i, (_, g) in enumerate(grad_leaves)])
+    updates, new_state = tx.update(rest, state, params)
+    new_params = apply_updates(params, updates)
+
+    count = new_state[0].count
+    bc1 = 1 - spec.b1**count  # the expressions of scale_by_sparse_adam and scale_by_learning_rate
+    bc2 = 1 - spec.b2**count
+    lr = spec.learning_rate(state[1].count) if callable(spec.learning_rate) else spec.learning_rate
+    scalars = _native.adam_scalars(spec.b1, spec.b2, spec.eps, spec.eps_root, bc1, bc2, -1 * lr)
+    p_leaves = treedef.flatten_up_to(params)
+    m_leaves = treedef.flatten_up_to(state[0].mu)
+    v_leaves = treedef.flatten_up_to(state[0].nu)
+
+    def native() -> list[tuple[jax.Array, ...]]:
+        return [
+            _native.sparse_adam_apply(
+                p_leaves[i],
+                m_leaves[i],
+                v_leaves[i],
+                sp.keys[:, 0],
+                sp.values,
+                scalars,
+                torch_eps=spec.eps_placement == "torch",
+                maximize=spec.maximize,
+                unique=sp.distinct,
+            )
+            for i, sp in fused.items()
+        ]
+
+    def xla() -> list[tuple[jax.Array, ...]]:
+        only = treedef.unflatten([g if i in fused else None for i, (_, g) in enumerate(grad_leaves)])
+        updates, s = tx.update(only, state, params)
+        p = treedef.flatten_up_to(apply_updates(params, updates))
+        m, v = treedef.flatten_up_to(s[0].mu), treedef.flatten_up_to(s[0].nu)
+        return [(p[i], m[i], v[i]) for i in fused]
+
+    results = dict(zip(fused, _native.select(native, xla), strict=True))
+    out_p = treedef.flatten_up_to(new_params)
+    out_m = treedef.flatten_up_to(new_state[0].mu)
+    out_v = treedef.flatten_up_to(new_state[0].nu)
+    for i, (p, m, v) in results.items():
+        out_p[i], out_m[i], out_v[i] = p, m, v
+    adam_state = new_state[0]._replace(mu=treedef.unflatten(out_m), nu=treedef.unflatten(out_v))
+    return treedef.unflatten(out_p), (adam_state, *new_state[1:])
+
+
+def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """``(path, leaf)`` pairs and the treedef, sparse leaves and ``None`` as leaves."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+
+
+def _fusable_leaves(grads: Any, state: Any, params: Any) -> dict[int, SparseLeaf]:
+    """The sparse gradient leaves the fused kernel handles, by position, validated.
+
+    Trees that do not match, or a state of another shape, give none: the two plain calls then report them.
+    """
+    grad_leaves, treedef = _flatten(grads)
+    try:
+        p_leaves = treedef.flatten_up_to(params)
+        m_leaves = treedef.flatten_up_to(state[0].mu)
+        v_leaves = treedef.flatten_up_to(state[0].nu)
+    except (ValueError, TypeError, AttributeError, IndexError):
+        return {}
+    fused = {}
+    for i, ((path, g), p, m, v) in enumerate(zip(grad_leaves, p_leaves, m_leaves, v_leaves, strict=True)):
+        if not (is_sparse(g) and all(isinstance(x, jax.Array) for x in (p, m, v))):
+            continue
+        if not p.shape == m.shape == v.shape:
+            continue
+        sp = to_sparse_leaf(g, p.shape, path, "scale_by_sparse_adam")
+        if _native.supports(p.shape, sp.n_sparse, p.dtype, m.dtype, v.dtype, sp.values.dtype):
+            fused[i] = sp
+    return fused

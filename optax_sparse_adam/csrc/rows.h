@@ -1,0 +1,131 @@
+// Shared helpers of the row kernels: coalescing duplicate keys and splitting
+// work over XLA's intra-op thread pool. Header-only; nothing here holds state
+// between calls.
+#ifndef OPTAX_SPARSE_ADAM_CSRC_ROWS_H_
+#define OPTAX_SPARSE_ADAM_CSRC_ROWS_H_
+
+#include <algorithm>
+#include <climits>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+// Portable code with AVX2/FMA and AVX-512 versions picked at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define OSA_TARGET_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#else
+#define OSA_TARGET_CLONES
+#endif
+
+namespace optax_sparse_adam {
+
+// Whether `key` addresses a row of a table with `num_rows` rows. Every other
+// key (negative, or >= num_rows) is padding and is never dereferenced.
+inline bool InRange(int32_t key, int64_t num_rows) { return key >= 0 && static_cast<int64_t>(key) < num_rows; }
+
+// The rows a call holds: rows [begin, begin + local_rows) of a table of
+// num_rows rows (all of it unless the table is sharded by rows). Keys address
+// the whole table; a call reads and writes only the rows it holds.
+struct Shard {
+  int64_t num_rows;
+  int64_t begin;
+  int64_t local_rows;
+
+  bool Owns(int32_t key) const { return key >= begin && key < begin + local_rows && InRange(key, num_rows); }
+  int64_t Local(int32_t key) const { return key - begin; }
+  // Checked by every handler before any row is touched.
+  bool Valid() const {
+    return num_rows >= 0 && num_rows <= INT32_MAX && begin >= 0 && local_rows >= 0 && begin + local_rows <= num_rows;
+  }
+};
+
+inline void PrefetchRow(const float* row, int64_t width) {
+  for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(row + j, 1, 3);
+}
+
+// The distinct in-range keys of a batch, in order of first occurrence, with
+// the entries of each chained in entry order (so sums of duplicates are taken
+// in the order XLA's scatter-add takes them).
+struct Coalesced {
+  std::vector<int32_t> row;    // row[d]: the d-th distinct key
+  std::vector<int32_t> first;  // first[d]: its first entry
+  std::vector<int32_t> next;   // next[i]: the next entry with entry i's key, or -1
+  int64_t size = 0;            // number of distinct keys
+};
+
+inline uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+// The keys in [lo, hi) are coalesced, the others skipped. Open addressing over
+// a table of at least 2k slots: O(k) expected.
+inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coalesced& out) {
+  out.row.resize(k);
+  out.first.resize(k);
+  out.next.assign(k, -1);
+  out.size = 0;
+  int log_t = 4;
+  while ((int64_t{1} << log_t) < 2 * k) ++log_t;
+  const uint32_t mask = (uint32_t{1} << log_t) - 1;
+  std::vector<int32_t> slot_key(size_t{1} << log_t, -1);
+  std::vector<int32_t> slot_distinct(size_t{1} << log_t);
+  std::vector<int32_t> last(k);
+  for (int64_t i = 0; i < k; ++i) {
+    const int32_t key = keys[i];
+    if (key < lo || key >= hi) continue;
+    uint32_t h = Mix(static_cast<uint32_t>(key)) & mask;
+    while (slot_key[h] >= 0 && slot_key[h] != key) h = (h + 1) & mask;
+    if (slot_key[h] == key) {
+      const int32_t d = slot_distinct[h];
+      out.next[last[d]] = static_cast<int32_t>(i);
+      last[d] = static_cast<int32_t>(i);
+    } else {
+      const auto d = static_cast<int32_t>(out.size++);
+      slot_key[h] = key;
+      slot_distinct[h] = d;
+      out.row[d] = key;
+      out.first[d] = static_cast<int32_t>(i);
+      last[d] = static_cast<int32_t>(i);
+    }
+  }
+}
+
+// Runs fn(lo, hi) over [0, n) split into `parts` contiguous ranges, part 0 on
+// the calling thread and the others on XLA's intra-op pool. Parts are claimed
+// through a shared counter, so the caller runs any part no pool thread has
+// started: it never waits on a task that has not begun, whatever the pool's
+// size. State the late tasks may still touch lives in a shared_ptr.
+template <typename F>
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t parts, F fn) {
+  parts = std::max<int64_t>(1, std::min(parts, n));
+  if (parts == 1) {
+    if (n > 0) fn(int64_t{0}, n);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto run_parts = [shared, n, parts, &fn] {
+    for (int64_t p; (p = shared->next.fetch_add(1, std::memory_order_acq_rel)) < parts;) {
+      fn(n * p / parts, n * (p + 1) / parts);
+      shared->done.fetch_add(1, std::memory_order_acq_rel);
+    }
+  };
+  for (int64_t t = 1; t < parts; ++t) pool.Schedule([run_parts] { run_parts(); });
+  run_parts();
+  while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+}
+
+}  // namespace optax_sparse_adam
+
+#endif  // OPTAX_SPARSE_ADAM_CSRC_ROWS_H_

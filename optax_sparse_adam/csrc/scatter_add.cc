@@ -1,0 +1,61 @@
+// Scatter-add of update rows into a table, in place, for apply_updates:
+//   optax_sparse_adam_v1_scatter_add  (table, keys, values, row_begin) -> table
+// table[keys[i]] += values[i] in entry order (the order of XLA's scatter-add,
+// so the sums are bitwise the same); keys outside [0, num_rows) are padding,
+// and only the rows [row_begin, row_begin + table rows) are held (a row shard).
+#include <cstdint>
+#include <cstring>
+
+#include "rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace optax_sparse_adam {
+namespace {
+
+constexpr int kPrefetchDistance = 4;
+
+OSA_TARGET_CLONES void AddRows(const int32_t* keys, int64_t k, const Shard& shard, const float* values, float* table,
+                               int64_t width) {
+  for (int64_t i = 0; i < k; ++i) {
+    if (i + kPrefetchDistance < k && shard.Owns(keys[i + kPrefetchDistance]))
+      PrefetchRow(table + shard.Local(keys[i + kPrefetchDistance]) * width, width);
+    if (!shard.Owns(keys[i])) continue;
+    float* __restrict row = table + shard.Local(keys[i]) * width;
+    const float* __restrict u = values + i * width;
+    for (int64_t j = 0; j < width; ++j) row[j] = row[j] + u[j];
+  }
+}
+
+ffi::Error ScatterAddImpl(ffi::Buffer<ffi::F32> table, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                          ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> table_out,
+                          int64_t num_rows) {
+  auto dims = table.dimensions();
+  if (dims.size() < 1) return ffi::Error::InvalidArgument("the table must have at least one dimension");
+  const Shard shard{num_rows, *row_begin.typed_data(), dims[0]};
+  if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
+  int64_t width = 1;
+  for (size_t a = 1; a < dims.size(); ++a) width *= dims[a];
+  const auto k = static_cast<int64_t>(keys.element_count());
+  if (static_cast<int64_t>(values.element_count()) != k * width)
+    return ffi::Error::InvalidArgument("values must have one row per key");
+  float* out = table_out->typed_data();
+  if (out != table.typed_data() && table.element_count() > 0)
+    std::memcpy(out, table.typed_data(), sizeof(float) * table.element_count());
+  AddRows(keys.typed_data(), k, shard, values.typed_data(), out, width);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace optax_sparse_adam
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamScatterAdd, optax_sparse_adam::ScatterAddImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // table
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
+                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // table
+                                  .Attr<int64_t>("num_rows"));
+

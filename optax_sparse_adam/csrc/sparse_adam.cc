@@ -1,0 +1,287 @@
+// Lazy Adam on the rows a batch touches, as XLA FFI handlers for the CPU.
+//
+// Two handlers share one row loop:
+//   optax_sparse_adam_v1_sparse_adam_rows   (mu, nu, keys, values, scalars) -> (mu, nu, keys, step)
+//     the sparse leaf rule of scale_by_sparse_adam: new moments in place, and
+//     the step rows packed as the XLA path packs them (distinct keys first,
+//     padding after; with `unique`, in the entries' own slots);
+//   optax_sparse_adam_v1_sparse_adam_apply  (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
+//     the same and p += neg_lr * step, touching each row of p, mu and nu once.
+// Tables are aliased to results (input_output_aliases), so under donation
+// nothing table-sized is copied. Keys outside [0, num_rows) are padding.
+//
+// Numerics follow what XLA:CPU compiles the XLA path to, operation by
+// operation (it contracts a product into the following add, and turns a
+// division by a broadcast scalar into a multiplication by its reciprocal);
+// build with -ffp-contract=off so that only the fused multiply-adds written
+// here occur:
+//   g   = ((0 + g_e1) + g_e2) + ...   over the entries of a row, in entry order
+//   m'  = fma(1 - b1, g, b1 m)        (maximize: fma(b1, m, -((1 - b1) g)))
+//   v'  = fma(1 - b2, g g, b2 v)
+//   optax: s = (m' (1 / bc1)) / (sqrt(v' (1 / bc2) + eps_root) + eps)
+//   torch: s = (torch_scale m') / (sqrt(v' + eps_root) + eps)
+// The tests compare both paths bitwise.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace optax_sparse_adam {
+namespace {
+
+// Order of the scalars operand, as _native.py stacks it.
+struct Scalars {
+  float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, bc1, bc2, torch_scale, neg_lr;
+};
+constexpr int64_t kNumScalars = 10;
+constexpr int kPrefetchDistance = 4;
+
+struct Options {
+  bool torch_eps, maximize, unique;
+  int64_t threads;
+};
+
+// One row: m and v updated in place from the gradient row g; the step
+// written to `out`, or with kApply added times neg_lr to the parameter row `out`.
+template <bool kTorch, bool kMaximize, bool kApply>
+inline void UpdateRow(const Scalars& s, const float* __restrict g, float* __restrict m, float* __restrict v,
+                      float* __restrict out, int64_t width) {
+  const float inv_bc1 = 1.0f / s.bc1;
+  const float inv_bc2 = 1.0f / s.bc2;
+  for (int64_t j = 0; j < width; ++j) {
+    const float gj = g[j];
+    const float mn = kMaximize ? std::fma(s.b1, m[j], -(s.one_minus_b1 * gj)) : std::fma(s.one_minus_b1, gj, s.b1 * m[j]);
+    const float vn = std::fma(s.one_minus_b2, gj * gj, s.b2 * v[j]);
+    float step;
+    if constexpr (kTorch) {
+      step = (s.torch_scale * mn) / (std::sqrt(vn + s.eps_root) + s.eps);
+    } else {
+      step = (mn * inv_bc1) / (std::sqrt(vn * inv_bc2 + s.eps_root) + s.eps);
+    }
+    m[j] = mn;
+    v[j] = vn;
+    if constexpr (kApply) {
+      out[j] = out[j] + s.neg_lr * step;
+    } else {
+      out[j] = step;
+    }
+  }
+}
+
+// The distinct rows [lo, hi) of a coalesced batch.
+template <bool kTorch, bool kMaximize, bool kApply>
+OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const Shard& shard, const float* values,
+                                     float* m, float* v, float* out, int64_t width, int64_t lo, int64_t hi) {
+  std::vector<float> g(static_cast<size_t>(width));
+  for (int64_t d = lo; d < hi; ++d) {
+    if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
+      const int64_t r = shard.Local(c.row[d + kPrefetchDistance]);
+      PrefetchRow(m + r * width, width);
+      PrefetchRow(v + r * width, width);
+      if constexpr (kApply) PrefetchRow(out + r * width, width);
+    }
+    if (!shard.Owns(c.row[d])) {  // another shard's row
+      if constexpr (!kApply) std::memset(out + d * width, 0, sizeof(float) * static_cast<size_t>(width));
+      continue;
+    }
+    const int64_t r = shard.Local(c.row[d]);
+    // Duplicates are summed from 0 in entry order, as XLA's scatter-add does.
+    const float* first = values + static_cast<int64_t>(c.first[d]) * width;
+    for (int64_t j = 0; j < width; ++j) g[j] = 0.0f + first[j];
+    for (int32_t e = c.next[c.first[d]]; e >= 0; e = c.next[e]) {
+      const float* ge = values + static_cast<int64_t>(e) * width;
+      for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
+    }
+    float* dst = kApply ? out + r * width : out + d * width;
+    UpdateRow<kTorch, kMaximize, kApply>(s, g.data(), m + r * width, v + r * width, dst, width);
+  }
+}
+
+// The entries [lo, hi) of a batch whose in-range keys are distinct.
+template <bool kTorch, bool kMaximize, bool kApply>
+OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const Shard& shard, const float* values,
+                                  float* m, float* v, float* out, int64_t width, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) {
+    if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
+      const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
+      PrefetchRow(m + r * width, width);
+      PrefetchRow(v + r * width, width);
+      if constexpr (kApply) PrefetchRow(out + r * width, width);
+    }
+    if (!shard.Owns(keys[i])) {
+      if constexpr (!kApply) std::memset(out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
+      continue;
+    }
+    const int64_t r = shard.Local(keys[i]);
+    float* dst = kApply ? out + r * width : out + i * width;
+    UpdateRow<kTorch, kMaximize, kApply>(s, values + i * width, m + r * width, v + r * width, dst, width);
+  }
+}
+
+template <bool kTorch, bool kMaximize, bool kApply>
+void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k, const Shard& shard,
+         const float* values, float* m, float* v, float* out, int32_t* out_keys, int64_t width) {
+  const auto pad = static_cast<int32_t>(shard.num_rows);
+  if (o.unique) {
+    if (out_keys != nullptr) {
+      for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
+    }
+    ParallelFor(pool, k, o.threads, [&](int64_t lo, int64_t hi) {
+      UniqueRows<kTorch, kMaximize, kApply>(s, keys, shard, values, m, v, out, width, lo, hi);
+    });
+    return;
+  }
+  // The step rows are packed over all rows (so every shard packs alike); p, m
+  // and v only need this shard's.
+  Coalesced c;
+  Coalesce(keys, k, kApply ? shard.begin + shard.local_rows : shard.num_rows, kApply ? shard.begin : 0, c);
+  if (out_keys != nullptr) {
+    for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
+  }
+  if constexpr (!kApply) {  // padding slots of the step
+    std::memset(out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
+  }
+  ParallelFor(pool, c.size, o.threads, [&](int64_t lo, int64_t hi) {
+    CoalescedRows<kTorch, kMaximize, kApply>(s, c, shard, values, m, v, out, width, lo, hi);
+  });
+}
+
+// Checks the shapes shared by both handlers; sets the shard's local rows and the width.
+ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t nu_count, int64_t k,
+                       size_t values_count, size_t scalars_count, Shard& shard, int64_t& width) {
+  if (table.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
+  shard.local_rows = table[0];
+  if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
+  width = 1;
+  for (size_t a = 1; a < table.size(); ++a) width *= table[a];
+  if (mu_count != nu_count || static_cast<int64_t>(mu_count) != shard.local_rows * width)
+    return ffi::Error::InvalidArgument("mu and nu must have the parameter's shape");
+  if (static_cast<int64_t>(values_count) != k * width)
+    return ffi::Error::InvalidArgument("values must have one row per key");
+  if (static_cast<int64_t>(scalars_count) != kNumScalars)
+    return ffi::Error::InvalidArgument("scalars must hold 10 values");
+  return ffi::Error::Success();
+}
+
+void CopyIfNotAliased(float* dst, const float* src, size_t count) {
+  // XLA passes the operand's buffer when it may alias the result (it copies
+  // beforehand otherwise); stay correct if it ever does not.
+  if (dst != src && count > 0) std::memcpy(dst, src, sizeof(float) * count);
+}
+
+template <bool kApply>
+void Dispatch(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k,
+              const Shard& shard, const float* values, float* m, float* v, float* out, int32_t* out_keys,
+              int64_t width) {
+  auto run = [&](auto torch_eps, auto maximize) {
+    Run<decltype(torch_eps)::value, decltype(maximize)::value, kApply>(pool, s, o, keys, k, shard, values, m, v,
+                                                                       out, out_keys, width);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (o.torch_eps) {
+    o.maximize ? run(T{}, T{}) : run(T{}, F{});
+  } else {
+    o.maximize ? run(F{}, T{}) : run(F{}, F{});
+  }
+}
+
+Scalars ReadScalars(const ffi::BufferR1<ffi::F32>& b) {
+  const float* x = b.typed_data();
+  return Scalars{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9]};
+}
+
+ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                    ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                    ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                    ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out, int64_t num_rows,
+                    int64_t torch_eps, int64_t maximize, int64_t unique, int64_t threads) {
+  const int64_t k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
+                                 scalars.element_count(), shard, width);
+      e.failure())
+    return e;
+  if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
+    return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
+  float* m = mu_out->typed_data();
+  float* v = nu_out->typed_data();
+  CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
+  CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
+  const Options o{torch_eps != 0, maximize != 0, unique != 0, threads};
+  Dispatch<false>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard, values.typed_data(), m, v,
+                  step_out->typed_data(), keys_out->typed_data(), width);
+  return ffi::Error::Success();
+}
+
+ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                     ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                     ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
+                     ffi::ResultBuffer<ffi::F32> nu_out, int64_t num_rows, int64_t torch_eps,
+                     int64_t maximize, int64_t unique, int64_t threads) {
+  const int64_t k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
+                                 scalars.element_count(), shard, width);
+      e.failure())
+    return e;
+  if (p.element_count() != mu.element_count()) return ffi::Error::InvalidArgument("p must have mu's shape");
+  float* q = p_out->typed_data();
+  float* m = mu_out->typed_data();
+  float* v = nu_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
+  CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
+  const Options o{torch_eps != 0, maximize != 0, unique != 0, threads};
+  Dispatch<true>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr,
+                 width);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace optax_sparse_adam
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRows, optax_sparse_adam::RowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // mu
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // mu
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // keys, distinct first
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // step rows
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("torch_eps")
+                                  .Attr<int64_t>("maximize")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamApply, optax_sparse_adam::ApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // mu
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // mu
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("torch_eps")
+                                  .Attr<int64_t>("maximize")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));

@@ -1,0 +1,307 @@
+"""The native CPU kernels against the XLA path: the same cases on both, compared."""
+
+from __future__ import annotations
+
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_sparse_adam as osa
+from optax_sparse_adam import _native
+
+NUM_ROWS, WIDTH = 97, 5
+
+needs_kernels = pytest.mark.skipif(not _native.available(), reason="the native kernels were not built")
+
+
+def test_kernels_are_built_where_required():
+    """`make test` sets OPTAX_SPARSE_ADAM_REQUIRE_KERNELS=1: there, a missing build is a failure, not a skip."""
+    if os.environ.get("OPTAX_SPARSE_ADAM_REQUIRE_KERNELS") == "1":
+        assert _native.available()
+        assert osa.kernel_path() == "native-cpu"
+    with osa.use_kernels(False):
+        assert osa.kernel_path() == "xla"
+
+
+def _ids(rng: np.random.Generator, kind: str, k: int) -> np.ndarray:
+    if kind == "dups":  # duplicates, negative and out-of-range padding mixed in
+        ids = rng.integers(-5, NUM_ROWS + 5, k)
+        ids[: k // 3] = ids[rng.integers(0, k, k // 3)]
+        return ids.astype(np.int32)
+    if kind == "distinct":
+        return rng.permutation(NUM_ROWS)[:k].astype(np.int32)
+    if kind == "all_padding":
+        return np.where(np.arange(k) % 2 == 0, -1, NUM_ROWS).astype(np.int32)
+    if kind == "extreme":  # int32 extremes are padding too
+        return np.array([np.iinfo(np.int32).min, np.iinfo(np.int32).max, 3, NUM_ROWS, -1, 3][:k], np.int32)
+    raise ValueError(kind)
+
+
+def _run(tx, steps, *, fused: bool, unique: bool = False):
+    """Runs jitted steps of ``tx`` (two calls, or update_and_apply) on a table and a dense vector."""
+    params = {"table": jnp.linspace(-1.0, 1.0, NUM_ROWS * WIDTH, dtype=jnp.float32).reshape(NUM_ROWS, WIDTH)}
+    params["w"] = jnp.ones((3,), jnp.float32)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, ids, values):
+        grads = {
+            "table": osa.IndexedRows(ids, values, NUM_ROWS, unique_indices=unique),
+            "w": jnp.sum(values, axis=0)[:3],
+        }
+        if fused:
+            return (*osa.update_and_apply(tx, grads, state, params), None)
+        updates, state = tx.update(grads, state, params)
+        return osa.apply_updates(params, updates), state, updates
+
+    updates = None
+    for ids, values in steps:
+        params, state, updates = step(params, state, jnp.asarray(ids), jnp.asarray(values))
+    return params, state, updates
+
+
+def _steps(kind: str, k: int, n: int = 4, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = _ids(rng, kind, k)
+        values = rng.standard_normal((k, WIDTH)).astype(np.float32)
+        if kind == "distinct":
+            values[ids >= NUM_ROWS] = 0.0
+        out.append((ids, values))
+    return out
+
+
+def _assert_same(a, b, n_steps, lr):
+    """m and v bitwise; the updates within two ulps; the parameters within one ulp of the update a step.
+
+    The XLA path may compute a step from a moment rounded one ulp apart from the one it stores
+    (XLA:CPU contracts the moment's multiply-adds afresh inside each fusion), so a step agrees to
+    an ulp and the update (times the learning rate) to two, not bitwise.
+    """
+    (pa, sa, ua), (pb, sb, ub) = a, b
+    chex.assert_trees_all_equal(sa, sb)
+    if ua is not None and ub is not None:
+        np.testing.assert_array_max_ulp(np.asarray(ua["table"].todense()), np.asarray(ub["table"].todense()), maxulp=2)
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        # |step| <= 1 / sqrt(1 - b2) ~ 32 for Adam; one ulp of it and of p, each step.
+        tol = n_steps * (np.spacing(np.abs(y)) + np.spacing(np.float32(lr * 32)))
+        assert np.all(np.abs(x - y) <= tol), np.max(np.abs(x - y) / tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["dups", "distinct", "all_padding", "extreme"])
+@pytest.mark.parametrize("eps_placement", ["optax", "torch"])
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_native_equals_xla(kind, eps_placement, maximize, fused):
+    k = {"dups": 64, "distinct": 40, "all_padding": 8, "extreme": 6}[kind]
+    steps = _steps(kind, k)
+    tx = osa.sparse_adam(0.05, eps_root=1e-12 if maximize else 0.0, maximize=maximize, eps_placement=eps_placement)
+    with osa.use_kernels(True):
+        native = _run(tx, steps, fused=fused, unique=kind == "distinct")
+    with osa.use_kernels(False):
+        xla = _run(tx, steps, fused=False, unique=kind == "distinct")
+    _assert_same(native, xla, len(steps), 0.05)
+    if kind == "all_padding":  # nothing moved but the dense vector
+        np.testing.assert_array_equal(native[1][0].mu["table"], 0.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [0, 1])
+def test_empty_and_single_entry_batches(k):
+    steps = _steps("dups", max(k, 1))
+    steps = [(ids[:k], values[:k]) for ids, values in steps]
+    tx = osa.sparse_adam(0.1)
+    with osa.use_kernels(True):
+        native = _run(tx, steps, fused=False)
+    with osa.use_kernels(False):
+        xla = _run(tx, steps, fused=False)
+    _assert_same(native, xla, len(steps), 0.1)
+    assert int(native[1][0].count) == len(steps)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_id_repeated_65536_times(fused):
+    rng = np.random.default_rng(4)
+    k = 65_536
+    ids = np.full(k, 7, np.int32)
+    values = rng.standard_normal((k, WIDTH)).astype(np.float32)
+    tx = osa.sparse_adam(0.1)
+    with osa.use_kernels(True):
+        native = _run(tx, [(ids, values)], fused=fused)
+    with osa.use_kernels(False):
+        xla = _run(tx, [(ids, values)], fused=False)
+    _assert_same(native, xla, 1, 0.1)
+    # The sum runs in entry order from 0, as XLA's scatter-add: check it against NumPy's sequential float32 sum.
+    g = np.zeros(WIDTH, np.float32)
+    for row in values:
+        g = g + row
+    np.testing.assert_array_equal(native[1][0].mu["table"][7], np.float32(1 - 0.9) * g)
+
+
+@needs_kernels
+def test_schedule_and_mixed_dtypes_fuse_where_they_can():
+    """A schedule's step count advances once; a bfloat16 table falls back to XLA inside the same call."""
+    schedule = optax.linear_schedule(0.1, 0.01, 10)
+    tx = osa.sparse_adam(schedule)
+    params = {
+        "f32": jnp.ones((NUM_ROWS, WIDTH), jnp.float32),
+        "bf16": jnp.ones((NUM_ROWS, WIDTH), jnp.bfloat16),
+    }
+    rng = np.random.default_rng(5)
+
+    def grads(dtype):
+        ids = jnp.asarray(rng.integers(-2, NUM_ROWS, 32), jnp.int32)
+        return osa.IndexedRows(ids, jnp.asarray(rng.standard_normal((32, WIDTH)), dtype), NUM_ROWS)
+
+    batches = [{"f32": grads(jnp.float32), "bf16": grads(jnp.bfloat16)} for _ in range(3)]
+    results = []
+    for fused in (True, False):
+        p, s = params, tx.init(params)
+        for g in batches:
+            if fused:
+                p, s = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(p, s, g)
+            else:
+                u, s = jax.jit(tx.update)(g, s, p)
+                p = jax.jit(osa.apply_updates)(p, u)
+        results.append((p, s))
+    (p1, s1), (p2, s2) = results
+    chex.assert_trees_all_equal(s1, s2)
+    chex.assert_trees_all_equal(p1["bf16"], p2["bf16"])
+    np.testing.assert_array_max_ulp(np.asarray(p1["f32"]), np.asarray(p2["f32"]), maxulp=1)
+    assert int(s1[1].count) == 3
+
+
+def test_update_and_apply_runs_any_transformation(kernel_path):
+    """For a tx it does not recognise, update_and_apply is exactly the two calls."""
+    tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(0.1))
+    params = {"table": jnp.ones((NUM_ROWS, WIDTH), jnp.float32)}
+    g = {"table": osa.IndexedRows(jnp.array([1, 1, -1], jnp.int32), jnp.ones((3, WIDTH), jnp.float32), NUM_ROWS)}
+    state = tx.init(params)
+    p1, s1 = jax.jit(lambda p, s: osa.update_and_apply(tx, g, s, p))(params, state)
+    u, s2 = tx.update(g, state, params)
+    chex.assert_trees_all_equal((p1, s1), (osa.apply_updates(params, u), s2))
+
+
+@needs_kernels
+def test_threads_give_the_same_numbers():
+    steps = _steps("dups", 4096, n=2, seed=6)
+    tx = osa.sparse_adam(0.1)
+    with osa.use_kernels(True, threads=1):
+        one = _run(tx, steps, fused=True)
+    with osa.use_kernels(True, threads=4):
+        four = _run(tx, steps, fused=True)
+        four_unfused = _run(tx, steps, fused=False)
+    chex.assert_trees_all_equal(one[:2], four[:2])
+    chex.assert_trees_all_equal(one[1], four_unfused[1])
+
+
+@pytest.mark.parametrize("threads", [0, 17, 1.5, True])
+def test_threads_out_of_range_raise(threads):
+    with pytest.raises(ValueError, match="threads"), osa.use_kernels(True, threads=threads):
+        pass
+
+
+def _step_fn(tx, fused, num_rows=NUM_ROWS):
+    def step(params, state, ids, values):
+        grads = osa.IndexedRows(ids, values, num_rows)
+        if fused:
+            return osa.update_and_apply(tx, grads, state, params)
+        updates, state = tx.update(grads, state, params)
+        return osa.apply_updates(params, updates), state
+
+    return step
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_lowers_for_gpu_and_tpu_without_the_cpu_kernel(fused, platform):
+    tx = osa.sparse_adam(0.1)
+    table = jnp.zeros((NUM_ROWS, WIDTH), jnp.float32)
+    args = (table, tx.init(table), jnp.zeros((8,), jnp.int32), jnp.ones((8, WIDTH), jnp.float32))
+    traced = jax.jit(_step_fn(tx, fused)).trace(*args)
+    assert ("optax_sparse_adam_v1" in traced.lower(lowering_platforms=("cpu",)).as_text()) == _native.enabled()
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert "optax_sparse_adam_v1" not in text
+    assert "scatter" in text  # the XLA path
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [False, True])
+def test_in_place_and_compiled_once(fused):
+    """With donation the kernel updates the tables in place: temporaries do not grow with the table."""
+    tx = osa.sparse_adam(0.1)
+    sizes = {}
+    for rows in (1_000, 100_000):
+        table = jnp.zeros((rows, 16), jnp.float32)
+        args = (table, tx.init(table), jnp.zeros((256,), jnp.int32), jnp.ones((256, 16), jnp.float32))
+        compiled = jax.jit(_step_fn(tx, fused, rows), donate_argnums=(0, 1)).lower(*args).compile()
+        assert "optax_sparse_adam_v1" in compiled.as_text()
+        sizes[rows] = compiled.memory_analysis().temp_size_in_bytes
+    assert sizes[100_000] == sizes[1_000] < 1_000 * 16 * 4
+
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def traced_once(params, state, ids, values):
+        return _step_fn(tx, fused)(params, state, ids, values)
+
+    table = jnp.zeros((NUM_ROWS, WIDTH), jnp.float32)
+    params, state = table, tx.init(table)
+    for ids, values in _steps("dups", 16, n=3):
+        params, state = traced_once(params, state, jnp.asarray(ids), jnp.asarray(values))
+
+
+@needs_kernels
+def test_row_sharded_table_stays_sharded_on_both_calls():
+    """Tables split by rows over 8 devices: each device updates its own rows; numbers as on one device."""
+    if jax.device_count() < 8:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by conftest)")
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows", None))
+    tx = osa.sparse_adam(0.1)
+    steps = _steps("dups", 64, n=2, seed=8)
+    num_rows = 96  # divisible by 8
+    outs = []
+    for fused in (False, True):
+        for shard in (False, True):
+            table = jnp.linspace(-1.0, 1.0, num_rows * WIDTH, dtype=jnp.float32).reshape(num_rows, WIDTH)
+            if shard:
+                table = jax.device_put(table, rows)
+            state = tx.init(table)
+            step = jax.jit(_step_fn(tx, fused, num_rows))
+            for ids, values in steps:
+                table, state = step(table, state, jnp.asarray(ids), jnp.asarray(values))
+            if shard:
+                assert table.sharding.is_equivalent_to(rows, 2)
+                assert state[0].mu.sharding.is_equivalent_to(rows, 2)
+            outs.append((table, state))
+    for a, b in (outs[:2], outs[2:]):
+        chex.assert_trees_all_equal(a, b)
+    np.testing.assert_array_max_ulp(np.asarray(outs[0][0]), np.asarray(outs[2][0]), maxulp=1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [False, True])
+def test_vmapped_step_equals_xla(fused):
+    """Under vmap the kernel runs once per batch element (no batching rule is needed from the caller)."""
+    tx = osa.sparse_adam(0.1)
+    step = _step_fn(tx, fused)
+    tables = jnp.linspace(-1.0, 1.0, 2 * NUM_ROWS * WIDTH, dtype=jnp.float32).reshape(2, NUM_ROWS, WIDTH)
+    ids = jnp.asarray([[1, 1, 2, -1], [3, NUM_ROWS, 3, 5]], jnp.int32)
+    values = jnp.ones((2, 4, WIDTH), jnp.float32)
+    outs = []
+    for kernels in (True, False):
+        with osa.use_kernels(kernels):
+            outs.append(jax.jit(jax.vmap(step))(tables, jax.vmap(tx.init)(tables), ids, values))
+    chex.assert_trees_all_equal(outs[0][1], outs[1][1])
+    np.testing.assert_array_max_ulp(np.asarray(outs[0][0]), np.asarray(outs[1][0]), maxulp=1)
