@@ -6,6 +6,7 @@ from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._compat import sparse_aware
 from optax_sparse_adam._embed import RowLookup, lookup, value_and_row_grad
 from optax_sparse_adam._rows import IndexedRows, is_sparse
+from optax_sparse_adam._sharding import RoutingInfo, RowSharding, all_gather_rows
 from optax_sparse_adam._transform import scale_by_sparse_adam, sparse_adam
 
 try:
@@ -15,7 +16,10 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedRows",
+    "RoutingInfo",
     "RowLookup",
+    "RowSharding",
+    "all_gather_rows",
     "apply_updates",
     "is_sparse",
     "lookup",

@@ -35,6 +35,7 @@ import jax
 import optax
 
 from optax_sparse_adam import _rows
+from optax_sparse_adam._explicit_sharding import take_rows
 
 __all__ = ["sparse_aware"]
 
@@ -116,7 +117,7 @@ def sparse_aware(
             sp = _rows.zero_padding(_rows.coalesce(sp) if coalesce else sp)
             sparse[i] = sp
             values.append(sp.values)
-            rows.append(None if p is None else p.at[sp.row_index()].get(mode="fill", fill_value=0))
+            rows.append(None if p is None else take_rows(p, sp.row_index()))
         new_values, state = inner.update(
             treedef.unflatten(values), state, None if params is None else treedef.unflatten(rows), **extra_args
         )

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam import _rows
+from optax_sparse_adam._explicit_sharding import replicate, take_rows
 
 __all__ = ["RowLookup", "lookup", "value_and_row_grad"]
 
@@ -110,7 +111,7 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"lookup: ids must be integers, got dtype {ids.dtype}")
     num_rows = table.shape[0]
-    flat = ids.reshape(-1)
+    flat = replicate(ids.reshape(-1))
     if jnp.iinfo(flat.dtype).bits < 32:  # so that comparing with num_rows cannot overflow
         flat = flat.astype(jnp.int32)
     k = flat.shape[0]
@@ -120,7 +121,7 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     # after the last one (see for_each_chunk).
     target, packed = _rows.pack_distinct(keys[:, None], valid, _rows.padding_key(table.shape, 1))
     indices = packed[:, 0]
-    rows = table.at[indices].get(mode="fill", fill_value=0)
+    rows = take_rows(table, indices)
     # A padding id reads the last slot, which is padding (a zero row) whenever there is a padding id.
     inverse = jnp.where(valid, target, k - 1).reshape(ids.shape)
     return RowLookup(indices, rows, inverse, num_rows)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
+from optax_sparse_adam._explicit_sharding import replicate, scatter_rows
+
 __all__ = ["IndexedRows", "is_sparse"]
 
 
@@ -76,7 +78,7 @@ class IndexedRows:
     def todense(self) -> jax.Array:
         """The dense equivalent: duplicates summed, padding dropped."""
         idx = jnp.where((self.indices >= 0) & (self.indices < self.num_rows), self.indices, self.num_rows)
-        return jnp.zeros(self.shape, self.values.dtype).at[idx].add(self.values, mode="drop")
+        return jnp.zeros(self.shape, self.values.dtype).at[replicate(idx)].add(replicate(self.values), mode="drop")
 
 
 jax.tree_util.register_dataclass(
@@ -138,7 +140,7 @@ class SparseLeaf(NamedTuple):
         """``dense`` plus this leaf: a scatter-add into the addressed entries, in ``dense``'s dtype."""
 
         def add(start: Any, chunk: SparseLeaf, dense: jax.Array) -> jax.Array:
-            return dense.at[chunk.row_index()].add(chunk.values.astype(dense.dtype), mode="drop")
+            return scatter_rows(dense, chunk.row_index(), chunk.values.astype(dense.dtype), "add")
 
         return for_each_chunk(self, add, dense)
 
@@ -230,7 +232,7 @@ def to_sparse_leaf(leaf: IndexedRows | jsparse.BCOO, param_shape: tuple[int, ...
         raise TypeError(type(leaf))
     if not jnp.issubdtype(values.dtype, jnp.inexact):
         raise _error(TypeError, where, path, f"sparse values must be floating point, got dtype {values.dtype}")
-    keys = keys.astype(jnp.int32)
+    keys, values = replicate(keys.astype(jnp.int32)), replicate(values)
     n_sparse = keys.shape[1]
     dims = padding_key(param_shape, n_sparse)
     valid = jnp.all((keys >= 0) & (keys < dims), axis=1)

@@ -13,6 +13,7 @@ import optax
 
 from optax_sparse_adam import _rows
 from optax_sparse_adam._compat import sparse_aware
+from optax_sparse_adam._explicit_sharding import replicate, scatter_rows, take_rows
 
 __all__ = ["scale_by_sparse_adam", "sparse_adam"]
 
@@ -186,18 +187,19 @@ def scale_by_sparse_adam(
                 def rows_update(start: Any, chunk: _rows.SparseLeaf, carry: Any) -> Any:
                     m, v, out = carry
                     idx = chunk.row_index()
-                    m_rows = m.at[idx].get(mode="fill", fill_value=0)
-                    v_rows = v.at[idx].get(mode="fill", fill_value=0)
+                    m_rows = take_rows(m, idx)
+                    v_rows = take_rows(v, idx)
                     new_m, new_v, step = moments(chunk.values, m_rows, v_rows)
                     valid = _rows._expand(chunk.valid(), step.ndim)
                     step = jnp.where(valid, step, jnp.zeros((), step.dtype)).astype(out.dtype)
                     return (
-                        m.at[idx].set(new_m.astype(m_dtype), mode="drop"),
-                        v.at[idx].set(new_v.astype(v.dtype), mode="drop"),
+                        scatter_rows(m, idx, new_m.astype(m_dtype), "set"),
+                        scatter_rows(v, idx, new_v.astype(v.dtype), "set"),
                         jax.lax.dynamic_update_slice_in_dim(out, step, start, 0),
                     )
 
-                m, v, out = _rows.for_each_chunk(sp, rows_update, (m, v, jnp.zeros_like(sp.values)))
+                out = replicate(jnp.zeros_like(sp.values), like=m)
+                m, v, out = _rows.for_each_chunk(sp, rows_update, (m, v, out))
                 return sp.replace_values(out).to_leaf(), m, v
             g = jnp.asarray(g)
             if g.shape != m.shape:
