@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = ["replicate", "scatter_rows", "take_rows"]
@@ -50,6 +51,7 @@ def replicate(x: jax.Array, like: jax.Array | None = None) -> jax.Array:
 
 def take_rows(x: jax.Array, index: Any) -> jax.Array:
     """``x.at[index].get(mode="fill", fill_value=0)``, replicated when ``x`` is sharded over an ``Explicit`` axis."""
+    x = jnp.asarray(x)
     sharding = _explicit_sharding(x)
     if sharding is None:
         return x.at[index].get(mode="fill", fill_value=0)
