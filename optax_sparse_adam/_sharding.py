@@ -487,15 +487,29 @@ class RowSharding:
         zero = jnp.zeros((), values.dtype)
         return jnp.where(owned[:, None], keys, pad), jnp.where(_rows._expand(owned, values.ndim), values, zero)
 
+    def _routes_by_buckets(self) -> bool:
+        return self.batch_axis is not None and self.routing == "all_to_all"
+
+    def _decide(self, overflows: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """The step's total overflow over devices and tables, and whether it falls back: one scalar."""
+        total = sum(overflows, jnp.zeros((), jnp.int32))
+        if self._routes_by_buckets():
+            total = jax.lax.psum(total, self.axis)
+        return total, total > 0
+
     def _route_entries(
         self, keys: jax.Array, values: jax.Array, shape: tuple[int, ...]
-    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """A sparse gradient's entries brought to their owners: ``(keys, values, overflow, fallback)``."""
+    ) -> tuple[jax.Array, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]:
+        """Routes a sparse gradient's entries to their owners.
+
+        Returns this device's overflow and ``finish(fallback)``, which gives the owner-aligned
+        ``(keys, values)`` once every table's overflow has decided the step's route.
+        """
         no = jnp.zeros((), jnp.int32)
         if self.batch_axis is None:
-            return (*self._keep_owned(keys, values, shape), no, no > 0)
+            return no, lambda _: self._keep_owned(keys, values, shape)
         if self.routing == "all_gather":
-            return (*self._keep_owned(*self._gather_entries(keys, values), shape), no, no > 0)
+            return no, lambda _: self._keep_owned(*self._gather_entries(keys, values), shape)
         n, k = self.num_shards, keys.shape[0]
         capacity = self._capacity(k)
         size = max(n * k, n * capacity)
@@ -508,8 +522,6 @@ class RowSharding:
 
         valid = keys[:, 0] < shape[0]
         dest, overflow = self._buckets(keys[:, 0], valid, shape[0], capacity)
-        overflow = jax.lax.psum(overflow, self.axis)
-        fallback = overflow > 0
 
         def exchange(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
             send_k = jnp.broadcast_to(pad, (n * capacity, keys.shape[1])).at[dest].set(keys, mode="drop")
@@ -521,9 +533,12 @@ class RowSharding:
         def gather(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
             return padded(*self._keep_owned(*self._gather_entries(keys, values), shape))
 
-        if capacity >= k:  # every bucket fits whatever the ids
-            return (*exchange(keys, values), overflow, fallback)
-        return (*jax.lax.cond(fallback, gather, exchange, keys, values), overflow, fallback)
+        def finish(fallback: jax.Array) -> tuple[jax.Array, jax.Array]:
+            if capacity >= k:  # every bucket fits whatever the ids
+                return exchange(keys, values)
+            return jax.lax.cond(fallback, gather, exchange, keys, values)
+
+        return overflow, finish
 
     def route(self, grads: Any, params: Any) -> tuple[Any, RoutingInfo]:
         """Brings the tables' sparse gradients (global ids) to the devices that own their rows.
@@ -562,15 +577,16 @@ class RowSharding:
 
         def body(grads: Any) -> Any:
             g = _rows.flatten_up_to(treedef, grads, "RowSharding.route", "parameters")
-            overflow, fallback = jnp.zeros((), jnp.int32), jnp.zeros((), bool)
+            routed = {}
             for i in sparse:
                 where = "RowSharding.route"
                 keys, values = (_coalesced if self.routing == "all_to_all" else _keys_values)(
                     g[i], shapes[i], paths[i], where
                 )
-                keys, values, o, f = self._route_entries(keys, values, shapes[i])
-                g[i] = _rebuild(out_leaves[i], keys, values, shapes[i])
-                overflow, fallback = overflow + o, fallback | f
+                routed[i] = self._route_entries(keys, values, shapes[i])
+            overflow, fallback = self._decide([o for o, _ in routed.values()])
+            for i, (_, finish) in routed.items():
+                g[i] = _rebuild(out_leaves[i], *finish(fallback), shapes[i])
             return treedef.unflatten(g), RoutingInfo(overflow, fallback)
 
         return self._map(
@@ -579,12 +595,11 @@ class RowSharding:
 
     # ---------------------------------------------------------------------------- fast path
 
-    def _plan(
-        self, ids: jax.Array, num_rows: int
-    ) -> tuple[Callable[[jax.Array], jax.Array], jax.Array, jax.Array, Any]:
+    def _plan(self, ids: jax.Array, num_rows: int) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
         """Routes a device's flat ids (inside ``shard_map``).
 
-        Returns ``(exchange, wanted, positions, (overflow, fallback, unique))``: ``wanted`` are the local
+        Returns this device's overflow and ``finish(fallback)``, which gives ``(exchange, wanted,
+        positions)`` once every table's overflow has decided the step's route: ``wanted`` are the local
         rows this device must read (``block`` for none); ``exchange`` maps them, read, to the rows of this
         device's ids (differentiably); ``positions`` index those rows as the ids indexed the table.
         """
@@ -603,7 +618,7 @@ class RowSharding:
 
         if self.batch_axis is None:  # every device has every id: read mine, all-reduce
             uids, inverse = distinct(ids)
-            return (lambda rows: jax.lax.psum(rows, self.axis)), localize(uids), inverse, (no, no > 0, True)
+            return no, lambda _: ((lambda rows: jax.lax.psum(rows, self.axis)), localize(uids), inverse)
 
         mine = jnp.arange(k, dtype=jnp.int32)
 
@@ -616,15 +631,13 @@ class RowSharding:
 
         if self.routing == "all_gather":
             wanted, inverse = gathered_plan(ids)
-            return (lambda rows: gathered_exchange(rows, inverse)), wanted, mine, (no, no > 0, True)
+            return no, lambda _: ((lambda rows: gathered_exchange(rows, inverse)), wanted, mine)
 
         capacity = self._capacity(k)
         size = max(n * k, n * capacity)
         uids, inverse = distinct(ids)
         valid = uids < num_rows
         dest, overflow = self._buckets(uids, valid, num_rows, capacity)
-        overflow = jax.lax.psum(overflow, self.axis)
-        fallback = overflow > 0
 
         def pad_to(x: jax.Array, n_out: int, fill: int) -> jax.Array:
             return jnp.concatenate([x, jnp.full((n_out - x.shape[0],), fill, x.dtype)])
@@ -644,16 +657,18 @@ class RowSharding:
             wanted, select = gathered_plan(ids)
             return pad_to(wanted, size, block), select
 
-        info = (overflow, fallback, False)
-        if capacity >= k:
-            wanted, select = bucket_plan(ids)
-            return (lambda rows: bucket_exchange(rows, select)), wanted, mine, info
-        wanted, select = jax.lax.cond(fallback, fallback_plan, bucket_plan, ids)
+        def finish(fallback: jax.Array) -> Any:
+            if capacity >= k:  # every bucket fits whatever the ids
+                wanted, select = bucket_plan(ids)
+                return (lambda rows: bucket_exchange(rows, select)), wanted, mine
+            wanted, select = jax.lax.cond(fallback, fallback_plan, bucket_plan, ids)
 
-        def exchange(rows: jax.Array) -> jax.Array:
-            return jax.lax.cond(fallback, gathered_exchange, bucket_exchange, rows, select)
+            def exchange(rows: jax.Array) -> jax.Array:
+                return jax.lax.cond(fallback, gathered_exchange, bucket_exchange, rows, select)
 
-        return exchange, wanted, mine, info
+            return exchange, wanted, mine
+
+        return overflow, finish
 
     def value_and_row_grad(
         self, fun: Callable[..., Any], *, has_aux: bool = False
@@ -693,6 +708,7 @@ class RowSharding:
                         f"got dtype {jnp.asarray(x).dtype}"
                     )
             tables = sorted(set(chosen))
+            by_table = {i: [j for j, c in enumerate(chosen) if c == i] for i in tables}
             p_specs = self.specs(params)
             batch = _P() if self.batch_axis is None else _P(self.batch_axis)
             id_specs = jax.tree.map(lambda _: batch, ids)
@@ -718,20 +734,18 @@ class RowSharding:
                 exchanges: dict[int, Any] = {}
                 wanted: dict[int, jax.Array] = {}
                 positions: list[Any] = [None] * len(flat_ids)
-                overflow, fallback = jnp.zeros((), jnp.int32), jnp.zeros((), bool)
-                uniques: dict[int, bool] = {}
+                plans = {}
                 for i in tables:
-                    js = [j for j, c in enumerate(chosen) if c == i]
-                    flat = [jnp.asarray(flat_ids[j]).reshape(-1).astype(jnp.int32) for j in js]
-                    exchange, want, pos, (o, f, unique) = self._plan(
-                        flat[0] if len(flat) == 1 else jnp.concatenate(flat), shapes[i][0]
-                    )
-                    exchanges[i], wanted[i], uniques[i] = exchange, want, unique
-                    overflow, fallback = overflow + o, fallback | f
+                    flat = [jnp.asarray(flat_ids[j]).reshape(-1).astype(jnp.int32) for j in by_table[i]]
+                    plans[i] = self._plan(flat[0] if len(flat) == 1 else jnp.concatenate(flat), shapes[i][0])
+                overflow, fallback = self._decide([o for o, _ in plans.values()])
+                for i, (_, finish) in plans.items():
+                    exchanges[i], wanted[i], pos = finish(fallback)
                     start = 0
-                    for j, x in zip(js, flat, strict=True):
-                        positions[j] = pos[start : start + x.shape[0]].reshape(jnp.shape(flat_ids[j]))
-                        start += x.shape[0]
+                    for j in by_table[i]:
+                        x = flat_ids[j]
+                        positions[j] = pos[start : start + x.size].reshape(jnp.shape(x))
+                        start += x.size
                 rows = {i: take_rows(local[i], wanted[i]) for i in tables}
                 pos_tree = id_treedef.unflatten(positions)
 
@@ -759,7 +773,7 @@ class RowSharding:
                     values = jnp.where(_rows._expand(owned, g.ndim), g, jnp.zeros((), g.dtype))
                     out.append(
                         _rows.IndexedRows(
-                            jnp.where(owned, wanted[i] + lo, -1), values, shapes[i][0], unique_indices=uniques[i]
+                            jnp.where(owned, wanted[i] + lo, -1), values, shapes[i][0], unique_indices=unique
                         )
                     )
                 return value, treedef.unflatten(out), RoutingInfo(overflow, fallback)
