@@ -269,6 +269,7 @@ class RowSharding:
     mesh: Mesh
     axis: str
     tables: Callable[[Any], Any]
+    _: dataclasses.KW_ONLY
     batch_axis: str | None = None
     routing: Routing = "all_to_all"
     capacity: int | None = None
