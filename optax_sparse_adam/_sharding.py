@@ -214,13 +214,15 @@ class RowSharding:
     ``batch_axis`` (which must be ``axis``: data parallel over the devices
     holding the table), and then routed by
 
-    - ``"all_gather"``: every device receives every id and row of the batch:
-      ``K * (width + 1)`` words per device for a global batch of ``K`` ids,
-      which does not fall as devices are added;
+    - ``"all_gather"``: every device receives every id of the batch and, as
+      rows forward and as gradients backward, every row looked up:
+      ``K * (2 * width + 1)`` words per device for a global batch of ``K``
+      ids, which does not fall as devices are added;
     - ``"all_to_all"``: each device sums its duplicates, buckets its distinct
       ids by owner with ``capacity`` slots per owner, and exchanges buckets
-      once: ``n * capacity * (width + 1)`` words per device, about
-      ``K / n * (width + 1)`` when ``capacity`` fits the batch. A bucket over
+      (ids, then rows, then gradients): ``n * capacity * (2 * width + 1)``
+      words per device, about ``K / n * (2 * width + 1)`` when ``capacity``
+      fits the batch. A bucket over
       capacity on any device makes the whole step take the all-gather route
       (one scalar decides; only routing sits in that ``lax.cond``, never a
       table), so no id is dropped; :class:`RoutingInfo` reports the overflow.
