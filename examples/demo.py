@@ -8,6 +8,7 @@ the same batches; the demo prints both losses and the median step time.
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -17,7 +18,10 @@ import optax
 
 import optax_sparse_adam as osa
 
-NUM_ROWS, DIM, HIDDEN, BATCH, STEPS = 1_000_000, 32, 64, 4096, 100
+# The test suite runs the demo small through these variables.
+NUM_ROWS = int(os.environ.get("DEMO_ROWS", 1_000_000))
+STEPS = int(os.environ.get("DEMO_STEPS", 100))
+DIM, HIDDEN, BATCH = 32, 64, 4096
 
 
 def make_data(rng: np.random.Generator):

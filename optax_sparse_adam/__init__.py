@@ -3,10 +3,10 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from optax_sparse_adam._apply import apply_updates
-from optax_sparse_adam._compat import sparse_aware
-from optax_sparse_adam._embed import RowLookup, lookup, value_and_row_grad
-from optax_sparse_adam._rows import IndexedRows, is_sparse
+from optax_sparse_adam._fast_path import RowLookup, lookup, value_and_row_grad
+from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._sharding import RoutingInfo, RowSharding, all_gather_rows
+from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._transform import scale_by_sparse_adam, sparse_adam
 
 try:

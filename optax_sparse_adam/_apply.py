@@ -1,13 +1,34 @@
-"""Applying updates that may hold sparse leaves."""
+"""Applying updates that may hold sparse leaves: :func:`apply_updates`."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam import _rows
+from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._keys import to_sparse_leaf
+from optax_sparse_adam._tree import map_leaves, param_error
 
 __all__ = ["apply_updates"]
+
+_WHERE = "apply_updates"
+
+
+def _apply_leaf(path: Any, u: Any, p: Any) -> tuple[Any]:
+    """``p + u`` for one leaf: a scatter-add for a sparse ``u``, optax's rule for a dense one."""
+    if u is None or p is None:
+        return (p,)
+    p = jnp.asarray(p)
+    if is_sparse(u):
+        return (to_sparse_leaf(u, p.shape, path, _WHERE).add_to(p),)
+    u = jnp.asarray(u)
+    if u.shape != p.shape:
+        raise param_error(
+            ValueError, _WHERE, path, f"update shape {u.shape} does not match the parameter shape {p.shape}"
+        )
+    return (jnp.asarray(p + u).astype(p.dtype),)
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
@@ -38,21 +59,7 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
              [0., 0.],
              [1., 1.]], dtype=float32)
     """
-    leaves, treedef = _rows.flatten(updates)
-    param_leaves = _rows.flatten_up_to(treedef, params, "apply_updates", "parameters")
-    out = []
-    for (path, u), p in zip(leaves, param_leaves, strict=True):
-        if u is None or p is None:
-            out.append(p)
-        elif _rows.is_sparse(u):
-            p = jnp.asarray(p)
-            out.append(_rows.to_sparse_leaf(u, p.shape, path, "apply_updates").add_to(p))
-        else:
-            p, u = jnp.asarray(p), jnp.asarray(u)
-            if u.shape != p.shape:
-                raise ValueError(
-                    f"apply_updates: parameter {_rows.path_str(path)}: update shape {u.shape} "
-                    f"does not match the parameter shape {p.shape}"
-                )
-            out.append(jnp.asarray(p + u).astype(p.dtype))
-    return treedef.unflatten(out)
+    (new_params,) = map_leaves(
+        _apply_leaf, updates, [(params, "parameters")], where=_WHERE, tree_name="updates", n_out=1
+    )
+    return new_params

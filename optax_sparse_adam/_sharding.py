@@ -31,9 +31,12 @@ import optax
 from jax.experimental import sparse as jsparse
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from optax_sparse_adam import _rows
 from optax_sparse_adam._apply import apply_updates as _apply_updates
+from optax_sparse_adam._coalesce import coalesce, pack_distinct
 from optax_sparse_adam._explicit_sharding import take_rows
+from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
+from optax_sparse_adam._keys import padding_key, to_sparse_leaf
+from optax_sparse_adam._tree import broadcast_rows, is_leaf, leaves_like, path_str
 
 __all__ = ["RoutingInfo", "RowSharding", "all_gather_rows"]
 
@@ -136,11 +139,11 @@ def all_gather_rows(tree: Any, axis_name: str) -> Any:
     def one(leaf: Any) -> Any:
         if leaf is None:
             return None
-        if isinstance(leaf, _rows.IndexedRows):
+        if isinstance(leaf, IndexedRows):
             if not (_varies(leaf.indices, axis_name) or _varies(leaf.values, axis_name)):
                 return leaf
             ids, values = _vary(leaf.indices, axis_name), _vary(leaf.values, axis_name)
-            return _rows.IndexedRows(gather(ids), gather(values), leaf.num_rows)
+            return IndexedRows(gather(ids), gather(values), leaf.num_rows)
         if isinstance(leaf, jsparse.BCOO):
             if leaf.n_batch:
                 raise ValueError(
@@ -153,7 +156,12 @@ def all_gather_rows(tree: Any, axis_name: str) -> Any:
         x = jnp.asarray(leaf)
         return jax.lax.psum(x, axis_name) if _varies(x, axis_name) else x
 
-    return jax.tree.map(one, tree, is_leaf=_rows.is_leaf)
+    return jax.tree.map(one, tree, is_leaf=is_leaf)
+
+
+def _flatten_up_to(treedef: Any, tree: Any, where: str, what: str) -> list[Any]:
+    """``tree``'s subtrees at the leaves of ``treedef`` (the parameters' structure), or an error naming the path."""
+    return leaves_like(treedef, treedef.unflatten([None] * treedef.num_leaves), tree, where, what, "parameters")
 
 
 # ------------------------------------------------------------------------ sparse leaves as (keys, values)
@@ -161,29 +169,29 @@ def all_gather_rows(tree: Any, axis_name: str) -> Any:
 
 def _keys_values(leaf: Any, shape: tuple[int, ...], path: Any, where: str) -> tuple[jax.Array, jax.Array]:
     """``(k, s)`` int32 keys (padding: ``shape[:s]``) and values of a sparse leaf, validated."""
-    sp = _rows.to_sparse_leaf(leaf, shape, path, where)
+    sp = to_sparse_leaf(leaf, shape, path, where)
     return sp.keys, sp.values
 
 
 def _coalesced(leaf: Any, shape: tuple[int, ...], path: Any, where: str) -> tuple[jax.Array, jax.Array]:
     """As :func:`_keys_values`, duplicates summed into the leading slots."""
-    sp = _rows.coalesce(_rows.to_sparse_leaf(leaf, shape, path, where))
+    sp = coalesce(to_sparse_leaf(leaf, shape, path, where))
     return sp.keys, sp.values
 
 
 def _distinct(keys: jax.Array, valid: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """Distinct ids of ``keys`` (``(k,)``) packed first (``num_rows`` after them), and each id's slot."""
     k = keys.shape[0]
-    target, packed = _rows.pack_distinct(keys[:, None], valid, _rows.padding_key((num_rows,), 1))
+    target, packed = pack_distinct(keys[:, None], valid, padding_key((num_rows,), 1))
     # A padding id reads the last slot, which is padding whenever there is a padding id.
     return packed[:, 0], jnp.where(valid, target, k - 1)
 
 
 def _rebuild(template: Any, keys: jax.Array, values: jax.Array, shape: tuple[int, ...]) -> Any:
     """A sparse leaf of ``template``'s type and flags with these keys (padding: ``shape[:s]`` or ``-1``)."""
-    if isinstance(template, _rows.IndexedRows):
+    if isinstance(template, IndexedRows):
         ids = jnp.where(keys[:, 0] < shape[0], keys[:, 0], -1)
-        return _rows.IndexedRows(ids, values, shape[0], unique_indices=template.unique_indices)
+        return IndexedRows(ids, values, shape[0], unique_indices=template.unique_indices)
     return jsparse.BCOO((values, keys), shape=shape, unique_indices=template.unique_indices)
 
 
@@ -299,7 +307,7 @@ class RowSharding:
     def _selected(self, tree: Any) -> tuple[list[Any], list[str], list[int], Any]:
         """Leaves, paths, the indices of the selected tables (in selection order) and the treedef."""
         treedef: Any
-        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_rows.is_leaf)
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
         chosen = jax.tree.leaves(self.tables(treedef.unflatten([_Slot(i) for i in range(len(path_leaves))])))
         for s in chosen:
             if not isinstance(s, _Slot):
@@ -308,7 +316,7 @@ class RowSharding:
                     f"but it returned a {type(s).__name__}"
                 )
         leaves = [leaf for _, leaf in path_leaves]
-        paths = [_rows.path_str(path) for path, _ in path_leaves]
+        paths = [path_str(path) for path, _ in path_leaves]
         for s in chosen:
             shape = tuple(getattr(leaves[s.i], "shape", ()))
             if not shape:
@@ -370,10 +378,10 @@ class RowSharding:
     def _tree_specs(self, params: Any, tree: Any) -> Any:
         """Specs for a gradient/update tree: owner-aligned sparse table leaves, the rest replicated."""
         _, _, chosen, treedef = self._selected(params)
-        leaves = _rows.flatten_up_to(treedef, tree, "RowSharding", "parameters")
+        leaves = _flatten_up_to(treedef, tree, "RowSharding", "parameters")
         return treedef.unflatten(
             [
-                self._sparse_specs(x) if i in chosen and _rows.is_sparse(x) else (None if x is None else _P())
+                self._sparse_specs(x) if i in chosen and is_sparse(x) else (None if x is None else _P())
                 for i, x in enumerate(leaves)
             ]
         )
@@ -421,15 +429,15 @@ class RowSharding:
         _, _, chosen, treedef = self._selected(params)
 
         def body(grads: Any, state: Any, params: Any) -> Any:
-            flat = _rows.flatten_up_to(treedef, grads, "RowSharding.update", "parameters")
+            flat = _flatten_up_to(treedef, grads, "RowSharding.update", "parameters")
             local = [
-                self._to_local(g, (), "RowSharding.update") if i in chosen and _rows.is_sparse(g) else g
+                self._to_local(g, (), "RowSharding.update") if i in chosen and is_sparse(g) else g
                 for i, g in enumerate(flat)
             ]
             updates, state = tx.update(treedef.unflatten(local), state, params)
-            out = _rows.flatten_up_to(treedef, updates, "RowSharding.update", "parameters")
+            out = _flatten_up_to(treedef, updates, "RowSharding.update", "parameters")
             out = [
-                self._to_global(u, flat[i], (), "RowSharding.update") if i in chosen and _rows.is_sparse(u) else u
+                self._to_global(u, flat[i], (), "RowSharding.update") if i in chosen and is_sparse(u) else u
                 for i, u in enumerate(out)
             ]
             return treedef.unflatten(out), state
@@ -443,9 +451,9 @@ class RowSharding:
         _, _, chosen, treedef = self._selected(params)
 
         def body(params: Any, updates: Any) -> Any:
-            flat = _rows.flatten_up_to(treedef, updates, "RowSharding.apply_updates", "parameters")
+            flat = _flatten_up_to(treedef, updates, "RowSharding.apply_updates", "parameters")
             local = [
-                self._to_local(u, (), "RowSharding.apply_updates") if i in chosen and _rows.is_sparse(u) else u
+                self._to_local(u, (), "RowSharding.apply_updates") if i in chosen and is_sparse(u) else u
                 for i, u in enumerate(flat)
             ]
             return _apply_updates(params, treedef.unflatten(local))
@@ -488,7 +496,7 @@ class RowSharding:
         owned = (keys[:, 0] >= lo) & (keys[:, 0] < lo + block)
         pad = jnp.asarray(shape[: keys.shape[1]], jnp.int32)
         zero = jnp.zeros((), values.dtype)
-        return jnp.where(owned[:, None], keys, pad), jnp.where(_rows._expand(owned, values.ndim), values, zero)
+        return jnp.where(owned[:, None], keys, pad), jnp.where(broadcast_rows(owned, values.ndim), values, zero)
 
     def _routes_by_buckets(self) -> bool:
         return self.batch_axis is not None and self.routing == "all_to_all"
@@ -559,16 +567,16 @@ class RowSharding:
           :meth:`update`; :class:`RoutingInfo`.
         """
         leaves, paths, chosen, treedef = self._selected(params)
-        flat = _rows.flatten_up_to(treedef, grads, "RowSharding.route", "parameters")
-        sparse = [i for i in chosen if _rows.is_sparse(flat[i])]
+        flat = _flatten_up_to(treedef, grads, "RowSharding.route", "parameters")
+        sparse = [i for i in chosen if is_sparse(flat[i])]
         entry = _P() if self.batch_axis is None else _P(self.batch_axis)
         in_specs = treedef.unflatten(
             [_specs_like(x, entry) if i in sparse else (None if x is None else _P()) for i, x in enumerate(flat)]
         )
         out_leaves = [
             (
-                _rows.IndexedRows(flat[i].indices, flat[i].values, flat[i].num_rows)
-                if isinstance(flat[i], _rows.IndexedRows)
+                IndexedRows(flat[i].indices, flat[i].values, flat[i].num_rows)
+                if isinstance(flat[i], IndexedRows)
                 else jsparse.BCOO((flat[i].data, flat[i].indices), shape=flat[i].shape)
             )
             if i in sparse
@@ -579,7 +587,7 @@ class RowSharding:
         shapes = [tuple(jnp.shape(x)) for x in leaves]
 
         def body(grads: Any) -> Any:
-            g = _rows.flatten_up_to(treedef, grads, "RowSharding.route", "parameters")
+            g = _flatten_up_to(treedef, grads, "RowSharding.route", "parameters")
             routed = {}
             for i in sparse:
                 where = "RowSharding.route"
@@ -720,7 +728,7 @@ class RowSharding:
             unique = self.batch_axis is None or self.routing == "all_gather"
             grad_template = treedef.unflatten(
                 [
-                    _rows.IndexedRows(jnp.zeros(1, jnp.int32), jnp.zeros((1, *shapes[i][1:])), shapes[i][0], unique)
+                    IndexedRows(jnp.zeros(1, jnp.int32), jnp.zeros((1, *shapes[i][1:])), shapes[i][0], unique)
                     if i in tables
                     else x
                     for i, x in enumerate(leaves)
@@ -732,7 +740,7 @@ class RowSharding:
             n_batch = 1 if self.batch_axis is None else self.num_shards
 
             def body(params: Any, ids: Any, args: Any) -> Any:
-                local = _rows.flatten_up_to(treedef, params, "RowSharding.value_and_row_grad", "parameters")
+                local = _flatten_up_to(treedef, params, "RowSharding.value_and_row_grad", "parameters")
                 flat_ids = jax.tree.leaves(ids)
                 exchanges: dict[int, Any] = {}
                 wanted: dict[int, jax.Array] = {}
@@ -773,11 +781,9 @@ class RowSharding:
                         continue
                     block, lo = self._block(shapes[i][0])
                     owned = wanted[i] < block
-                    values = jnp.where(_rows._expand(owned, g.ndim), g, jnp.zeros((), g.dtype))
+                    values = jnp.where(broadcast_rows(owned, g.ndim), g, jnp.zeros((), g.dtype))
                     out.append(
-                        _rows.IndexedRows(
-                            jnp.where(owned, wanted[i] + lo, -1), values, shapes[i][0], unique_indices=unique
-                        )
+                        IndexedRows(jnp.where(owned, wanted[i] + lo, -1), values, shapes[i][0], unique_indices=unique)
                     )
                 return value, treedef.unflatten(out), RoutingInfo(overflow, fallback)
 

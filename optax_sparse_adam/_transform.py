@@ -1,19 +1,28 @@
-"""The lazy (sparse) Adam transformation: :func:`scale_by_sparse_adam` and :func:`sparse_adam`."""
+"""The lazy (sparse) Adam transformation: :func:`scale_by_sparse_adam` and :func:`sparse_adam`.
+
+Each gradient leaf takes one of three rules, each a function of one leaf:
+:func:`_dense_adam` (plain Adam, optax's own expressions),
+:func:`_lazy_dense_adam` (Adam on the rows of a dense gradient that hold a
+nonzero) and :func:`_sparse_adam` (Adam on the rows a sparse leaf touches).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_sparse_adam import _rows
-from optax_sparse_adam._compat import sparse_aware
+from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._explicit_sharding import replicate, scatter_rows, take_rows
+from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._keys import SparseLeaf, for_each_chunk, to_sparse_leaf
+from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._tree import broadcast_rows, is_leaf, map_leaves, param_error
 
 __all__ = ["scale_by_sparse_adam", "sparse_adam"]
 
@@ -22,26 +31,139 @@ MaskOrFn = bool | Any | Callable[[optax.Params], Any]
 _WHERE = "scale_by_sparse_adam"
 
 
-def _check_hparam(name: str, value: Any, *, lower: float, lower_open: bool) -> None:
-    """Checks a concrete scalar hyperparameter; traced or injected ones are left alone."""
-    if value is None or callable(value) or isinstance(value, jax.core.Tracer):
+class _Adam(NamedTuple):
+    """The hyperparameters every leaf rule reads (possibly traced under ``inject_hyperparams``)."""
+
+    b1: Any
+    b2: Any
+    eps: Any
+    eps_root: Any
+    maximize: bool
+    eps_placement: EpsPlacement
+
+
+def _moments(g: jax.Array, m: jax.Array, v: jax.Array, adam: _Adam) -> tuple[jax.Array, jax.Array]:
+    """Adam's new moments, with optax's own expressions (``|g|^2`` for complex ``g``)."""
+    if adam.maximize:
+        g = -g
+    return optax.tree.update_moment(g, m, adam.b1, 1), optax.tree.update_moment_per_elem_norm(g, v, adam.b2, 2)
+
+
+def _step(m: jax.Array, v: jax.Array, count: jax.Array, adam: _Adam) -> jax.Array:
+    """Adam's step from the new moments, for either placement of ``eps``."""
+    if adam.eps_placement == "optax":
+        m_hat = optax.tree.bias_correction(m, adam.b1, count)
+        v_hat = optax.tree.bias_correction(v, adam.b2, count)
+        return m_hat / (jnp.sqrt(v_hat + adam.eps_root) + adam.eps)
+    scale = jnp.sqrt(1 - adam.b2**count) / (1 - adam.b1**count)
+    return scale.astype(m.dtype) * m / (jnp.sqrt(v + adam.eps_root) + adam.eps)
+
+
+def _dense_adam(grads: Any, mu: Any, nu: Any, state_count: jax.Array, adam: _Adam) -> tuple[Any, Any, Any]:
+    """``(updates, mu, nu)`` of plain Adam over a tree of dense leaves (``None`` elsewhere).
+
+    With ``eps_placement="optax"`` this is :func:`optax.scale_by_adam` itself on
+    the tree, so XLA sees the graph it sees for :func:`optax.adam`, with the
+    same jit boundaries, and the numbers are identical, jitted or not.
+    """
+    if adam.maximize:
+        grads = jax.tree.map(lambda g: -g, grads)
+    if adam.eps_placement == "optax":
+        tx = optax.scale_by_adam(adam.b1, adam.b2, adam.eps, adam.eps_root)
+        updates, state = tx.update(grads, optax.ScaleByAdamState(count=state_count, mu=mu, nu=nu))
+        new_mu, new_nu = state.mu, state.nu
+    else:
+        new_mu = optax.tree.update_moment(grads, mu, adam.b1, 1)
+        new_nu = optax.tree.update_moment_per_elem_norm(grads, nu, adam.b2, 2)
+        count = optax.safe_increment(state_count)
+        updates = jax.tree.map(lambda m, v: _step(m, v, count, adam), new_mu, new_nu)
+    cast = lambda new, old: jax.tree.map(lambda x, y: x.astype(y.dtype), new, old)  # noqa: E731
+    return cast(updates, grads), cast(new_mu, mu), cast(new_nu, nu)
+
+
+def _lazy_dense_adam(
+    g: jax.Array, m: jax.Array, v: jax.Array, count: jax.Array, adam: _Adam
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(update, mu, nu)`` of lazy Adam on a dense leaf: rows holding a nonzero (or NaN) are touched.
+
+    The selects sit inside the moment updates and the mask is reduced with a
+    float max, so XLA updates the moments in place without a table-sized mask.
+    """
+    touched = jnp.max(jnp.abs(g), axis=tuple(range(1, g.ndim)), keepdims=True) != 0 if g.ndim > 1 else g != 0
+    new_m, new_v = _moments(g, m, v, adam)
+    new_m = jnp.where(touched, new_m, m)
+    new_v = jnp.where(touched, new_v, v)
+    step = jnp.where(touched, _step(new_m, new_v, count, adam), jnp.zeros((), g.dtype))
+    return step.astype(g.dtype), new_m.astype(m.dtype), new_v.astype(v.dtype)
+
+
+def _sparse_adam(
+    leaf: SparseLeaf, m: jax.Array, v: jax.Array, count: jax.Array, adam: _Adam
+) -> tuple[SparseLeaf, jax.Array, jax.Array]:
+    """``(update, mu, nu)`` of lazy Adam on the rows a sparse leaf touches, duplicates summed first.
+
+    The update holds each touched row's step once, in the slots of the summed
+    leaf; ``mu`` and ``nu`` change in those rows only.
+    """
+    leaf = coalesce(leaf)
+
+    def rows_update(start: Any, chunk: SparseLeaf, carry: Any) -> Any:
+        m, v, out = carry
+        idx = chunk.row_index()
+        new_m, new_v = _moments(chunk.values, take_rows(m, idx), take_rows(v, idx), adam)
+        step = _step(new_m, new_v, count, adam)
+        step = jnp.where(broadcast_rows(chunk.valid(), step.ndim), step, jnp.zeros((), step.dtype))
+        return (
+            scatter_rows(m, idx, new_m.astype(m.dtype), "set"),
+            scatter_rows(v, idx, new_v.astype(v.dtype), "set"),
+            jax.lax.dynamic_update_slice_in_dim(out, step.astype(out.dtype), start, 0),
+        )
+
+    m, v, out = for_each_chunk(leaf, rows_update, (m, v, replicate(jnp.zeros_like(leaf.values), like=m)))
+    return leaf._replace(values=out), m, v
+
+
+def _check_hparam(name: str, value: Any, *, lower: float, lower_open: bool, upper: float = math.inf) -> None:
+    """Checks a concrete scalar hyperparameter; schedules and traced (injected) values are left alone."""
+    if callable(value) or isinstance(value, jax.core.Tracer):
         return
     arr = np.asarray(value)
+    if arr.dtype.kind not in "iuf":
+        raise TypeError(f"Invalid {name}: {value!r}; it must be a real number")
     if arr.size != 1:
-        return
+        raise ValueError(f"Invalid {name}: an array of shape {arr.shape}; it must be a scalar")
     v = float(arr.reshape(()))
-    bad = math.isnan(v) or (v <= lower if lower_open else v < lower)
-    if name in ("b1", "b2"):
-        bad = bad or v >= 1.0
-        rule = "in [0, 1)"
-    else:
-        rule = f"> {lower:g}" if lower_open else f">= {lower:g}"
-    if bad:
+    ok = (v > lower if lower_open else v >= lower) and (v < upper) and math.isfinite(v)
+    if not ok:
+        lo = f"> {lower:g}" if lower_open else f">= {lower:g}"
+        rule = f"in [{lower:g}, {upper:g})" if math.isfinite(upper) else f"finite and {lo}"
         raise ValueError(f"Invalid {name}: {value!r}; it must be {rule}")
 
 
-def _resolve_mask(mask: MaskOrFn, params: Any) -> Any:
-    return mask(params) if callable(mask) else mask
+def _check_state(state: Any) -> None:
+    if not isinstance(state, optax.ScaleByAdamState):
+        raise TypeError(
+            f"{_WHERE}: the optimizer state is a {type(state).__name__}, not the optax.ScaleByAdamState this "
+            "transformation's init builds; pass the state that `tx.init(params)` returned for this `tx`"
+        )
+
+
+def _lazy_tree(lazy_dense: MaskOrFn, params: Any, where: str) -> Any:
+    """``lazy_dense`` resolved against ``params`` and broadcast to its leaves, or a clear error."""
+    mask = lazy_dense(params) if callable(lazy_dense) else lazy_dense
+    try:
+        tree = jax.tree.map(
+            lambda flag, sub: jax.tree.map(lambda _: flag, sub, is_leaf=is_leaf), mask, params, is_leaf=is_leaf
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{where}: lazy_dense must be a bool, or a tree of bools that is a prefix of the parameters (or a "
+            f"function returning one), but its structure does not fit the parameters: {e}"
+        ) from None
+    for path, flag in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
+        if not isinstance(flag, bool | np.bool_):
+            raise param_error(TypeError, where, path, f"lazy_dense must give a Python bool per leaf, got {flag!r}")
+    return tree
 
 
 def scale_by_sparse_adam(
@@ -63,7 +185,7 @@ def scale_by_sparse_adam(
     .. math::
 
       m_S \leftarrow \beta_1 m_S + (1 - \beta_1) g_S, \qquad
-      v_S \leftarrow \beta_2 v_S + (1 - \beta_2) g_S^2,
+      v_S \leftarrow \beta_2 v_S + (1 - \beta_2) |g_S|^2,
 
     with the step, for ``eps_placement="optax"``,
 
@@ -81,7 +203,7 @@ def scale_by_sparse_adam(
     Outside :math:`S`, ``mu`` and ``nu`` are bitwise unchanged and the update is
     a sparse leaf of the same type holding exactly the touched entries. The
     step count :math:`t` advances on every call. A dense gradient leaf gets
-    plain Adam (identical to :func:`optax.scale_by_adam`) unless
+    plain Adam (:func:`optax.scale_by_adam`'s expressions) unless
     ``lazy_dense`` selects it, in which case a row counts as touched when any of
     its entries is nonzero. A ``None`` leaf is skipped.
 
@@ -120,18 +242,32 @@ def scale_by_sparse_adam(
       <https://arxiv.org/abs/1412.6980>`_, 2014; PyTorch's
       ``torch.optim.SparseAdam``.
     """
-    for name, value, lower, lower_open in (
-        ("b1", b1, 0.0, False),
-        ("b2", b2, 0.0, False),
-        ("eps", eps, 0.0, True),
-        ("eps_root", eps_root, 0.0, False),
-    ):
-        _check_hparam(name, value, lower=lower, lower_open=lower_open)
+    _check_hparam("b1", b1, lower=0.0, lower_open=False, upper=1.0)
+    _check_hparam("b2", b2, lower=0.0, lower_open=False, upper=1.0)
+    _check_hparam("eps", eps, lower=0.0, lower_open=True)
+    _check_hparam("eps_root", eps_root, lower=0.0, lower_open=False)
     if eps_placement not in ("optax", "torch"):
         raise ValueError(f"Invalid eps_placement: {eps_placement!r}; it must be 'optax' or 'torch'")
-    mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+    if not isinstance(maximize, bool | np.bool_):
+        raise TypeError(f"Invalid maximize: {maximize!r}; it must be a bool")
+    if mu_dtype is not None:
+        try:
+            mu_dtype = jax.dtypes.canonicalize_dtype(mu_dtype)
+        except TypeError as e:
+            raise TypeError(f"Invalid mu_dtype: {mu_dtype!r}; it must be a floating dtype such as jnp.float32") from e
+        if not jnp.issubdtype(mu_dtype, jnp.inexact):
+            raise TypeError(f"Invalid mu_dtype: {mu_dtype}; it must be a floating dtype such as jnp.float32")
+    if not callable(lazy_dense):
+        for path, flag in jax.tree_util.tree_leaves_with_path(lazy_dense):
+            if not isinstance(flag, bool | np.bool_):
+                raise TypeError(
+                    f"Invalid lazy_dense: {flag!r} at {jax.tree_util.keystr(path) or '<root>'}; it must be a "
+                    "bool, a tree of bools (a prefix of the parameters), or a function returning one"
+                )
+    adam = _Adam(b1, b2, eps, eps_root, bool(maximize), eps_placement)
 
     def init_fn(params: optax.Params) -> optax.ScaleByAdamState:
+        _lazy_tree(lazy_dense, params, _WHERE)  # a mask that does not fit the parameters fails here
         return optax.ScaleByAdamState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),
@@ -145,106 +281,66 @@ def scale_by_sparse_adam(
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
         del extra_args
+        _check_state(state)
         count = optax.safe_increment(state.count)
-        bc1 = 1 - b1**count  # the same expression as optax, for bitwise equality
-        bc2 = 1 - b2**count
 
-        def moments(g: Any, m: Any, v: Any, touched: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-            """New (m, v) and the step for gradient rows ``g`` and moment rows ``m``, ``v``.
-
-            Where ``touched`` is given, the other rows keep ``m`` and ``v`` (and get a zero step).
-            """
-            if maximize:
-                g = -g
-            if touched is None:
-                m = (1 - b1) * g + b1 * m
-                v = (1 - b2) * (g * g) + b2 * v
-            else:
-                m = jnp.where(touched, (1 - b1) * g + b1 * m, m)
-                v = jnp.where(touched, (1 - b2) * (g * g) + b2 * v, v)
-            if eps_placement == "optax":
-                step = (m / bc1.astype(m.dtype)) / (jnp.sqrt(v / bc2.astype(v.dtype) + eps_root) + eps)
-            else:
-                scale = jnp.sqrt(bc2) / bc1
-                step = scale.astype(m.dtype) * m / (jnp.sqrt(v + eps_root) + eps)
-            if touched is not None:
-                step = jnp.where(touched, step, jnp.zeros((), step.dtype))
-            return m, v, step
-
-        def leaf_update(path: Any, g: Any, m: Any, v: Any, lazy: Any) -> tuple[Any, Any, Any]:
+        def check(path: Any, g: Any, m: Any, v: Any, lazy: Any, *p: Any) -> tuple[Any, Any, Any]:
+            """The leaf's gradient, ``mu`` and ``nu`` if it takes the plain dense rule, else ``None``s."""
             if g is None:
-                return None, m, v
+                return None, None, None
             if not isinstance(m, jax.Array | np.ndarray):
-                raise ValueError(
-                    f"{_WHERE}: parameter {_rows.path_str(path)}: the gradient is a leaf but the "
-                    f"optimizer state holds a subtree {jax.tree.structure(m)}"
+                raise param_error(
+                    ValueError,
+                    _WHERE,
+                    path,
+                    f"the gradient is a leaf but the optimizer state holds a subtree {jax.tree.structure(m)}",
                 )
-            m, v = jnp.asarray(m), jnp.asarray(v)
-            m_dtype = m.dtype if mu_dtype is None else mu_dtype
-            if _rows.is_sparse(g):
-                sp = _rows.coalesce(_rows.to_sparse_leaf(g, m.shape, path, _WHERE))
-
-                def rows_update(start: Any, chunk: _rows.SparseLeaf, carry: Any) -> Any:
-                    m, v, out = carry
-                    idx = chunk.row_index()
-                    m_rows = take_rows(m, idx)
-                    v_rows = take_rows(v, idx)
-                    new_m, new_v, step = moments(chunk.values, m_rows, v_rows)
-                    valid = _rows._expand(chunk.valid(), step.ndim)
-                    step = jnp.where(valid, step, jnp.zeros((), step.dtype)).astype(out.dtype)
-                    return (
-                        scatter_rows(m, idx, new_m.astype(m_dtype), "set"),
-                        scatter_rows(v, idx, new_v.astype(v.dtype), "set"),
-                        jax.lax.dynamic_update_slice_in_dim(out, step, start, 0),
-                    )
-
-                out = replicate(jnp.zeros_like(sp.values), like=m)
-                m, v, out = _rows.for_each_chunk(sp, rows_update, (m, v, out))
-                return sp.replace_values(out).to_leaf(), m, v
+            if p and p[0] is not None and jnp.shape(p[0]) != m.shape:
+                raise param_error(
+                    ValueError,
+                    _WHERE,
+                    path,
+                    f"the optimizer state's mu has shape {m.shape} but the parameter has shape {jnp.shape(p[0])}: "
+                    "the state was built for other parameters; build it with `tx.init(params)`",
+                )
+            if is_sparse(g):
+                return None, None, None
             g = jnp.asarray(g)
             if g.shape != m.shape:
-                raise ValueError(
-                    f"{_WHERE}: parameter {_rows.path_str(path)}: gradient shape {g.shape} "
-                    f"does not match the parameter shape {m.shape}"
+                raise param_error(
+                    ValueError, _WHERE, path, f"gradient shape {g.shape} does not match the parameter shape {m.shape}"
                 )
-            if not _is_true(lazy, path):
-                new_m, new_v, step = moments(g, m, v)
-                return step.astype(g.dtype), new_m.astype(m_dtype), new_v.astype(v.dtype)
-            # Lazy: a row is touched when any entry is nonzero (NaN counts). A float max
-            # reduces without materializing a table-sized mask.
-            axes = tuple(range(1, g.ndim))
-            touched = jnp.max(jnp.abs(g), axis=axes, keepdims=True) != 0 if g.ndim > 1 else g != 0
-            new_m, new_v, step = moments(g, m, v, touched)
-            return step.astype(g.dtype), new_m.astype(m_dtype), new_v.astype(v.dtype)
+            if not jnp.issubdtype(g.dtype, jnp.inexact):
+                raise param_error(
+                    TypeError,
+                    _WHERE,
+                    path,
+                    f"the gradient has dtype {g.dtype}; Adam needs floating-point gradients: cast the gradient, "
+                    "or give this parameter a None gradient (or optax.set_to_zero) if it is not trained",
+                )
+            return (None, None, None) if lazy else (g, m, v)
 
-        grads, treedef = _rows.flatten(updates)
-        mus = _rows.flatten_up_to(treedef, state.mu, _WHERE, "optimizer state's mu (the parameters')")
-        nus = _rows.flatten_up_to(treedef, state.nu, _WHERE, "optimizer state's nu (the parameters')")
-        mask = _resolve_mask(lazy_dense, params if params is not None else updates)
-        lazies = _rows.flatten_up_to(
-            treedef,
-            jax.tree.map(
-                lambda m, x: jax.tree.map(lambda _: m, x, is_leaf=_rows.is_leaf), mask, updates, is_leaf=_rows.is_leaf
-            ),
-            _WHERE,
-            "lazy_dense",
-        )
-        results = [leaf_update(path, g, *rest) for (path, g), *rest in zip(grads, mus, nus, lazies, strict=True)]
-        out_u, out_m, out_v = (list(col) for col in zip(*results, strict=True)) if results else ([], [], [])
-        # A None gradient over a subtree of parameters carried that subtree
-        # through as one "leaf", so unflattening restores the state's structure.
-        new_state = optax.ScaleByAdamState(count=count, mu=treedef.unflatten(out_m), nu=treedef.unflatten(out_v))
-        return treedef.unflatten(out_u), new_state
+        def leaf_rule(path: Any, g: Any, m: Any, v: Any, lazy: Any, *dense: Any) -> tuple[Any, Any, Any]:
+            if g is None:
+                return None, m, v
+            if is_sparse(g):
+                leaf = to_sparse_leaf(g, jnp.shape(m), path, _WHERE, emits=True)
+                sparse, m, v = _sparse_adam(leaf, jnp.asarray(m), jnp.asarray(v), count, adam)
+                return sparse.to_leaf(), m, v
+            if lazy:
+                return _lazy_dense_adam(jnp.asarray(g), jnp.asarray(m), jnp.asarray(v), count, adam)
+            return dense
+
+        lazy = _lazy_tree(lazy_dense, params if params is not None else updates, _WHERE)
+        leaves = [(state.mu, "optimizer state's mu"), (state.nu, "optimizer state's nu"), (lazy, "lazy_dense mask")]
+        with_params = leaves + ([] if params is None else [(params, "parameters")])
+        plain_g, plain_m, plain_v = map_leaves(check, updates, with_params, where=_WHERE, tree_name="gradient", n_out=3)
+        dense = _dense_adam(plain_g, plain_m, plain_v, state.count, adam)  # all at once, as optax.adam does
+        leaves += [(tree, "dense step") for tree in dense]
+        updates, mu, nu = map_leaves(leaf_rule, updates, leaves, where=_WHERE, tree_name="gradient", n_out=3)
+        return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _is_true(flag: Any, path: Any) -> bool:
-    if isinstance(flag, bool | np.bool_):
-        return bool(flag)
-    raise TypeError(
-        f"{_WHERE}: parameter {_rows.path_str(path)}: lazy_dense must give a Python bool per leaf, got {flag!r}"
-    )
 
 
 def sparse_adam(
@@ -264,12 +360,32 @@ def sparse_adam(
     Sparse gradient leaves (:class:`IndexedRows`, BCOO) update only the rows
     they touch, in parameters and in both moments, so a step costs
     O(touched rows). Dense leaves get exactly :func:`optax.adam`, or the lazy
-    rule where ``lazy_dense`` selects them. See :func:`scale_by_sparse_adam`
-    for the update rule:
+    rule where ``lazy_dense`` selects them.
+
+    Let :math:`\alpha_t` represent the learning rate and :math:`\beta_1,
+    \beta_2, \varepsilon, \bar{\varepsilon}` the arguments ``b1``, ``b2``,
+    ``eps`` and ``eps_root``. Let :math:`g_t` be the gradient, with its
+    duplicate entries summed, and :math:`S_t` the rows (or entries) it
+    touches: every row of a dense leaf, the in-range keys of a sparse leaf,
+    the rows holding a nonzero of a ``lazy_dense`` leaf. With
+    :math:`m_0 = v_0 = 0`, at step :math:`t`, for the rows in :math:`S_t`:
 
     .. math::
 
-      p_S \leftarrow p_S - \alpha_t \, u_S.
+      \begin{align*}
+        m_t &\leftarrow \beta_1 \cdot m_{t-1} + (1-\beta_1) \cdot g_t \\
+        v_t &\leftarrow \beta_2 \cdot v_{t-1} + (1-\beta_2) \cdot |g_t|^2 \\
+        \hat{m}_t &\leftarrow m_t / {(1-\beta_1^t)} \\
+        \hat{v}_t &\leftarrow v_t / {(1-\beta_2^t)} \\
+        p_t &\leftarrow p_{t-1} - \alpha_t \cdot \hat{m}_t / \left({\sqrt{\hat{v}_t +
+          \bar{\varepsilon}} + \varepsilon} \right)
+      \end{align*}
+
+    and :math:`m, v, p` are unchanged outside :math:`S_t`. The step count
+    :math:`t` is global and advances on every call. With
+    ``eps_placement="torch"`` the last line is ``torch.optim.SparseAdam``'s,
+    :math:`p_t \leftarrow p_{t-1} - \alpha_t \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}
+    \, m_t / (\sqrt{v_t + \bar{\varepsilon}} + \varepsilon)`.
 
     Args:
       learning_rate: A float or an optax schedule.
@@ -322,6 +438,5 @@ def sparse_adam(
             eps_placement=eps_placement,
             lazy_dense=lazy_dense,
         ),
-        # A scale is linear per entry: no need to sum duplicates first.
-        sparse_aware(optax.scale_by_learning_rate(learning_rate), coalesce=False),
+        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
     )

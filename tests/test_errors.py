@@ -61,7 +61,12 @@ def _grads(table=None, scale=None):
 @pytest.mark.parametrize(
     ("grads", "error", "match"),
     [
-        ({"enc": {"table": jnp.zeros((6, 3), jnp.float32)}}, ValueError, "does not match"),
+        (
+            {"enc": {"table": jnp.zeros((6, 3), jnp.float32)}},
+            ValueError,
+            r"differ at \['enc'\]\['scale'\]: the optimizer state's mu hold an array of shape \(\) and dtype "
+            r"float32 there, the gradient holds nothing",
+        ),
         (
             {
                 "enc": {
@@ -71,7 +76,8 @@ def _grads(table=None, scale=None):
                 }
             },
             ValueError,
-            "does not match",
+            r"differ at \['enc'\]\['extra'\]: the optimizer state's mu hold nothing there, the gradient holds an "
+            r"array",
         ),
         (_grads(table=jnp.zeros((5, 3), jnp.float32)), ValueError, r"\['enc'\]\['table'\].*shape \(5, 3\)"),
         (
@@ -85,7 +91,11 @@ def _grads(table=None, scale=None):
             ValueError,
             r"\['enc'\]\['table'\].*2 indices but values of shape \(3, 3\)",
         ),
-        (_grads(table=osa.IndexedRows(IDX, ROWS, 7)), ValueError, r"\['enc'\]\['table'\].*num_rows=7"),
+        (
+            _grads(table=osa.IndexedRows(IDX, ROWS, 7)),
+            ValueError,
+            r"\['enc'\]\['table'\]: the gradient is an IndexedRows for 7 rows but the parameter has 6",
+        ),
         (
             _grads(table=osa.IndexedRows(IDX, jnp.ones((2, 4), jnp.float32), 6)),
             ValueError,
@@ -125,15 +135,17 @@ def test_bad_gradients_name_the_parameter(grads, error, match, jit):
 
 
 def test_apply_updates_checks_sparse_leaves_and_shapes():
-    with pytest.raises(ValueError, match=r"\['enc'\]\['table'\].*num_rows=9"):
+    with pytest.raises(ValueError, match=r"\['enc'\]\['table'\].*IndexedRows for 9 rows"):
         osa.apply_updates(PARAMS, _grads(table=osa.IndexedRows(IDX, ROWS, 9)))
     with pytest.raises(ValueError, match=r"\['enc'\]\['table'\].*update shape \(6, 4\)"):
         osa.apply_updates(PARAMS, _grads(table=jnp.zeros((6, 4), jnp.float32)))
-    with pytest.raises(ValueError, match="does not match the parameters"):
+    with pytest.raises(ValueError, match=r"differ at \['enc'\]\['scale'\]: the parameters hold an array"):
         osa.apply_updates(PARAMS, {"enc": {"table": ROWS}})
 
 
 def test_lazy_dense_must_be_bools():
-    tx = osa.sparse_adam(0.1, lazy_dense={"enc": {"table": jnp.array(True), "scale": False}})
+    with pytest.raises(TypeError, match=r"Invalid lazy_dense: .* at \['enc'\]\['table'\]"):
+        osa.sparse_adam(0.1, lazy_dense={"enc": {"table": jnp.array(True), "scale": False}})
+    tx = osa.sparse_adam(0.1, lazy_dense=lambda p: {"enc": {"table": jnp.array(True), "scale": False}})
     with pytest.raises(TypeError, match=r"\['enc'\]\['table'\].*lazy_dense"):
-        tx.update(_grads(), tx.init(PARAMS), PARAMS)
+        tx.init(PARAMS)

@@ -1,0 +1,106 @@
+"""The public sparse leaf type, :class:`IndexedRows`, and :func:`is_sparse`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse as jsparse
+
+from optax_sparse_adam._explicit_sharding import replicate
+
+__all__ = ["IndexedRows", "is_sparse"]
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexedRows:
+    """Row-sparse gradient or update for a parameter of shape ``(num_rows, *row_shape)``.
+
+    Entry ``i`` adds ``values[i]`` to row ``indices[i]``. Duplicate indices are
+    summed. An index ``< 0`` or ``>= num_rows``, compared in the index's own
+    dtype, is padding and is ignored everywhere (the optimizer,
+    :func:`apply_updates`, ``+`` and :meth:`todense` agree), so a batch can
+    keep a fixed capacity under :func:`jax.jit`.
+
+    Attributes:
+      indices: Integer array of shape ``(k,)``, of any integer dtype.
+      values: Array of shape ``(k, *row_shape)``.
+      num_rows: Number of rows of the parameter (a static Python int below
+        ``2**31``).
+      unique_indices: Static promise that the in-range indices are distinct and
+        that padding entries hold zeros; it lets the optimizer skip summing
+        duplicates. Set it only where the promise holds, as in the gradients
+        :meth:`RowLookup.grad` builds; an update keeps its gradient's flag.
+
+    Adding an ``IndexedRows`` to a dense array (``table + rows``) adds its
+    values to their rows with one scatter, so :func:`optax.apply_updates`, and
+    with it ``nnx.Optimizer`` and ``TrainState.apply_gradients``, take sparse
+    updates as they are.
+    """
+
+    __array_ufunc__ = None  # NumPy defers ``ndarray + IndexedRows`` to __radd__
+
+    indices: jax.Array
+    values: jax.Array
+    num_rows: int
+    unique_indices: bool = False
+
+    def __post_init__(self) -> None:
+        num_rows = self.num_rows
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int | np.integer):
+            raise TypeError(
+                f"IndexedRows: num_rows must be a static Python int (the table's row count), got "
+                f"{type(num_rows).__name__} {num_rows!r}; use `table.shape[0]`, not a traced value"
+            )
+        if not 0 <= int(num_rows) < 2**31:
+            raise ValueError(
+                f"IndexedRows: num_rows={int(num_rows)} is out of range: row keys are int32, so tables may have "
+                "up to 2**31 - 1 rows; split a larger table into several parameters"
+            )
+        object.__setattr__(self, "num_rows", int(num_rows))
+        if not isinstance(self.unique_indices, bool | np.bool_):
+            raise TypeError(f"IndexedRows: unique_indices must be a bool, got {self.unique_indices!r}")
+        object.__setattr__(self, "unique_indices", bool(self.unique_indices))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the dense parameter this addresses."""
+        return (self.num_rows, *self.values.shape[1:])
+
+    @property
+    def dtype(self) -> Any:
+        return self.values.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __radd__(self, other: Any) -> jax.Array:
+        """``other + self`` for a dense ``other`` of this shape: a scatter-add into its rows."""
+        from optax_sparse_adam import _apply  # the apply step sits above this module
+
+        return _apply.apply_updates(jnp.asarray(other), self)
+
+    __add__ = __radd__
+
+    def todense(self) -> jax.Array:
+        """The dense equivalent: duplicates summed, padding dropped."""
+        idx = jnp.asarray(self.indices)
+        if jnp.iinfo(idx.dtype).bits < 32:
+            idx = idx.astype(jnp.int32)
+        valid = (idx >= 0) & (idx < self.num_rows)
+        rows = jnp.where(valid, idx, self.num_rows).astype(jnp.int32)
+        return jnp.zeros(self.shape, self.values.dtype).at[replicate(rows)].add(replicate(self.values), mode="drop")
+
+
+jax.tree_util.register_dataclass(
+    IndexedRows, data_fields=["indices", "values"], meta_fields=["num_rows", "unique_indices"]
+)
+
+
+def is_sparse(x: Any) -> bool:
+    """Whether ``x`` is a sparse leaf this library understands (``IndexedRows`` or BCOO)."""
+    return isinstance(x, IndexedRows | jsparse.BCOO)
