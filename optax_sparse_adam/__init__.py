@@ -7,6 +7,7 @@ from optax_sparse_adam._fast_path import RowLookup, lookup, value_and_row_grad
 from optax_sparse_adam._fused import update_and_apply
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._native import kernel_path, use_kernels
+from optax_sparse_adam._sharding import RoutingInfo, RowSharding, all_gather_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._transform import scale_by_sparse_adam, sparse_adam
 
@@ -17,7 +18,10 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedRows",
+    "RoutingInfo",
     "RowLookup",
+    "RowSharding",
+    "all_gather_rows",
     "apply_updates",
     "is_sparse",
     "kernel_path",

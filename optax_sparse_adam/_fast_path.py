@@ -20,6 +20,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from optax_sparse_adam._coalesce import pack_distinct
+from optax_sparse_adam._explicit_sharding import replicate, take_rows
 from optax_sparse_adam._indexed_rows import IndexedRows
 from optax_sparse_adam._keys import padding_key
 from optax_sparse_adam._tree import broadcast_rows, path_str
@@ -114,7 +115,7 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"lookup: ids must be integers, got dtype {ids.dtype}")
     num_rows = table.shape[0]
-    flat = ids.reshape(-1)
+    flat = replicate(ids.reshape(-1))
     if jnp.iinfo(flat.dtype).bits < 32:  # so that comparing with num_rows cannot overflow
         flat = flat.astype(jnp.int32)
     k = flat.shape[0]
@@ -124,7 +125,7 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     # after the last one (see for_each_chunk).
     target, packed = pack_distinct(keys[:, None], valid, padding_key(table.shape, 1))
     indices = packed[:, 0]
-    rows = table.at[indices].get(mode="fill", fill_value=0)
+    rows = take_rows(table, indices)
     # A padding id reads the last slot, which is padding (a zero row) whenever there is a padding id.
     inverse = jnp.where(valid, target, k - 1).reshape(ids.shape)
     return RowLookup(indices, rows, inverse, num_rows)

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
+from optax_sparse_adam._explicit_sharding import replicate
+
 __all__ = ["IndexedRows", "is_sparse"]
 
 
@@ -91,7 +93,7 @@ class IndexedRows:
             idx = idx.astype(jnp.int32)
         valid = (idx >= 0) & (idx < self.num_rows)
         rows = jnp.where(valid, idx, self.num_rows).astype(jnp.int32)
-        return jnp.zeros(self.shape, self.values.dtype).at[rows].add(self.values, mode="drop")
+        return jnp.zeros(self.shape, self.values.dtype).at[replicate(rows)].add(replicate(self.values), mode="drop")
 
 
 jax.tree_util.register_dataclass(

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
+from optax_sparse_adam._explicit_sharding import replicate, scatter_rows
 from optax_sparse_adam._indexed_rows import IndexedRows
 from optax_sparse_adam._tree import broadcast_rows, param_error
 
@@ -74,7 +75,7 @@ class SparseLeaf(NamedTuple):
         """``dense`` plus this leaf: a scatter-add into the addressed entries, in ``dense``'s dtype."""
 
         def add(start: Any, chunk: SparseLeaf, dense: jax.Array) -> jax.Array:
-            return dense.at[chunk.row_index()].add(chunk.values.astype(dense.dtype), mode="drop")
+            return scatter_rows(dense, chunk.row_index(), chunk.values.astype(dense.dtype), "add")
 
         return for_each_chunk(self, add, dense)
 
@@ -224,7 +225,7 @@ def to_sparse_leaf(
             f"indices of dtype {declared.index_dtype} cannot mark padding for sparse axes {dims} (the update "
             "keeps the gradient's index dtype and marks padding with the axis sizes); use int32 indices",
         )
-    keys = _normalise_keys(index, dims)
+    keys, values = replicate(_normalise_keys(index, dims)), replicate(values)
     return SparseLeaf(keys, values, param_shape, declared, declared.unique, declared.sorted)
 
 

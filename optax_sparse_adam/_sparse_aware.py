@@ -8,6 +8,7 @@ import jax
 import optax
 
 from optax_sparse_adam._coalesce import coalesce as coalesce_leaf
+from optax_sparse_adam._explicit_sharding import take_rows
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._keys import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._tree import is_leaf, map_leaves, path_str
@@ -114,7 +115,7 @@ def sparse_aware(
                 return u, p, None
             sp = to_sparse_leaf(u, u.shape if p is None else p.shape, path, _WHERE, emits=True)
             sp = (coalesce_leaf(sp) if coalesce else sp).zero_padding()
-            rows = None if p is None else p.at[sp.row_index()].get(mode="fill", fill_value=0)
+            rows = None if p is None else take_rows(p, sp.row_index())
             return sp.values, rows, sp
 
         others = [] if params is None else [(params, "parameters")]

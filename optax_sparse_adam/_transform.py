@@ -19,6 +19,7 @@ import optax
 
 from optax_sparse_adam import _fused, _native
 from optax_sparse_adam._coalesce import coalesce
+from optax_sparse_adam._explicit_sharding import replicate, scatter_rows, take_rows
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._keys import SparseLeaf, for_each_chunk, to_sparse_leaf
 from optax_sparse_adam._sparse_aware import sparse_aware
@@ -110,18 +111,16 @@ def _sparse_adam(
     def rows_update(start: Any, chunk: SparseLeaf, carry: Any) -> Any:
         m, v, out = carry
         idx = chunk.row_index()
-        new_m, new_v = _moments(
-            chunk.values, m.at[idx].get(mode="fill", fill_value=0), v.at[idx].get(mode="fill", fill_value=0), adam
-        )
+        new_m, new_v = _moments(chunk.values, take_rows(m, idx), take_rows(v, idx), adam)
         step = _step(new_m, new_v, count, adam)
         step = jnp.where(broadcast_rows(chunk.valid(), step.ndim), step, jnp.zeros((), step.dtype))
         return (
-            m.at[idx].set(new_m.astype(m.dtype), mode="drop", unique_indices=True),
-            v.at[idx].set(new_v.astype(v.dtype), mode="drop", unique_indices=True),
+            scatter_rows(m, idx, new_m.astype(m.dtype), "set"),
+            scatter_rows(v, idx, new_v.astype(v.dtype), "set"),
             jax.lax.dynamic_update_slice_in_dim(out, step.astype(out.dtype), start, 0),
         )
 
-    m, v, out = for_each_chunk(leaf, rows_update, (m, v, jnp.zeros_like(leaf.values)))
+    m, v, out = for_each_chunk(leaf, rows_update, (m, v, replicate(jnp.zeros_like(leaf.values), like=m)))
     return leaf._replace(values=out), m, v
 
 

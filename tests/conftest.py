@@ -1,11 +1,13 @@
-"""Test configuration: strict rank promotion, and 8 host devices for sharding tests."""
+"""Test configuration: strict rank promotion, and 8 CPU devices for the sharding tests.
 
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+``jax_num_cpu_devices`` is set before jax first creates its backends; unlike an
+``XLA_FLAGS`` default it cannot be silently overridden by the environment, and
+the sharding tests fail (not skip) when the devices are missing.
+"""
 
 import jax
 
+jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402

@@ -237,8 +237,7 @@ def test_lazy_dense_mask_as_tree_and_callable():
 
 def test_sharded_table_matches_unsharded():
     """Rows sharded over 8 devices: the same numbers, and the table stays sharded."""
-    if jax.device_count() < 8:
-        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by conftest)")
+    assert jax.device_count() == 8, "conftest sets jax_num_cpu_devices=8"
     mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows", None))
     rng = np.random.default_rng(1)
