@@ -77,7 +77,7 @@ def _problems(draw):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(problem=_problems(), seed=st.integers(0, 2**31 - 1))
 def test_matches_numpy_reference(name, problem, seed):
     shape, capacity, batches = problem
