@@ -97,8 +97,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, losses in runs.items():
-        ax.plot(smooth(losses), label=name)
+    for (name, losses), style in zip(runs.items(), ["-", "-", "--"], strict=True):
+        ax.plot(smooth(losses), style, label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (moving mean of 50 steps)")
     ax.set_yscale("log")
