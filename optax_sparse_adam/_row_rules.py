@@ -16,7 +16,8 @@ needs whole rows, so it takes sparse leaves that address rows only
 (``IndexedRows``, or a BCOO with ``n_sparse == 1``).
 
 This is the only module of the variants that reads the library's internal
-sparse form; the variants' modules use what it exports.
+sparse form (``_keys``, ``_coalesce``); the variants' modules use what it
+exports.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ __all__ = [
     "check_dtype",
     "check_hparam",
     "check_state",
+    "coalesced_rows",
+    "map_leaves",
     "map_rule",
     "mask_tree",
     "param_error",
@@ -117,6 +120,16 @@ def _check_dense(path: Any, g: Any, shape: tuple[int, ...], where: str) -> jax.A
             "or give this parameter a None gradient if it is not trained",
         )
     return g
+
+
+def coalesced_rows(leaf: Any, shape: tuple[int, ...], path: Any, where: str) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """A sparse leaf's distinct keys as an index tuple for ``x.at[...]`` and their summed values.
+
+    Padding slots hold zero values and an out-of-range key, which gathers with
+    ``mode="fill"`` fill and scatters with ``mode="drop"`` drop.
+    """
+    sp = coalesce(to_sparse_leaf(leaf, shape, path, where))
+    return sp.row_index(), sp.values
 
 
 def apply_rule(

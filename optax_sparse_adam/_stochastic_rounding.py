@@ -9,10 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._apply import apply_updates
-from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._keys import to_sparse_leaf
-from optax_sparse_adam._tree import map_leaves, param_error
+from optax_sparse_adam._row_rules import coalesced_rows, map_leaves, param_error
 
 __all__ = ["apply_updates_stochastic", "stochastic_round"]
 
@@ -112,9 +110,8 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
                 )
             x = p.astype(jnp.float32) + u.astype(jnp.float32)
             return (stochastic_round(x, p.dtype, k),)
-        sp = coalesce(to_sparse_leaf(u, p.shape, path, _WHERE))
-        idx = sp.row_index()
-        x = p.at[idx].get(mode="fill", fill_value=0).astype(jnp.float32) + sp.values.astype(jnp.float32)
+        idx, values = coalesced_rows(u, p.shape, path, _WHERE)
+        x = p.at[idx].get(mode="fill", fill_value=0).astype(jnp.float32) + values.astype(jnp.float32)
         return (p.at[idx].set(stochastic_round(x, p.dtype, k), mode="drop", unique_indices=True),)
 
     (new,) = map_leaves(
