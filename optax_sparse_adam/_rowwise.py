@@ -5,7 +5,7 @@ moment per entry and its second moment per row (FBGEMM's
 ``PARTIAL_ROWWISE_ADAM``), optionally with per-row bias correction;
 :func:`scale_by_rowwise_adagrad` / :func:`sparse_rowwise_adagrad` keep one
 Adagrad accumulator per row (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``, TorchRec's
-default for embedding tables). A row is the parameter's leading axis; a 1-D
+``RowWiseAdagrad``). A row is the parameter's leading axis; a 1-D
 parameter's rows are its entries, so for it the row-wise rules are the
 element-wise ones.
 """
@@ -346,7 +346,7 @@ def sparse_rowwise_adagrad(
     *,
     weight_decay_mode: WeightDecayMode = "l2",
 ) -> optax.GradientTransformationExtraArgs:
-    r"""Lazy row-wise Adagrad, the default embedding optimizer of TorchRec and FBGEMM.
+    r"""Lazy row-wise Adagrad, as FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` and TorchRec's ``RowWiseAdagrad``.
 
     See :func:`scale_by_rowwise_adagrad` for the rule; then
     :math:`p_S \leftarrow p_S - \alpha_t u_S`. With
