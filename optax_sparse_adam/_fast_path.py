@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 
 from optax_sparse_adam._coalesce import pack_distinct
@@ -129,6 +130,86 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     return RowLookup(indices, rows, inverse, num_rows)
 
 
+# Primitives that hand on a table unchanged in value (a view of it): their result is still "the table".
+_TABLE_VIEWS = frozenset({"convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision"})
+# Primitives that read rows of a table at given positions: allowed when the positions come from the ids.
+_ROW_READS = frozenset({"gather", "dynamic_slice"})
+
+
+def _check_table_uses(jaxpr: Any, tables: dict[Any, str], tainted: set[Any]) -> tuple[dict[int, str], set[int]]:
+    """Raises unless each table in ``jaxpr`` is only read at positions computed from the ids.
+
+    Args:
+      jaxpr: A ``jax.extend.core.Jaxpr``.
+      tables: Its variables that hold a table's gathered rows (or a view of them), with the table's path.
+      tainted: Its variables computed from the ids' positions.
+
+    Returns:
+      Which outputs (by position) are tables, and which are computed from the positions.
+    """
+    tables, tainted = dict(tables), set(tainted)
+
+    def is_var(v: Any) -> bool:
+        return isinstance(v, jex.Var)
+
+    for eqn in jaxpr.eqns:
+        ins = eqn.invars
+        used = [tables[v] for v in ins if is_var(v) and v in tables]
+        name = eqn.primitive.name
+        if used:
+            subs = [p for p in eqn.params.values() if isinstance(p, jex.ClosedJaxpr | jex.Jaxpr)]
+            branches = eqn.params.get("branches")
+            if name in _TABLE_VIEWS:
+                tables[eqn.outvars[0]] = used[0]
+            elif name in _ROW_READS and is_var(ins[0]) and ins[0] in tables and used.count(used[0]) == 1:
+                if not any(is_var(v) and v in tainted for v in ins[1:]):
+                    raise _misuse(used[0], f"it is indexed at positions that do not come from the ids ({name})")
+            elif len(subs) == 1 and len(_inner(subs[0]).invars) == len(ins):
+                inner = _inner(subs[0])
+                out_tables, out_tainted = _check_table_uses(
+                    inner,
+                    {iv: tables[v] for iv, v in zip(inner.invars, ins, strict=True) if is_var(v) and v in tables},
+                    {iv for iv, v in zip(inner.invars, ins, strict=True) if is_var(v) and v in tainted},
+                )
+                tables.update({eqn.outvars[i]: n for i, n in out_tables.items()})
+                tainted.update(eqn.outvars[i] for i in out_tainted)
+            elif name == "cond" and branches is not None:
+                for branch in branches:
+                    inner = _inner(branch)
+                    _check_table_uses(
+                        inner,
+                        {
+                            iv: tables[v]
+                            for iv, v in zip(inner.invars, ins[1:], strict=True)
+                            if is_var(v) and v in tables
+                        },
+                        {iv for iv, v in zip(inner.invars, ins[1:], strict=True) if is_var(v) and v in tainted},
+                    )
+            else:
+                raise _misuse(used[0], f"`{name}` reads it")
+        if any(is_var(v) and (v in tainted or v in tables) for v in ins):
+            tainted.update(eqn.outvars)
+    return (
+        {i: tables[v] for i, v in enumerate(jaxpr.outvars) if is_var(v) and v in tables},
+        {i for i, v in enumerate(jaxpr.outvars) if is_var(v) and v in tainted},
+    )
+
+
+def _inner(jaxpr: Any) -> Any:
+    return jaxpr.jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jaxpr
+
+
+def _misuse(table: str, how: str) -> ValueError:
+    return ValueError(
+        f"value_and_row_grad: the loss uses table {table} other than by indexing it with the ids ({how}). Inside "
+        "`fun` the table holds only the rows the batch looks up, so a term over the whole table (an L2 penalty, "
+        "tied input/output embeddings, a softmax over all rows) would be computed on those rows and be silently "
+        "wrong. Index tables only with the given ids; compute whole-table terms outside `fun` (an L2 penalty "
+        "becomes weight decay on the touched rows: sparse_aware(optax.add_decayed_weights(...))), or use "
+        "jax.value_and_grad with lazy_dense for such a table."
+    )
+
+
 class _Slot:
     """Stands in for the ``i``-th leaf of the parameters while ``tables`` selects leaves."""
 
@@ -204,13 +285,17 @@ def value_and_row_grad(
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         paths = [path_str(path) for path, _ in path_leaves]
         leaves = [leaf for _, leaf in path_leaves]
-        selected = jax.tree.leaves(tables(treedef.unflatten([_Slot(i) for i in range(len(leaves))])))
+        must_select = (
+            "value_and_row_grad: `tables` must select leaves of params (index into the tree it is given, "
+            "e.g. `lambda p: (p['user'], p['item'])`), not compute with them"
+        )
+        try:
+            selected = jax.tree.leaves(tables(treedef.unflatten([_Slot(i) for i in range(len(leaves))])))
+        except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+            raise TypeError(f"{must_select}; calling it on the tree's leaves failed: {e}") from None
         for s in selected:
             if not isinstance(s, _Slot):
-                raise TypeError(
-                    "value_and_row_grad: `tables` must select leaves of params (index into the tree it is "
-                    f"given), but it returned a {type(s).__name__}"
-                )
+                raise TypeError(f"{must_select}; it returned a {type(s).__name__}")
         id_leaves, id_treedef = jax.tree.flatten(ids)
         if len(id_leaves) != len(selected):
             raise ValueError(
@@ -245,6 +330,15 @@ def value_and_row_grad(
             return fun(treedef.unflatten(diff), positions_tree, *args, **kwargs)
 
         diff = [lookups[i].rows if i in lookups else leaf for i, leaf in enumerate(leaves)]
+        probe = jax.make_jaxpr(lambda d, pos: fun(treedef.unflatten(d), pos, *args, **kwargs))(diff, positions_tree)
+        n_diff = len(jax.tree.leaves(diff))
+        invars = probe.jaxpr.invars
+        diff_vars = jax.tree.unflatten(jax.tree.structure(diff), invars[:n_diff])
+        _check_table_uses(
+            probe.jaxpr,
+            {diff_vars[i]: paths[i] for i in lookups if jnp.ndim(diff[i]) > 0},
+            set(invars[n_diff:]),
+        )
         value, grads = jax.value_and_grad(inner, has_aux=has_aux)(diff)
         grads = [lookups[i].grad(g) if i in lookups else g for i, g in enumerate(grads)]
         return value, treedef.unflatten(grads)

@@ -74,9 +74,7 @@ class SparseLeaf(NamedTuple):
         """``dense`` plus this leaf: a scatter-add into the addressed entries, in ``dense``'s dtype."""
 
         def add(start: Any, chunk: SparseLeaf, dense: jax.Array) -> jax.Array:
-            return dense.at[chunk.row_index()].add(
-                chunk.values.astype(dense.dtype), mode="drop", unique_indices=self.distinct
-            )
+            return dense.at[chunk.row_index()].add(chunk.values.astype(dense.dtype), mode="drop")
 
         return for_each_chunk(self, add, dense)
 

@@ -285,7 +285,7 @@ def scale_by_sparse_adam(
         _check_state(state)
         count = optax.safe_increment(state.count)
 
-        def check(path: Any, g: Any, m: Any, v: Any, lazy: Any) -> tuple[Any, Any, Any]:
+        def check(path: Any, g: Any, m: Any, v: Any, lazy: Any, *p: Any) -> tuple[Any, Any, Any]:
             """The leaf's gradient, ``mu`` and ``nu`` if it takes the plain dense rule, else ``None``s."""
             if g is None:
                 return None, None, None
@@ -295,6 +295,14 @@ def scale_by_sparse_adam(
                     _WHERE,
                     path,
                     f"the gradient is a leaf but the optimizer state holds a subtree {jax.tree.structure(m)}",
+                )
+            if p and p[0] is not None and jnp.shape(p[0]) != m.shape:
+                raise param_error(
+                    ValueError,
+                    _WHERE,
+                    path,
+                    f"the optimizer state's mu has shape {m.shape} but the parameter has shape {jnp.shape(p[0])}: "
+                    "the state was built for other parameters; build it with `tx.init(params)`",
                 )
             if is_sparse(g):
                 return None, None, None
@@ -326,7 +334,8 @@ def scale_by_sparse_adam(
 
         lazy = _lazy_tree(lazy_dense, params if params is not None else updates, _WHERE)
         leaves = [(state.mu, "optimizer state's mu"), (state.nu, "optimizer state's nu"), (lazy, "lazy_dense mask")]
-        plain_g, plain_m, plain_v = map_leaves(check, updates, leaves, where=_WHERE, tree_name="gradient", n_out=3)
+        with_params = leaves + ([] if params is None else [(params, "parameters")])
+        plain_g, plain_m, plain_v = map_leaves(check, updates, with_params, where=_WHERE, tree_name="gradient", n_out=3)
         dense = _dense_adam(plain_g, plain_m, plain_v, state.count, adam)  # all at once, as optax.adam does
         leaves += [(tree, "dense step") for tree in dense]
         updates, mu, nu = map_leaves(leaf_rule, updates, leaves, where=_WHERE, tree_name="gradient", n_out=3)
@@ -352,12 +361,32 @@ def sparse_adam(
     Sparse gradient leaves (:class:`IndexedRows`, BCOO) update only the rows
     they touch, in parameters and in both moments, so a step costs
     O(touched rows). Dense leaves get exactly :func:`optax.adam`, or the lazy
-    rule where ``lazy_dense`` selects them. See :func:`scale_by_sparse_adam`
-    for the update rule:
+    rule where ``lazy_dense`` selects them.
+
+    Let :math:`\alpha_t` represent the learning rate and :math:`\beta_1,
+    \beta_2, \varepsilon, \bar{\varepsilon}` the arguments ``b1``, ``b2``,
+    ``eps`` and ``eps_root``. Let :math:`g_t` be the gradient, with its
+    duplicate entries summed, and :math:`S_t` the rows (or entries) it
+    touches: every row of a dense leaf, the in-range keys of a sparse leaf,
+    the rows holding a nonzero of a ``lazy_dense`` leaf. With
+    :math:`m_0 = v_0 = 0`, at step :math:`t`, for the rows in :math:`S_t`:
 
     .. math::
 
-      p_S \leftarrow p_S - \alpha_t \, u_S.
+      \begin{align*}
+        m_t &\leftarrow \beta_1 \cdot m_{t-1} + (1-\beta_1) \cdot g_t \\
+        v_t &\leftarrow \beta_2 \cdot v_{t-1} + (1-\beta_2) \cdot |g_t|^2 \\
+        \hat{m}_t &\leftarrow m_t / {(1-\beta_1^t)} \\
+        \hat{v}_t &\leftarrow v_t / {(1-\beta_2^t)} \\
+        p_t &\leftarrow p_{t-1} - \alpha_t \cdot \hat{m}_t / \left({\sqrt{\hat{v}_t +
+          \bar{\varepsilon}} + \varepsilon} \right)
+      \end{align*}
+
+    and :math:`m, v, p` are unchanged outside :math:`S_t`. The step count
+    :math:`t` is global and advances on every call. With
+    ``eps_placement="torch"`` the last line is ``torch.optim.SparseAdam``'s,
+    :math:`p_t \leftarrow p_{t-1} - \alpha_t \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}
+    \, m_t / (\sqrt{v_t + \bar{\varepsilon}} + \varepsilon)`.
 
     Args:
       learning_rate: A float or an optax schedule.

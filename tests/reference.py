@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 
@@ -22,6 +24,8 @@ class LazyAdamReference:
         eps: float = 1e-8,
         eps_placement: str = "optax",
         maximize: bool = False,
+        eps_root: float = 0.0,
+        round_m: Callable[[np.ndarray], np.ndarray] = lambda m: m,
     ) -> None:
         self.p = np.array(param, dtype=np.float64)
         self.m = np.zeros_like(self.p)
@@ -29,6 +33,7 @@ class LazyAdamReference:
         self.t = 0
         self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
         self.eps_placement, self.maximize = eps_placement, maximize
+        self.eps_root, self.round_m = eps_root, round_m  # round_m: the first moment's storage dtype
 
     def step(self, keys: list[tuple[int, ...]], values: list[np.ndarray]) -> None:
         self.t += 1
@@ -40,10 +45,10 @@ class LazyAdamReference:
         for key, g in summed.items():
             if self.maximize:
                 g = -g
-            self.m[key] = self.b1 * self.m[key] + (1 - self.b1) * g
+            self.m[key] = self.round_m(self.b1 * self.m[key] + (1 - self.b1) * g)
             self.v[key] = self.b2 * self.v[key] + (1 - self.b2) * g * g
             if self.eps_placement == "optax":
-                u = (self.m[key] / bc1) / (np.sqrt(self.v[key] / bc2) + self.eps)
+                u = (self.m[key] / bc1) / (np.sqrt(self.v[key] / bc2 + self.eps_root) + self.eps)
             else:
-                u = np.sqrt(bc2) / bc1 * self.m[key] / (np.sqrt(self.v[key]) + self.eps)
+                u = np.sqrt(bc2) / bc1 * self.m[key] / (np.sqrt(self.v[key] + self.eps_root) + self.eps)
             self.p[key] = self.p[key] - self.lr * u
