@@ -2,13 +2,24 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from optax_sparse_adam._adamw import LazyWeightDecayState, lazy_decoupled_weight_decay, sparse_adamw
+from optax_sparse_adam._amsgrad import scale_by_sparse_amsgrad, sparse_amsgrad
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._fast_path import RowLookup, lookup, value_and_row_grad
 from optax_sparse_adam._fused import update_and_apply
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._native import kernel_path, use_kernels
+from optax_sparse_adam._rowwise import (
+    ScaleByRowwiseAdagradState,
+    ScaleByRowwiseAdamState,
+    scale_by_rowwise_adagrad,
+    scale_by_rowwise_adam,
+    sparse_rowwise_adagrad,
+    sparse_rowwise_adam,
+)
 from optax_sparse_adam._sharding import RoutingInfo, RowSharding, all_gather_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._stochastic_rounding import apply_updates_stochastic, stochastic_round
 from optax_sparse_adam._transform import scale_by_sparse_adam, sparse_adam
 
 try:
@@ -18,17 +29,30 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "IndexedRows",
+    "LazyWeightDecayState",
     "RoutingInfo",
     "RowLookup",
     "RowSharding",
+    "ScaleByRowwiseAdagradState",
+    "ScaleByRowwiseAdamState",
     "all_gather_rows",
     "apply_updates",
+    "apply_updates_stochastic",
     "is_sparse",
     "kernel_path",
+    "lazy_decoupled_weight_decay",
     "lookup",
+    "scale_by_rowwise_adagrad",
+    "scale_by_rowwise_adam",
     "scale_by_sparse_adam",
+    "scale_by_sparse_amsgrad",
     "sparse_adam",
+    "sparse_adamw",
+    "sparse_amsgrad",
     "sparse_aware",
+    "sparse_rowwise_adagrad",
+    "sparse_rowwise_adam",
+    "stochastic_round",
     "update_and_apply",
     "use_kernels",
     "value_and_row_grad",

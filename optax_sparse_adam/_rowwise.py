@@ -1,0 +1,392 @@
+"""Row-wise optimizers: one second-moment scalar per row, lazily.
+
+:func:`scale_by_rowwise_adam` / :func:`sparse_rowwise_adam` keep Adam's first
+moment per entry and its second moment per row (FBGEMM's
+``PARTIAL_ROWWISE_ADAM``), optionally with per-row bias correction;
+:func:`scale_by_rowwise_adagrad` / :func:`sparse_rowwise_adagrad` keep one
+Adagrad accumulator per row (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``, TorchRec's
+``RowWiseAdagrad``). A row is the parameter's leading axis; a 1-D
+parameter's rows are its entries, so for it the row-wise rules are the
+element-wise ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_sparse_adam._row_rules import (
+    apply_rule,
+    broadcast_rows,
+    check_dtype,
+    check_hparam,
+    check_state,
+    map_rule,
+    param_error,
+    row_mean_square,
+    row_shape,
+)
+from optax_sparse_adam._sparse_aware import sparse_aware
+
+__all__ = [
+    "ScaleByRowwiseAdagradState",
+    "ScaleByRowwiseAdamState",
+    "scale_by_rowwise_adagrad",
+    "scale_by_rowwise_adam",
+    "sparse_rowwise_adagrad",
+    "sparse_rowwise_adam",
+]
+
+
+class ScaleByRowwiseAdamState(NamedTuple):
+    """State of :func:`scale_by_rowwise_adam`.
+
+    Attributes:
+      count: Global step count, an int32 scalar.
+      mu: First moment, per entry: the parameters' shapes, in ``mu_dtype``.
+      nu: Second moment, per row: shape ``p.shape[:1]`` for each parameter
+        ``p`` (``()`` for a scalar), float32 for parameters of 32 bits or fewer.
+      row_count: With ``per_row_bias_correction``, each row's own number of
+        updates (int32, shape ``p.shape[:1]``); otherwise ``optax.EmptyState()``.
+    """
+
+    count: jax.Array  # type: ignore[assignment]  # Adam's field name, as in optax's states
+    mu: optax.Updates
+    nu: optax.Updates
+    row_count: Any
+
+
+class ScaleByRowwiseAdagradState(NamedTuple):
+    """State of :func:`scale_by_rowwise_adagrad`.
+
+    Attributes:
+      sum_of_squares: Per row (shape ``p.shape[:1]``): the initial value plus
+        the sum over the row's updates of the mean of ``g^2`` over the row.
+    """
+
+    sum_of_squares: optax.Updates
+
+
+def _row_dtype(p: Any) -> Any:
+    return jnp.promote_types(jnp.asarray(p).dtype, jnp.float32)
+
+
+def scale_by_rowwise_adam(
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
+    eps_root: jax.typing.ArrayLike = 0.0,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    *,
+    per_row_bias_correction: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Rescales updates by lazy Adam with one second-moment scalar per row.
+
+    On the touched rows :math:`S` (duplicates summed), for a row :math:`r`
+    with gradient :math:`g_r` of :math:`d` entries:
+
+    .. math::
+
+      m_r \leftarrow \beta_1 m_r + (1 - \beta_1) g_r, \qquad
+      v_r \leftarrow \beta_2 v_r + (1 - \beta_2) \tfrac{1}{d} \textstyle\sum_j |g_{rj}|^2,
+
+    .. math::
+
+      u_r = \frac{m_r / (1 - \beta_1^{t_r})}{\sqrt{v_r / (1 - \beta_2^{t_r}) + \epsilon_{root}} + \epsilon},
+
+    where :math:`t_r` is the global step count, or with
+    ``per_row_bias_correction`` the number of updates row :math:`r` has had
+    (so that a rarely seen row is corrected for its own few updates). Rows
+    outside :math:`S` are bitwise unchanged. A dense gradient touches every
+    row. The state saves nearly half of Adam's memory for wide rows.
+
+    Args:
+      b1: Decay rate of the first moment.
+      b2: Decay rate of the second moment.
+      eps: Term added to the denominator, outside the square root.
+      eps_root: Term added inside the square root.
+      mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
+      per_row_bias_correction: Correct each row by its own update count.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`ScaleByRowwiseAdamState`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> tx = osa.scale_by_rowwise_adam()
+      >>> state = tx.init(jnp.zeros((3, 2), jnp.float32))
+      >>> state.nu.shape
+      (3,)
+      >>> g = osa.IndexedRows(jnp.array([1]), jnp.array([[3.0, 4.0]], jnp.float32), 3)
+      >>> updates, state = tx.update(g, state)
+      >>> updates.todense()[1].tolist()  # (3, 4) / sqrt((9 + 16) / 2) at step 1
+      [0.8485..., 1.1313...]
+
+    References:
+      FBGEMM's ``PARTIAL_ROWWISE_ADAM`` optimizer (``fbgemm_gpu``).
+    """
+    check_hparam("b1", b1, lower=0.0, lower_open=False, upper=1.0)
+    check_hparam("b2", b2, lower=0.0, lower_open=False, upper=1.0)
+    check_hparam("eps", eps, lower=0.0, lower_open=True)
+    check_hparam("eps_root", eps_root, lower=0.0, lower_open=False)
+    mu_dtype = check_dtype(mu_dtype, "mu_dtype")
+    if not isinstance(per_row_bias_correction, bool):
+        raise TypeError(f"Invalid per_row_bias_correction: {per_row_bias_correction!r}; it must be a bool")
+    where = "scale_by_rowwise_adam"
+
+    def init_fn(params: optax.Params) -> ScaleByRowwiseAdamState:
+        nu = jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), _row_dtype(p)), params)
+        row_count: Any = optax.EmptyState()
+        if per_row_bias_correction:
+            row_count = jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params)
+        return ScaleByRowwiseAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+            nu=nu,
+            row_count=row_count,
+        )
+
+    def update_fn(
+        updates: optax.Updates, state: ScaleByRowwiseAdamState, params: optax.Params | None = None, **extra_args: Any
+    ) -> tuple[optax.Updates, ScaleByRowwiseAdamState]:
+        del params, extra_args
+        check_state(state, ScaleByRowwiseAdamState, where)
+        count = optax.safe_increment(state.count)
+
+        def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
+            m, v = st[0], st[1]
+            m = optax.tree.update_moment(g, m, b1, 1)
+            v = jnp.asarray(b2 * v + (1 - b2) * row_mean_square(g).astype(v.dtype))
+            if per_row_bias_correction:
+                c = optax.safe_increment(st[2])
+                bc1 = broadcast_rows(1 - jnp.power(b1, c), m.ndim).astype(m.dtype)
+                bc2 = (1 - jnp.power(b2, c)).astype(v.dtype)
+                new: tuple[jax.Array, ...] = (m, v, c)
+            else:
+                bc1 = (1 - jnp.power(b1, count)).astype(m.dtype)
+                bc2 = (1 - jnp.power(b2, count)).astype(v.dtype)
+                new = (m, v)
+            denom = jnp.sqrt(v / bc2 + eps_root) + eps
+            return (m / bc1) / broadcast_rows(denom, m.ndim).astype(m.dtype), new
+
+        def leaf(path: Any, g: Any, m: Any, v: Any, *c: Any) -> tuple[Any, ...]:
+            if g is None:
+                return None, m, v, *c
+            out, new = apply_rule(path, g, jnp.shape(m), (m, v, *c), (), rule, where, whole_rows=True)
+            return (out, *new)
+
+        trees = [(state.mu, "mu"), (state.nu, "nu")]
+        if per_row_bias_correction:
+            trees.append((state.row_count, "row_count"))
+        out, mu, nu, *row_count = map_rule(leaf, updates, trees, where, 3 + int(per_row_bias_correction))
+        return out, ScaleByRowwiseAdamState(
+            count=count, mu=mu, nu=nu, row_count=row_count[0] if per_row_bias_correction else state.row_count
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def sparse_rowwise_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
+    eps_root: jax.typing.ArrayLike = 0.0,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    *,
+    per_row_bias_correction: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Lazy Adam with a row-wise second moment (FBGEMM's ``PARTIAL_ROWWISE_ADAM``).
+
+    ``chain(scale_by_rowwise_adam(...), <learning rate>)``; see
+    :func:`scale_by_rowwise_adam` for the rule, then
+    :math:`p_S \leftarrow p_S - \alpha_t u_S`.
+
+    Args:
+      learning_rate: A float or an optax schedule.
+      b1: Decay rate of the first moment.
+      b2: Decay rate of the second moment.
+      eps: Term added to the denominator, outside the square root.
+      eps_root: Term added inside the square root.
+      mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
+      per_row_bias_correction: Correct each row by its own update count.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> tx = osa.sparse_rowwise_adam(0.1)
+      >>> p = jnp.ones((2, 2), jnp.float32)
+      >>> g = osa.IndexedRows(jnp.array([0]), jnp.ones((1, 2), jnp.float32), 2)
+      >>> u, _ = tx.update(g, tx.init(p), p)
+      >>> osa.apply_updates(p, u).round(3)
+      Array([[0.9, 0.9],
+             [1. , 1. ]], dtype=float32)
+    """
+    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    return optax.chain(
+        scale_by_rowwise_adam(
+            b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, per_row_bias_correction=per_row_bias_correction
+        ),
+        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
+    )
+
+
+def scale_by_rowwise_adagrad(
+    eps: jax.typing.ArrayLike = 1e-10,
+    initial_accumulator_value: jax.typing.ArrayLike = 0.0,
+    weight_decay: jax.typing.ArrayLike = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Rescales updates by lazy row-wise Adagrad: one accumulator scalar per row.
+
+    On the touched rows :math:`S` (duplicates summed), for a row :math:`r` of
+    :math:`d` entries, with L2 weight decay :math:`\lambda` folded into the
+    gradient as FBGEMM's ``weight_decay_mode=L2`` does:
+
+    .. math::
+
+      g_r \leftarrow g_r + \lambda p_r, \qquad
+      a_r \leftarrow a_r + \tfrac{1}{d} \textstyle\sum_j g_{rj}^2, \qquad
+      u_r = \frac{g_r}{\sqrt{a_r} + \epsilon}.
+
+    Rows outside :math:`S` are bitwise unchanged. A 1-D parameter, or a table
+    of width 1, gets element-wise Adagrad as ``torch.optim.Adagrad`` computes
+    it (``eps`` outside the square root).
+
+    Args:
+      eps: Term added to the denominator, outside the square root.
+      initial_accumulator_value: Starting value of every row's accumulator.
+      weight_decay: L2 penalty added to the gradient (needs ``params``).
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`ScaleByRowwiseAdagradState`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> tx = osa.scale_by_rowwise_adagrad()
+      >>> state = tx.init(jnp.zeros((3, 2), jnp.float32))
+      >>> g = osa.IndexedRows(jnp.array([1]), jnp.array([[3.0, 4.0]], jnp.float32), 3)
+      >>> updates, state = tx.update(g, state)
+      >>> updates.todense()[1].tolist()  # (3, 4) / sqrt((9 + 16) / 2)
+      [0.848528..., 1.131370...]
+      >>> state.sum_of_squares
+      Array([ 0. , 12.5,  0. ], dtype=float32)
+
+    References:
+      Duchi, Hazan and Singer, `Adaptive Subgradient Methods
+      <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011; FBGEMM's
+      ``EXACT_ROWWISE_ADAGRAD`` and TorchRec's ``RowWiseAdagrad``.
+    """
+    check_hparam("eps", eps, lower=0.0, lower_open=True)
+    check_hparam("initial_accumulator_value", initial_accumulator_value, lower=0.0, lower_open=False)
+    check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
+    where = "scale_by_rowwise_adagrad"
+
+    def init_fn(params: optax.Params) -> ScaleByRowwiseAdagradState:
+        return ScaleByRowwiseAdagradState(
+            sum_of_squares=jax.tree.map(
+                lambda p: jnp.full(row_shape(jnp.shape(p)), initial_accumulator_value, _row_dtype(p)), params
+            )
+        )
+
+    def update_fn(
+        updates: optax.Updates, state: ScaleByRowwiseAdagradState, params: optax.Params | None = None, **extra_args: Any
+    ) -> tuple[optax.Updates, ScaleByRowwiseAdagradState]:
+        del extra_args
+        check_state(state, ScaleByRowwiseAdagradState, where)
+        decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
+        if decays and params is None:
+            raise ValueError(f"{where}: weight_decay needs the parameters: call update(grads, state, params)")
+
+        def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
+            (acc,) = st
+            if decays:
+                g = g + (weight_decay * reads[0]).astype(g.dtype)
+            acc = acc + row_mean_square(g).astype(acc.dtype)
+            return g / broadcast_rows(jnp.sqrt(acc) + eps, g.ndim).astype(g.dtype), (acc,)
+
+        def leaf(path: Any, g: Any, acc: Any, *p: Any) -> tuple[Any, ...]:
+            if g is None:
+                return None, acc
+            shape = tuple(jnp.shape(p[0]) if p else jnp.shape(g) if not hasattr(g, "shape") else g.shape)
+            if row_shape(shape) != acc.shape:
+                raise param_error(
+                    ValueError, where, path, f"gradient shape {shape} does not fit the accumulator's shape {acc.shape}"
+                )
+            reads = p if decays else ()
+            out, (new,) = apply_rule(path, g, shape, (acc,), reads, rule, where, whole_rows=True)
+            return out, new
+
+        trees = [(state.sum_of_squares, "sum_of_squares")]
+        if params is not None:
+            trees.append((params, "parameters"))
+        out, acc = map_rule(leaf, updates, trees, where, 2)
+        return out, ScaleByRowwiseAdagradState(sum_of_squares=acc)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+WeightDecayMode = Literal["l2", "decoupled"]
+
+
+def sparse_rowwise_adagrad(
+    learning_rate: optax.ScalarOrSchedule,
+    eps: jax.typing.ArrayLike = 1e-10,
+    initial_accumulator_value: jax.typing.ArrayLike = 0.0,
+    weight_decay: jax.typing.ArrayLike = 0.0,
+    *,
+    weight_decay_mode: WeightDecayMode = "l2",
+) -> optax.GradientTransformationExtraArgs:
+    r"""Lazy row-wise Adagrad, as FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` and TorchRec's ``RowWiseAdagrad``.
+
+    See :func:`scale_by_rowwise_adagrad` for the rule; then
+    :math:`p_S \leftarrow p_S - \alpha_t u_S`. With
+    ``weight_decay_mode="decoupled"`` the decay is not folded into the
+    gradient but applied to the touched rows as
+    :math:`p_S \leftarrow p_S - \alpha_t (u_S + \lambda p_S)` (FBGEMM's
+    ``DECOUPLE`` mode).
+
+    Args:
+      learning_rate: A float or an optax schedule.
+      eps: Term added to the denominator, outside the square root.
+      initial_accumulator_value: Starting value of every row's accumulator.
+      weight_decay: Weight decay :math:`\lambda` (0 for none).
+      weight_decay_mode: ``"l2"`` or ``"decoupled"``.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> tx = osa.sparse_rowwise_adagrad(0.1)
+      >>> p = jnp.ones((2, 2), jnp.float32)
+      >>> g = osa.IndexedRows(jnp.array([0]), jnp.ones((1, 2), jnp.float32), 2)
+      >>> u, _ = tx.update(g, tx.init(p), p)
+      >>> osa.apply_updates(p, u).round(3)
+      Array([[0.9, 0.9],
+             [1. , 1. ]], dtype=float32)
+    """
+    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    if weight_decay_mode not in ("l2", "decoupled"):
+        raise ValueError(f"Invalid weight_decay_mode: {weight_decay_mode!r}; it must be 'l2' or 'decoupled'")
+    if weight_decay_mode == "l2":
+        return optax.chain(
+            scale_by_rowwise_adagrad(eps, initial_accumulator_value, weight_decay),
+            sparse_aware(optax.scale_by_learning_rate(learning_rate)),
+        )
+    check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
+    return optax.chain(
+        scale_by_rowwise_adagrad(eps, initial_accumulator_value),
+        sparse_aware(optax.add_decayed_weights(weight_decay)),
+        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
+    )

@@ -1,0 +1,120 @@
+"""Low-precision tables: :func:`apply_updates_stochastic`, parameter updates with stochastic rounding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_sparse_adam._apply import apply_updates
+from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._row_rules import coalesced_rows, map_leaves, param_error
+
+__all__ = ["apply_updates_stochastic", "stochastic_round"]
+
+_WHERE = "apply_updates_stochastic"
+_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+    r"""Rounds float32 ``x`` to ``dtype`` up or down at random, unbiased: :math:`E[\mathrm{round}(x)] = x`.
+
+    ``x`` goes to the neighbour above with probability equal to its distance
+    from the neighbour below over the gap between them. Values that ``dtype``
+    holds exactly, infinities and NaN are rounded to nearest.
+
+    Args:
+      x: A float32 array.
+      dtype: ``jnp.bfloat16`` or ``jnp.float16``.
+      key: A PRNG key; the same key gives the same result.
+
+    Returns:
+      ``x`` rounded to ``dtype``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> x = jnp.full((10000,), 1.0 + 2.0**-10, jnp.float32)  # below bf16's resolution at 1
+      >>> x.astype(jnp.bfloat16).astype(jnp.float32).mean()
+      Array(1., dtype=float32)
+      >>> y = osa.stochastic_round(x, jnp.bfloat16, jax.random.key(0))
+      >>> float(y.astype(jnp.float32).mean().round(3))
+      1.001
+    """
+    x = jnp.asarray(x, jnp.float32)
+    nearest = x.astype(dtype)
+    near = nearest.astype(jnp.float32)
+    toward = jnp.where(near < x, jnp.asarray(jnp.inf, dtype), jnp.asarray(-jnp.inf, dtype))
+    other = jax.lax.nextafter(nearest, toward)
+    far = other.astype(jnp.float32)
+    lo, hi = jnp.minimum(near, far), jnp.maximum(near, far)
+    p_hi = (x - lo) / (hi - lo)
+    up = jax.random.uniform(key, x.shape, jnp.float32) < p_hi
+    rounded = jnp.where(up == (hi == near), nearest, other)
+    exact = (near == x) | ~jnp.isfinite(x) | ~jnp.isfinite(far)
+    return jnp.where(exact, nearest, rounded)
+
+
+def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: jax.Array) -> optax.Params:
+    r"""Applies updates, rounding bfloat16 and float16 parameters stochastically.
+
+    A step smaller than half the spacing of a bfloat16 parameter's value is
+    lost to round-to-nearest, so a low-precision table stalls once its steps
+    get small. Here ``p + u`` is computed in float32 and rounded to the
+    parameter's dtype with :func:`stochastic_round`, so small steps survive on
+    average. For a sparse update only the touched entries are rounded (and
+    written); other parameters are added as :func:`apply_updates` adds them.
+    The result is a function of ``key``: each parameter leaf draws from
+    ``jax.random.fold_in(key, i)``, ``i`` its position in the tree; pass a new
+    key every step (``jax.random.fold_in(key, step)``).
+
+    Args:
+      params: A tree of parameters.
+      updates: A tree of updates (dense, sparse or ``None`` leaves).
+      key: A PRNG key.
+
+    Returns:
+      The updated parameters, in their own dtypes.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> p = jnp.ones((2, 4096), jnp.bfloat16)
+      >>> u = osa.IndexedRows(jnp.array([1]), jnp.full((1, 4096), 1e-3, jnp.float32), 2)
+      >>> new = osa.apply_updates_stochastic(p, u, jax.random.key(0))
+      >>> new.dtype, float(new[0].astype(jnp.float32).mean())
+      (dtype(bfloat16), 1.0)
+      >>> round(float(new[1].astype(jnp.float32).mean()), 2)
+      1.0
+      >>> bool(new[1].astype(jnp.float32).max() > 1)  # some entries moved up a whole bf16 step
+      True
+    """
+    treedef: Any
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
+    index = treedef.unflatten(list(range(len(pairs))))
+
+    def leaf(path: Any, u: Any, p: Any, i: Any) -> tuple[Any]:
+        if u is None or p is None:
+            return (p,)
+        p = jnp.asarray(p)
+        if p.dtype not in _LOW:
+            return (apply_updates(p, u),)
+        k = jax.random.fold_in(key, i)
+        if not is_sparse(u):
+            u = jnp.asarray(u)
+            if u.shape != p.shape:
+                raise param_error(
+                    ValueError, _WHERE, path, f"update shape {u.shape} does not match the parameter shape {p.shape}"
+                )
+            x = p.astype(jnp.float32) + u.astype(jnp.float32)
+            return (stochastic_round(x, p.dtype, k),)
+        idx, values = coalesced_rows(u, p.shape, path, _WHERE)
+        x = p.at[idx].get(mode="fill", fill_value=0).astype(jnp.float32) + values.astype(jnp.float32)
+        return (p.at[idx].set(stochastic_round(x, p.dtype, k), mode="drop", unique_indices=True),)
+
+    (new,) = map_leaves(
+        leaf, updates, [(params, "parameters"), (index, "parameters")], where=_WHERE, tree_name="updates", n_out=1
+    )
+    return new

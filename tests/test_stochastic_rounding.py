@@ -1,0 +1,76 @@
+"""Stochastic rounding of low-precision parameter updates: unbiased, deterministic, lazy."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optax_sparse_adam as osa
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@settings(max_examples=20, deadline=None)
+@given(x=st.floats(-1e3, 1e3, allow_nan=False, width=32))
+def test_rounds_to_a_neighbour_without_bias(dtype, x):
+    xs = jnp.full((4000,), x, jnp.float32)
+    y = np.asarray(osa.stochastic_round(xs, dtype, jax.random.key(0)).astype(jnp.float32))
+    near = float(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32))
+    values = set(np.unique(y).tolist())
+    assert near in values and len(values) <= 2  # only the two neighbours of x
+    if len(values) == 2:
+        lo, hi = min(values), max(values)
+        assert lo <= x <= hi
+        p_hi = (x - lo) / (hi - lo)  # the mean is x, within 5 binomial standard deviations
+        assert abs(np.mean(y == hi) - p_hi) <= 5 * np.sqrt(p_hi * (1 - p_hi) / y.size) + 1e-9
+    if near == np.float32(x):
+        assert values == {near}  # exactly representable: unchanged
+
+
+def test_special_values_round_to_nearest():
+    x = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, -0.0], jnp.float32)
+    y = osa.stochastic_round(x, jnp.bfloat16, jax.random.key(1))
+    assert np.asarray(y.astype(jnp.float32)).tobytes() == np.asarray(x).tobytes()
+
+
+def test_deterministic_given_the_key_and_lazy_on_sparse_updates():
+    p = {"emb": jnp.ones((6, 64), jnp.bfloat16), "w": jnp.ones((64,), jnp.float32)}
+    u = {
+        "emb": osa.IndexedRows(jnp.array([1, 4, 1, -1], jnp.int32), jnp.full((4, 64), 5e-4, jnp.float32), 6),
+        "w": jnp.full((64,), 1e-3, jnp.float32),
+    }
+    a = jax.jit(osa.apply_updates_stochastic)(p, u, jax.random.key(3))
+    b = osa.apply_updates_stochastic(p, u, jax.random.key(3))
+    c = osa.apply_updates_stochastic(p, u, jax.random.key(4))
+    chex.assert_trees_all_equal(a, b)
+    assert not np.array_equal(np.asarray(a["emb"], np.float32), np.asarray(c["emb"], np.float32))
+    emb = np.asarray(a["emb"], np.float32)
+    assert emb.dtype == np.float32 and a["emb"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(emb[[0, 2, 3, 5]], 1.0)  # untouched rows unchanged
+    assert set(np.unique(emb[[1, 4]]).tolist()) == {1.0, 1.0078125}  # a 1e-3 step rounds up now and then
+    np.testing.assert_allclose(emb[1].mean(), 1.001, atol=0.002)  # row 1: two 5e-4 entries summed
+    np.testing.assert_array_equal(a["w"], osa.apply_updates(p["w"], u["w"]))  # float32 leaves: plain add
+
+
+def test_small_steps_survive_where_round_to_nearest_loses_them():
+    p = jnp.ones((1, 512), jnp.bfloat16)
+    u = jnp.full((1, 512), -2e-4, jnp.float32)  # 1/20 of bf16's spacing below 1
+    nearest, stochastic = p, p
+    for step in range(200):
+        nearest = osa.apply_updates(nearest, u)
+        stochastic = osa.apply_updates_stochastic(stochastic, u, jax.random.fold_in(jax.random.key(0), step))
+    np.testing.assert_array_equal(np.asarray(nearest, np.float32), 1.0)  # stalled
+    np.testing.assert_allclose(np.asarray(stochastic, np.float32).mean(), 1 - 200 * 2e-4, atol=2e-3)
+
+
+def test_errors_name_the_path():
+    p = {"emb": jnp.ones((3, 2), jnp.bfloat16)}
+    with pytest.raises(ValueError, match=r"parameter \['emb'\]: update shape"):
+        osa.apply_updates_stochastic(p, {"emb": jnp.ones((3, 3), jnp.float32)}, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"parameter \['emb'\]"):
+        bad = osa.IndexedRows(jnp.array([0]), jnp.ones((1, 2), jnp.float32), 4)
+        osa.apply_updates_stochastic(p, {"emb": bad}, jax.random.key(0))

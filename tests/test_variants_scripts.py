@@ -1,0 +1,42 @@
+"""The variants' example and benchmark run end to end at small sizes (their timings are not checked)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_bf16_example_runs_small_and_stochastic_rounding_tracks_float32(tmp_path: pathlib.Path) -> None:
+    out = _run("examples/bf16_stochastic_rounding.py", "--steps", "300", "--out", str(tmp_path / "plot.png"))
+    last = {
+        m[1].strip(): float(m[2]) for m in re.finditer(r"^(.+?)loss: first [\d.]+, last \d+ steps ([\d.]+)$", out, re.M)
+    }
+    assert len(last) == 3, out
+    f32, nearest, stochastic = (
+        last["float32"],
+        last["bfloat16, round to nearest"],
+        last["bfloat16, stochastic rounding"],
+    )
+    assert abs(stochastic - f32) < 0.02 * f32, out
+    assert nearest > 1.05 * f32, out
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_variants_benchmark_runs_small() -> None:
+    out = _run("benchmarks/variants.py", "--rows", "1000", "--batch", "64", "--steps", "2", "--warmup", "1")
+    for name in ("sparse_adam (plain)", "sparse_adamw, catch_up", "sparse_amsgrad", "sparse_rowwise_adagrad"):
+        assert re.search(rf"^\| {re.escape(name)} \| [\d.]+ \| [\d.]+x \| \d+ \|$", out, re.M), out
