@@ -27,13 +27,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._keys import SparseLeaf, for_each_chunk, to_sparse_leaf
 from optax_sparse_adam._transform import _check_hparam as check_hparam
-from optax_sparse_adam._tree import broadcast_rows, is_leaf, map_leaves, param_error
+from optax_sparse_adam._tree import broadcast_rows, check_state, map_leaves, mask_tree, param_error
 
 __all__ = [
     "Rule",
@@ -77,32 +76,6 @@ def check_dtype(dtype: Any, name: str) -> Any:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"Invalid {name}: {dtype}; it must be a floating dtype such as jnp.float32")
     return dtype
-
-
-def check_state(state: Any, cls: type, where: str) -> None:
-    if not isinstance(state, cls):
-        raise TypeError(
-            f"{where}: the optimizer state is a {type(state).__name__}, not the {cls.__name__} this "
-            "transformation's init builds; pass the state that `tx.init(params)` returned for this `tx`"
-        )
-
-
-def mask_tree(mask: Any, params: Any, name: str, where: str) -> Any:
-    """``mask`` (a bool, a tree of bools that is a prefix of ``params``, or a function of ``params``) per leaf."""
-    flags = mask(params) if callable(mask) else mask
-    try:
-        tree = jax.tree.map(
-            lambda flag, sub: jax.tree.map(lambda _: flag, sub, is_leaf=is_leaf), flags, params, is_leaf=is_leaf
-        )
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{where}: {name} must be a bool, or a tree of bools that is a prefix of the parameters (or a "
-            f"function returning one), but its structure does not fit the parameters: {e}"
-        ) from None
-    for path, flag in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
-        if not isinstance(flag, bool | np.bool_):
-            raise param_error(TypeError, where, path, f"{name} must give a Python bool per leaf, got {flag!r}")
-    return tree
 
 
 def _check_dense(path: Any, g: Any, shape: tuple[int, ...], where: str) -> jax.Array:

@@ -23,7 +23,7 @@ from optax_sparse_adam._explicit_sharding import replicate, scatter_rows, take_r
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._keys import SparseLeaf, for_each_chunk, to_sparse_leaf
 from optax_sparse_adam._sparse_aware import sparse_aware
-from optax_sparse_adam._tree import broadcast_rows, is_leaf, map_leaves, param_error
+from optax_sparse_adam._tree import broadcast_rows, check_state, map_leaves, mask_tree, param_error
 
 __all__ = ["scale_by_sparse_adam", "sparse_adam"]
 
@@ -163,32 +163,6 @@ def _check_hparam(name: str, value: Any, *, lower: float, lower_open: bool, uppe
         raise ValueError(f"Invalid {name}: {value!r}; it must be {rule}")
 
 
-def _check_state(state: Any) -> None:
-    if not isinstance(state, optax.ScaleByAdamState):
-        raise TypeError(
-            f"{_WHERE}: the optimizer state is a {type(state).__name__}, not the optax.ScaleByAdamState this "
-            "transformation's init builds; pass the state that `tx.init(params)` returned for this `tx`"
-        )
-
-
-def _lazy_tree(lazy_dense: MaskOrFn, params: Any, where: str) -> Any:
-    """``lazy_dense`` resolved against ``params`` and broadcast to its leaves, or a clear error."""
-    mask = lazy_dense(params) if callable(lazy_dense) else lazy_dense
-    try:
-        tree = jax.tree.map(
-            lambda flag, sub: jax.tree.map(lambda _: flag, sub, is_leaf=is_leaf), mask, params, is_leaf=is_leaf
-        )
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{where}: lazy_dense must be a bool, or a tree of bools that is a prefix of the parameters (or a "
-            f"function returning one), but its structure does not fit the parameters: {e}"
-        ) from None
-    for path, flag in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
-        if not isinstance(flag, bool | np.bool_):
-            raise param_error(TypeError, where, path, f"lazy_dense must give a Python bool per leaf, got {flag!r}")
-    return tree
-
-
 def scale_by_sparse_adam(
     b1: jax.typing.ArrayLike = 0.9,
     b2: jax.typing.ArrayLike = 0.999,
@@ -290,7 +264,7 @@ def scale_by_sparse_adam(
     adam = _Adam(b1, b2, eps, eps_root, bool(maximize), eps_placement)
 
     def init_fn(params: optax.Params) -> optax.ScaleByAdamState:
-        _lazy_tree(lazy_dense, params, _WHERE)  # a mask that does not fit the parameters fails here
+        mask_tree(lazy_dense, params, "lazy_dense", _WHERE)  # a mask that does not fit the parameters fails here
         return optax.ScaleByAdamState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),
@@ -304,7 +278,7 @@ def scale_by_sparse_adam(
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
         del extra_args
-        _check_state(state)
+        check_state(state, optax.ScaleByAdamState, _WHERE)
         count = optax.safe_increment(state.count)
 
         def check(path: Any, g: Any, m: Any, v: Any, lazy: Any, *p: Any) -> tuple[Any, Any, Any]:
@@ -354,7 +328,7 @@ def scale_by_sparse_adam(
                 return _lazy_dense_adam(jnp.asarray(g), jnp.asarray(m), jnp.asarray(v), count, adam)
             return dense
 
-        lazy = _lazy_tree(lazy_dense, params if params is not None else updates, _WHERE)
+        lazy = mask_tree(lazy_dense, params if params is not None else updates, "lazy_dense", _WHERE)
         leaves = [(state.mu, "optimizer state's mu"), (state.nu, "optimizer state's nu"), (lazy, "lazy_dense mask")]
         with_params = leaves + ([] if params is None else [(params, "parameters")])
         plain_g, plain_m, plain_v = map_leaves(check, updates, with_params, where=_WHERE, tree_name="gradient", n_out=3)

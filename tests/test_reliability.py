@@ -251,7 +251,7 @@ def test_a_state_of_another_optimizer_is_named():
     tx = osa.sparse_adam(0.1)
     params = _params()
     state = (optax.sgd(0.1).init(params)[0], tx.init(params)[1])
-    with pytest.raises(TypeError, match=r"the optimizer state is a EmptyState, not the optax\.ScaleByAdamState"):
+    with pytest.raises(TypeError, match=r"the optimizer state is a EmptyState, not the ScaleByAdamState"):
         tx.update(jax.tree.map(jnp.ones_like, params), state, params)
 
 
