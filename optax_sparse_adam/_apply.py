@@ -35,7 +35,7 @@ def _apply_leaf(path: Any, u: Any, p: Any) -> tuple[Any]:
 
 def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
     """``p`` plus a sparse leaf: the native scatter-add on the CPU where it applies, else XLA's."""
-    if not _native.supports(p.shape, leaf.n_sparse, p.dtype, leaf.values.dtype):
+    if not _native.supports(p.shape, leaf.n_sparse, p, leaf.values):
         return leaf.add_to(p)
     return _native.select(lambda: _native.scatter_add(p, leaf.keys[:, 0], leaf.values), lambda: leaf.add_to(p))
 

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["replicate", "scatter_rows", "take_rows"]
+__all__ = ["explicit_sharding", "replicate", "scatter_rows", "take_rows"]
 
 
-def _explicit_sharding(x: Any) -> NamedSharding | None:
+def explicit_sharding(x: Any) -> NamedSharding | None:
     """``x``'s sharding while tracing when it names an ``Explicit`` mesh axis, else ``None``."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
@@ -43,7 +43,7 @@ def replicate(x: jax.Array, like: jax.Array | None = None) -> jax.Array:
     For ``x`` itself sharded this is an all-gather; with ``like`` it puts ``x`` on ``like``'s mesh, so
     that it can receive rows gathered from ``like`` (``dynamic_update_slice`` wants one mesh).
     """
-    sharding = _explicit_sharding(x if like is None else like)
+    sharding = explicit_sharding(x if like is None else like)
     if sharding is None:
         return x
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
@@ -52,7 +52,7 @@ def replicate(x: jax.Array, like: jax.Array | None = None) -> jax.Array:
 def take_rows(x: jax.Array, index: Any) -> jax.Array:
     """``x.at[index].get(mode="fill", fill_value=0)``, replicated when ``x`` is sharded over an ``Explicit`` axis."""
     x = jnp.asarray(x)
-    sharding = _explicit_sharding(x)
+    sharding = explicit_sharding(x)
     if sharding is None:
         return x.at[index].get(mode="fill", fill_value=0)
     return x.at[index].get(mode="fill", fill_value=0, out_sharding=NamedSharding(sharding.mesh, PartitionSpec()))
@@ -62,7 +62,7 @@ def scatter_rows(x: jax.Array, index: Any, values: jax.Array, op: Literal["set",
     """``x.at[index].set(values)`` or ``.add(values)`` (out-of-range dropped), keeping ``x``'s sharding."""
     ref = x.at[index]
     update = ref.set if op == "set" else ref.add
-    sharding = _explicit_sharding(x)
+    sharding = explicit_sharding(x)
     if sharding is None:
         return update(values, mode="drop")
     return update(values, mode="drop", out_sharding=sharding)

@@ -167,6 +167,6 @@ def _fusable_leaves(grads: Any, state: Any, params: Any) -> dict[int, SparseLeaf
         if not p.shape == m.shape == v.shape:
             continue
         sp = to_sparse_leaf(g, p.shape, path, "scale_by_sparse_adam")
-        if _native.supports(p.shape, sp.n_sparse, p.dtype, m.dtype, v.dtype, sp.values.dtype):
+        if _native.supports(p.shape, sp.n_sparse, p, m, v, sp.values):
             fused[i] = sp
     return fused

@@ -29,10 +29,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import PartitionSpec as P
+
+from optax_sparse_adam._explicit_sharding import explicit_sharding
 
 __all__ = ["kernel_path", "use_kernels"]
 
@@ -155,15 +158,32 @@ def select(native: Callable[[], Any], xla: Callable[[], Any]) -> Any:
     return jax.lax.platform_dependent(cpu=native, default=xla)
 
 
-def supports(shape: tuple[int, ...], n_sparse: int, *dtypes: Any) -> bool:
-    """Whether the kernels handle a table of ``shape`` addressed by ``n_sparse`` axes, with arrays of ``dtypes``."""
+def supports(shape: tuple[int, ...], n_sparse: int, *arrays: Any) -> bool:
+    """Whether the kernels handle a table of ``shape`` addressed by ``n_sparse`` axes, with these operands.
+
+    The operands must be float32, and neither inside ``shard_map`` with values
+    that vary over a manual axis nor sharded over an ``Explicit`` mesh axis:
+    there the XLA path's sharding rules apply, which a custom call does not
+    follow (the routed steps of ``RowSharding`` run the XLA path).
+    """
     return (
         enabled()
         and n_sparse == 1
         and len(shape) >= 1
         and shape[0] <= _MAX_ROWS
-        and all(jnp.dtype(d) == jnp.float32 for d in dtypes)
+        and all(jnp.dtype(a.dtype) == jnp.float32 for a in arrays)
+        and not any(explicit_sharding(a) is not None for a in arrays)
+        and not _in_manual_axes()
     )
+
+
+def _in_manual_axes() -> bool:
+    """Whether tracing happens inside ``shard_map`` (or another map over named axes).
+
+    There every operand and result carries the axes it varies over, which the
+    XLA path infers and a custom call cannot state, so the XLA path runs.
+    """
+    return bool(jex.unsafe_get_axis_names_DO_NOT_USE())
 
 
 def adam_scalars(

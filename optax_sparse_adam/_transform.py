@@ -128,7 +128,7 @@ def _sparse_adam_rule(
     leaf: SparseLeaf, m: jax.Array, v: jax.Array, count: jax.Array, adam: _Adam
 ) -> tuple[SparseLeaf, jax.Array, jax.Array]:
     """:func:`_sparse_adam` on the native CPU kernel where it applies (see ``_native``), else in XLA."""
-    if not _native.supports(m.shape, leaf.n_sparse, m.dtype, v.dtype, leaf.values.dtype):
+    if not _native.supports(m.shape, leaf.n_sparse, m, v, leaf.values):
         return _sparse_adam(leaf, m, v, count, adam)
     scalars = _native.adam_scalars(adam.b1, adam.b2, adam.eps, adam.eps_root, 1 - adam.b1**count, 1 - adam.b2**count)
     flags = {"torch_eps": adam.eps_placement == "torch", "maximize": adam.maximize, "unique": leaf.distinct}
