@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from optax_sparse_adam._coalesce import pack_distinct
 from optax_sparse_adam._explicit_sharding import replicate, take_rows
-from optax_sparse_adam._indexed_rows import IndexedRows
+from optax_sparse_adam._indexed_rows import IndexedRows, normalise_keys
 from optax_sparse_adam._keys import padding_key
 from optax_sparse_adam._tree import broadcast_rows, path_str
 
@@ -115,12 +115,9 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"lookup: ids must be integers, got dtype {ids.dtype}")
     num_rows = table.shape[0]
-    flat = replicate(ids.reshape(-1))
-    if jnp.iinfo(flat.dtype).bits < 32:  # so that comparing with num_rows cannot overflow
-        flat = flat.astype(jnp.int32)
-    k = flat.shape[0]
-    valid = (flat >= 0) & (flat < num_rows)
-    keys = jnp.where(valid, flat, num_rows).astype(jnp.int32)
+    keys = normalise_keys(replicate(ids.reshape(-1, 1)), (num_rows,))[:, 0]
+    k = keys.shape[0]
+    valid = keys < num_rows
     # The distinct ids go into the leading slots, so that the optimizer stops
     # after the last one (see for_each_chunk).
     target, packed = pack_distinct(keys[:, None], valid, padding_key(table.shape, 1))

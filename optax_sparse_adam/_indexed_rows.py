@@ -88,17 +88,27 @@ class IndexedRows:
 
     def todense(self) -> jax.Array:
         """The dense equivalent: duplicates summed, padding dropped."""
-        idx = jnp.asarray(self.indices)
-        if jnp.iinfo(idx.dtype).bits < 32:
-            idx = idx.astype(jnp.int32)
-        valid = (idx >= 0) & (idx < self.num_rows)
-        rows = jnp.where(valid, idx, self.num_rows).astype(jnp.int32)
+        rows = normalise_keys(jnp.asarray(self.indices)[:, None], (self.num_rows,))[:, 0]
         return jnp.zeros(self.shape, self.values.dtype).at[replicate(rows)].add(replicate(self.values), mode="drop")
 
 
 jax.tree_util.register_dataclass(
     IndexedRows, data_fields=["indices", "values"], meta_fields=["num_rows", "unique_indices"]
 )
+
+
+def normalise_keys(index: jax.Array, dims: tuple[int, ...]) -> jax.Array:
+    """int32 ``(k, s)`` keys from ``(k, s)`` indices of any integer dtype, for axes of sizes ``dims``.
+
+    An entry with any component out of range, compared in the index's own
+    dtype before any cast, becomes the padding key ``dims``: a wide index
+    never wraps into a real row.
+    """
+    if jnp.iinfo(index.dtype).bits < 32:  # so that comparing with dims cannot overflow
+        index = index.astype(jnp.int32)
+    upper = jnp.asarray(np.array(dims, dtype=index.dtype))[None, :]
+    valid = jnp.all((index >= 0) & (index < upper), axis=1)
+    return jnp.where(valid[:, None], index, upper).astype(jnp.int32)
 
 
 def is_sparse(x: Any) -> bool:

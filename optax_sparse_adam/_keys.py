@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import sparse as jsparse
 
 from optax_sparse_adam._explicit_sharding import replicate, scatter_rows
-from optax_sparse_adam._indexed_rows import IndexedRows
+from optax_sparse_adam._indexed_rows import IndexedRows, normalise_keys
 from optax_sparse_adam._tree import broadcast_rows, param_error
 
 _KNOWN_ATTR = "_osa_known"
@@ -119,15 +119,6 @@ class SparseLeaf(NamedTuple):
 def padding_key(shape: tuple[int, ...], n_sparse: int) -> jax.Array:
     """The ``(1, n_sparse)`` key that marks padding: ``shape[:n_sparse]``, out of range on every axis."""
     return jnp.asarray(np.array(shape[:n_sparse], dtype=np.int32))[None, :]
-
-
-def _normalise_keys(index: jax.Array, dims: tuple[int, ...]) -> jax.Array:
-    """int32 keys with every out-of-range entry (in the index's own dtype) replaced by the padding key."""
-    if jnp.iinfo(index.dtype).bits < 32:  # so that comparing with dims cannot overflow
-        index = index.astype(jnp.int32)
-    upper = jnp.asarray(np.array(dims, dtype=index.dtype))[None, :]
-    valid = jnp.all((index >= 0) & (index < upper), axis=1)
-    return jnp.where(valid[:, None], index, upper).astype(jnp.int32)
 
 
 def to_sparse_leaf(
@@ -225,7 +216,7 @@ def to_sparse_leaf(
             f"indices of dtype {declared.index_dtype} cannot mark padding for sparse axes {dims} (the update "
             "keeps the gradient's index dtype and marks padding with the axis sizes); use int32 indices",
         )
-    keys, values = replicate(_normalise_keys(index, dims)), replicate(values)
+    keys, values = replicate(normalise_keys(index, dims)), replicate(values)
     return SparseLeaf(keys, values, param_shape, declared, declared.unique, declared.sorted)
 
 
