@@ -51,22 +51,26 @@ struct Options {
 template <bool kTorch, bool kMaximize, bool kApply>
 inline void UpdateRow(const Scalars& s, const float* __restrict g, float* __restrict m, float* __restrict v,
                       float* __restrict out, int64_t width) {
+  // Locals, not loads through `s`: the rows written might alias it, which
+  // would keep the compiler from vectorizing the loop.
+  const float b1 = s.b1, one_minus_b1 = s.one_minus_b1, b2 = s.b2, one_minus_b2 = s.one_minus_b2;
+  const float eps = s.eps, eps_root = s.eps_root, torch_scale = s.torch_scale, neg_lr = s.neg_lr;
   const float inv_bc1 = 1.0f / s.bc1;
   const float inv_bc2 = 1.0f / s.bc2;
   for (int64_t j = 0; j < width; ++j) {
     const float gj = g[j];
-    const float mn = kMaximize ? std::fma(s.b1, m[j], -(s.one_minus_b1 * gj)) : std::fma(s.one_minus_b1, gj, s.b1 * m[j]);
-    const float vn = std::fma(s.one_minus_b2, gj * gj, s.b2 * v[j]);
+    const float mn = kMaximize ? std::fma(b1, m[j], -(one_minus_b1 * gj)) : std::fma(one_minus_b1, gj, b1 * m[j]);
+    const float vn = std::fma(one_minus_b2, gj * gj, b2 * v[j]);
     float step;
     if constexpr (kTorch) {
-      step = (s.torch_scale * mn) / (std::sqrt(vn + s.eps_root) + s.eps);
+      step = (torch_scale * mn) / (std::sqrt(vn + eps_root) + eps);
     } else {
-      step = (mn * inv_bc1) / (std::sqrt(vn * inv_bc2 + s.eps_root) + s.eps);
+      step = (mn * inv_bc1) / (std::sqrt(vn * inv_bc2 + eps_root) + eps);
     }
     m[j] = mn;
     v[j] = vn;
     if constexpr (kApply) {
-      out[j] = out[j] + s.neg_lr * step;
+      out[j] = out[j] + neg_lr * step;
     } else {
       out[j] = step;
     }
