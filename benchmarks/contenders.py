@@ -283,7 +283,7 @@ def make_torch_adam(cfg: Config, batches: Batches) -> Stepper:
     return run
 
 
-# PyTorch runs on the thread count the process set once (run.py --torch-threads); switching it per step
+# PyTorch runs on the thread count the process set once (run.py --threads); switching it per step
 # left its thread pools cold and made torch.optim.Adam 10x slower than its dense work.
 CONTENDERS: tuple[Contender, ...] = (
     Contender("osa_sparse", "optax_sparse_adam, native: tx.update + apply_updates", False, 3, make_osa_sparse, True),

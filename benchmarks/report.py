@@ -186,8 +186,10 @@ def _method_lines(doc: dict[str, Any]) -> list[str]:
         f"steps that follow {plan['warmup']} untimed warm-up step(s), taken with `jax.block_until_ready` (JAX) or "
         f"on return (PyTorch). A slow dense contender runs fewer timed steps (at least {plan['min_timed']}, about "
         f"{plan['budget_s']:g} s in all).",
-        f"- torch SparseAdam and torch Adam run on `torch.set_num_threads({s['torch_threads']})`, set once for the "
-        "process (run again with `--torch-threads 1` for one thread).",
+        f"- Every contender runs on {s['torch_threads']} thread(s): torch SparseAdam and torch Adam on "
+        f"`torch.set_num_threads({s['torch_threads']})`, set once for the process, and the library's kernels (the "
+        f"floor's included) on `osa.use_kernels(threads={min(s['torch_threads'], 16)})` (run again with "
+        "`--threads 1` for one thread).",
         f"- Sparse path: `tx.update` + `osa.apply_updates` on the native CPU kernels; update_and_apply: "
         "`osa.update_and_apply` (one pass per touched row for p, m, v); sparse path, XLA: the same two calls inside "
         f"`osa.use_kernels(False)`; floor: a native kernel that reads and writes the row of p, m and v of every id "

@@ -306,10 +306,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run only these sweeps (default: all); the report's other sections are always written",
     )
     parser.add_argument(
-        "--torch-threads",
+        "--threads",
         type=int,
         default=os.cpu_count() or 1,
-        help="torch.set_num_threads for the PyTorch contenders (default: the core count)",
+        help="threads of every contender: torch.set_num_threads, and the library's kernel threads "
+        "(osa.use_kernels(threads=...), at most 16) (default: the core count)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the id batches and the model")
     return parser.parse_args(argv)
@@ -317,9 +318,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with osa.use_kernels(True, threads=min(args.threads, 16)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """The whole benchmark, with the threads already set."""
     grid = SMOKE if args.smoke else FULL
-    threads = args.torch_threads
-    torch.set_num_threads(threads)
+    threads = args.threads
     args.out.mkdir(parents=True, exist_ok=True)
     machine = report.machine_info(threads)
 

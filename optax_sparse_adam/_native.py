@@ -218,8 +218,7 @@ def adam_scalars(
 
 def _attrs(num_rows: int, **flags: bool) -> dict[str, np.int64]:
     attrs = {"num_rows": np.int64(num_rows), **{k: np.int64(v) for k, v in flags.items()}}
-    if flags:
-        attrs["threads"] = np.int64(_CONFIG.value[1])
+    attrs["threads"] = np.int64(_CONFIG.value[1])
     return attrs
 
 
@@ -391,5 +390,5 @@ def touch_rows(
         (table, table, table),
         input_output_aliases={0: 0, 1: 1, 2: 2},
         vmap_method="sequential",
-    )(p, m, v, keys, _rows2d(values))
+    )(p, m, v, keys, _rows2d(values), threads=np.int64(_CONFIG.value[1]))
     return p, m, v

@@ -126,6 +126,27 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t parts, F fn) {
   while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
 }
 
+// The entries of a batch split over `parts` by key: part t gets, in entry
+// order, the entries whose in-range key hashes to t, so that every row is
+// written by one part only and its entries are taken in entry order.
+// fn(entries, count) runs once per part with a non-empty list, on the pool.
+template <typename F>
+void ForEachKeyPart(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, const Shard& shard, int64_t parts,
+                    F fn) {
+  parts = std::max<int64_t>(1, std::min<int64_t>(parts, k / 256 + 1));  // a part is worth a thread past ~256 rows
+  ParallelFor(pool, parts, parts, [&](int64_t lo, int64_t hi) {
+    std::vector<int32_t> entries;
+    for (int64_t part = lo; part < hi; ++part) {
+      entries.clear();
+      for (int64_t i = 0; i < k; ++i) {
+        if (shard.Owns(keys[i]) && (parts == 1 || Mix(static_cast<uint32_t>(keys[i])) % parts == part))
+          entries.push_back(static_cast<int32_t>(i));
+      }
+      if (!entries.empty()) fn(entries.data(), static_cast<int64_t>(entries.size()));
+    }
+  });
+}
+
 }  // namespace optax_sparse_adam
 
 #endif  // OPTAX_SPARSE_ADAM_CSRC_ROWS_H_

@@ -16,21 +16,21 @@ namespace {
 
 constexpr int kPrefetchDistance = 4;
 
-OSA_TARGET_CLONES void AddRows(const int32_t* keys, int64_t k, const Shard& shard, const float* values, float* table,
-                               int64_t width) {
-  for (int64_t i = 0; i < k; ++i) {
-    if (i + kPrefetchDistance < k && shard.Owns(keys[i + kPrefetchDistance]))
-      PrefetchRow(table + shard.Local(keys[i + kPrefetchDistance]) * width, width);
-    if (!shard.Owns(keys[i])) continue;
+// The entries `entries[0, count)`, all of rows this shard holds.
+OSA_TARGET_CLONES void AddRows(const int32_t* entries, int64_t count, const int32_t* keys, const Shard& shard,
+                               const float* values, float* table, int64_t width) {
+  for (int64_t n = 0; n < count; ++n) {
+    if (n + kPrefetchDistance < count) PrefetchRow(table + shard.Local(keys[entries[n + kPrefetchDistance]]) * width, width);
+    const int64_t i = entries[n];
     float* __restrict row = table + shard.Local(keys[i]) * width;
     const float* __restrict u = values + i * width;
     for (int64_t j = 0; j < width; ++j) row[j] = row[j] + u[j];
   }
 }
 
-ffi::Error ScatterAddImpl(ffi::Buffer<ffi::F32> table, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+ffi::Error ScatterAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
                           ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> table_out,
-                          int64_t num_rows) {
+                          int64_t num_rows, int64_t threads) {
   auto dims = table.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("the table must have at least one dimension");
   const Shard shard{num_rows, *row_begin.typed_data(), dims[0]};
@@ -43,7 +43,10 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::F32> table, ffi::BufferR1<ffi::S32> k
   float* out = table_out->typed_data();
   if (out != table.typed_data() && table.element_count() > 0)
     std::memcpy(out, table.typed_data(), sizeof(float) * table.element_count());
-  AddRows(keys.typed_data(), k, shard, values.typed_data(), out, width);
+  const int32_t* key = keys.typed_data();
+  ForEachKeyPart(pool, key, k, shard, threads, [&](const int32_t* entries, int64_t count) {
+    AddRows(entries, count, key, shard, values.typed_data(), out, width);
+  });
   return ffi::Error::Success();
 }
 
@@ -52,10 +55,12 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::F32> table, ffi::BufferR1<ffi::S32> k
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamScatterAdd, optax_sparse_adam::ScatterAddImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()     // table
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()     // values
                                   .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
                                   .Ret<ffi::Buffer<ffi::F32>>()     // table
-                                  .Attr<int64_t>("num_rows"));
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("threads"));
 

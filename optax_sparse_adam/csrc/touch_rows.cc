@@ -2,7 +2,8 @@
 //   optax_sparse_adam_v1_touch_rows  (p, mu, nu, keys, values) -> (p, mu, nu)
 // reads and writes the row of p, mu and nu of every in-range key (adding the
 // gradient row, so the work cannot be skipped) and does nothing else: no
-// coalescing, no Adam arithmetic. A step cannot cost less than this.
+// coalescing, no Adam arithmetic. A step cannot cost less than this. It
+// splits rows over threads as the step kernels do.
 #include <cstdint>
 #include <cstring>
 
@@ -16,16 +17,16 @@ namespace {
 
 constexpr int kPrefetchDistance = 4;
 
-OSA_TARGET_CLONES void TouchRows(const int32_t* keys, int64_t k, int64_t num_rows, const float* values, float* p,
-                                 float* m, float* v, int64_t width) {
-  for (int64_t i = 0; i < k; ++i) {
-    if (i + kPrefetchDistance < k && InRange(keys[i + kPrefetchDistance], num_rows)) {
-      const int64_t r = keys[i + kPrefetchDistance];
+OSA_TARGET_CLONES void TouchRows(const int32_t* entries, int64_t count, const int32_t* keys, const float* values,
+                                 float* p, float* m, float* v, int64_t width) {
+  for (int64_t n = 0; n < count; ++n) {
+    if (n + kPrefetchDistance < count) {
+      const int64_t r = keys[entries[n + kPrefetchDistance]];
       PrefetchRow(p + r * width, width);
       PrefetchRow(m + r * width, width);
       PrefetchRow(v + r * width, width);
     }
-    if (!InRange(keys[i], num_rows)) continue;
+    const int64_t i = entries[n];
     const int64_t r = keys[i];
     const float* __restrict g = values + i * width;
     float* __restrict pr = p + r * width;
@@ -39,9 +40,9 @@ OSA_TARGET_CLONES void TouchRows(const int32_t* keys, int64_t k, int64_t num_row
   }
 }
 
-ffi::Error TouchImpl(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+ffi::Error TouchImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::ResultBuffer<ffi::F32> p_out,
-                     ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out) {
+                     ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out, int64_t threads) {
   auto dims = p.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
   const int64_t num_rows = dims[0];
@@ -57,7 +58,10 @@ ffi::Error TouchImpl(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buf
   for (int t = 0; t < 3; ++t) {
     if (outs[t] != ins[t] && p.element_count() > 0) std::memcpy(outs[t], ins[t], sizeof(float) * p.element_count());
   }
-  TouchRows(keys.typed_data(), k, num_rows, values.typed_data(), outs[0], outs[1], outs[2], width);
+  const int32_t* key = keys.typed_data();
+  ForEachKeyPart(pool, key, k, Shard{num_rows, 0, num_rows}, threads, [&](const int32_t* entries, int64_t count) {
+    TouchRows(entries, count, key, values.typed_data(), outs[0], outs[1], outs[2], width);
+  });
   return ffi::Error::Success();
 }
 
@@ -66,6 +70,7 @@ ffi::Error TouchImpl(ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buf
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamTouchRows, optax_sparse_adam::TouchImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()     // p
                                   .Arg<ffi::Buffer<ffi::F32>>()     // mu
                                   .Arg<ffi::Buffer<ffi::F32>>()     // nu
@@ -73,4 +78,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamTouchRows, optax_sparse_adam::Touch
                                   .Arg<ffi::Buffer<ffi::F32>>()     // values
                                   .Ret<ffi::Buffer<ffi::F32>>()     // p
                                   .Ret<ffi::Buffer<ffi::F32>>()     // mu
-                                  .Ret<ffi::Buffer<ffi::F32>>());   // nu
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Attr<int64_t>("threads"));
