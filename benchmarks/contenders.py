@@ -271,9 +271,13 @@ def make_torch_sparse_adam(cfg: Config, batches: Batches) -> Stepper:
 
 
 def make_torch_adam(cfg: Config, batches: Batches) -> Stepper:
-    """``torch.optim.Adam`` on a dense gradient."""
+    """``torch.optim.Adam(fused=True)`` on a dense gradient: torch's fastest Adam on the CPU.
+
+    The default (per-tensor) implementation allocates table-sized temporaries
+    every step and ran 5-7x slower than ``fused=True`` here.
+    """
     param = torch.nn.Parameter(torch.full((cfg.rows, cfg.width), 0.01, dtype=torch.float32))
-    opt = torch.optim.Adam([param], lr=LEARNING_RATE)
+    opt = torch.optim.Adam([param], lr=LEARNING_RATE, fused=True)
     param.grad = _dense_grad_torch(cfg, batches)
 
     def run(i: int) -> None:
@@ -295,7 +299,7 @@ CONTENDERS: tuple[Contender, ...] = (
     Contender("torch_sparse_adam", "torch.optim.SparseAdam", False, 3, make_torch_sparse_adam),
     Contender("optax_adam", "optax.adam (dense)", True, 5, make_optax_adam),
     Contender("osa_dense", "optax_sparse_adam, dense (lazy_dense=True)", True, 5, make_osa_dense),
-    Contender("torch_adam", "torch.optim.Adam (dense)", True, 5, make_torch_adam),
+    Contender("torch_adam", "torch.optim.Adam(fused=True) (dense)", True, 4, make_torch_adam),
 )
 
 

@@ -42,7 +42,7 @@ SHORT = {
     "torch_sparse_adam": "torch SparseAdam",
     "optax_adam": "optax.adam",
     "osa_dense": "dense path",
-    "torch_adam": "torch Adam",
+    "torch_adam": "torch Adam (fused)",
 }
 # The sparse contenders, and those each configuration's sparse path (native tx.update + apply_updates) is compared with.
 SPARSE = ("osa_sparse", "osa_fused", "osa_sparse_xla", "floor", "torch_sparse_adam")

@@ -13,7 +13,7 @@ model, initial values and batches are trained
 * the same with :func:`optax_sparse_adam.value_and_row_grad`, which deduplicates
   the ids first and gathers each distinct row once;
 * with PyTorch: ``nn.Embedding(sparse=True)`` and ``SparseAdam`` for the table,
-  ``Adam`` for the MLP.
+  ``Adam(fused=True)`` for the MLP.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def make_osa_row_grad(model: Model, data: Data) -> Stepper:
 
 
 def make_torch(model: Model, data: Data) -> Stepper:
-    """``nn.Embedding(sparse=True)`` with ``SparseAdam``, and ``Adam`` for the MLP."""
+    """``nn.Embedding(sparse=True)`` with ``SparseAdam``, and ``Adam(fused=True)`` for the MLP."""
     emb = torch.nn.Embedding(model.rows, model.width, sparse=True)
     layers: list[torch.nn.Module] = []
     for i, (w, _) in enumerate(data.mlp):
@@ -180,7 +180,7 @@ def make_torch(model: Model, data: Data) -> Stepper:
             linear.weight.copy_(torch.from_numpy(w.T.copy()))
             linear.bias.copy_(torch.from_numpy(b))
     sparse_opt = torch.optim.SparseAdam(list(emb.parameters()), lr=LEARNING_RATE)
-    dense_opt = torch.optim.Adam(mlp.parameters(), lr=LEARNING_RATE)
+    dense_opt = torch.optim.Adam(mlp.parameters(), lr=LEARNING_RATE, fused=True)
     ids = [torch.from_numpy(i).long() for i in data.ids]
     labels = [torch.from_numpy(y) for y in data.labels]
 
@@ -208,6 +208,6 @@ class E2EContender(NamedTuple):
 E2E_CONTENDERS: tuple[E2EContender, ...] = (
     E2EContender("osa_sparse", "optax_sparse_adam: grad of table[ids], IndexedRows(ids, d_rows)", make_osa_fast),
     E2EContender("osa_row_grad", "optax_sparse_adam: value_and_row_grad (ids deduplicated first)", make_osa_row_grad),
-    E2EContender("torch_sparse", "PyTorch nn.Embedding(sparse=True) + SparseAdam + Adam", make_torch),
+    E2EContender("torch_sparse", "PyTorch nn.Embedding(sparse=True) + SparseAdam + Adam(fused=True)", make_torch),
     E2EContender("optax_adam", "optax.adam on dense gradients", make_optax_dense),
 )

@@ -13,8 +13,9 @@ XLA path handles everything else. Their ``m`` and ``nu`` are bitwise those of
 the XLA path, and so is the step.
 
 Environment: ``OPTAX_SPARSE_ADAM_KERNELS=0`` makes the XLA path the default;
-``OPTAX_SPARSE_ADAM_THREADS=n`` (default 1, at most :data:`MAX_THREADS`) sets
-the threads a kernel call may use, taken from XLA's intra-op pool.
+``OPTAX_SPARSE_ADAM_THREADS=n`` (default: the CPUs this process may run on,
+at most :data:`MAX_THREADS`) sets the threads a kernel call may use, taken
+from XLA's intra-op pool. The numbers do not depend on it.
 """
 
 from __future__ import annotations
@@ -50,8 +51,14 @@ _SYMBOLS = {
 _MAX_ROWS = 2**31 - 1  # keys are int32, and the padding key num_rows must be one too
 
 
+def _default_threads() -> int:
+    """The CPUs this process may run on (as XLA sizes its intra-op pool), at most ``MAX_THREADS``."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, MAX_THREADS))
+
+
 def _threads_from_env() -> int:
-    raw = os.environ.get("OPTAX_SPARSE_ADAM_THREADS", "1")
+    raw = os.environ.get("OPTAX_SPARSE_ADAM_THREADS", str(_default_threads()))
     try:
         n = int(raw)
     except ValueError:
@@ -123,7 +130,9 @@ def use_kernels(enabled: bool = True, *, threads: int | None = None) -> Iterator
     Args:
       enabled: Whether to use the kernels on the CPU.
       threads: Threads a kernel call may use (1 to 16, from XLA's intra-op
-        pool); ``None`` keeps the current number.
+        pool; the numbers do not depend on it); ``None`` keeps the current
+        number (at first ``OPTAX_SPARSE_ADAM_THREADS``, or the CPUs this
+        process may run on, at most 16).
 
     Yields:
       Nothing; the choice holds inside the ``with`` block.

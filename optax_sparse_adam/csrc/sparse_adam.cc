@@ -135,7 +135,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
     if (out_keys != nullptr) {
       for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
     }
-    ParallelFor(pool, k, o.threads, [&](int64_t lo, int64_t hi) {
+    ParallelFor(pool, k, std::min<int64_t>(o.threads, k / 32 + 1), [&](int64_t lo, int64_t hi) {
       UniqueRows<kTorch, kMaximize, kApply>(s, keys, shard, values, m, v, out, width, lo, hi);
     });
     return;
@@ -150,7 +150,8 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
   if constexpr (!kApply) {  // padding slots of the step
     std::memset(out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
   }
-  ParallelFor(pool, c.size, o.threads, [&](int64_t lo, int64_t hi) {
+  // A thread is worth its scheduling past a few dozen rows.
+  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
     CoalescedRows<kTorch, kMaximize, kApply>(s, c, shard, values, m, v, out, width, lo, hi);
   });
 }
