@@ -164,9 +164,25 @@ def make_osa_row_grad(model: Model, data: Data) -> Stepper:
     return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), _jax_inputs(data))
 
 
-def make_torch(model: Model, data: Data) -> Stepper:
-    """``nn.Embedding(sparse=True)`` with ``SparseAdam``, and ``Adam(fused=True)`` for the MLP."""
-    emb = torch.nn.Embedding(model.rows, model.width, sparse=True)
+def make_jax_grad_only(model: Model, data: Data) -> Stepper:
+    """The JAX step without the optimizer: gather, forward and backward (the part every JAX contender pays)."""
+    del model
+
+    def step(params: dict[str, Any], state: Any, ids: jax.Array, labels: jax.Array) -> tuple[dict[str, Any], Any]:
+        del state
+        rows = params["table"][ids]
+        return params, jax.grad(_mlp_loss, argnums=(0, 1))(rows, params["mlp"], labels)
+
+    params = _jax_params(data)
+    ids, labels = _jax_inputs(data)[0]
+    state = jax.eval_shape(step, params, None, ids, labels)[1]
+    state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state)
+    return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, state, _jax_inputs(data))
+
+
+def _torch_model(data: Data) -> tuple[torch.nn.Embedding, torch.nn.Sequential]:
+    """The embedding table and the MLP, initialized from ``data``."""
+    emb = torch.nn.Embedding(data.table.shape[0], data.table.shape[1], sparse=True)
     layers: list[torch.nn.Module] = []
     for i, (w, _) in enumerate(data.mlp):
         if i:
@@ -179,6 +195,18 @@ def make_torch(model: Model, data: Data) -> Stepper:
         for linear, (w, b) in zip(linears, data.mlp, strict=True):
             linear.weight.copy_(torch.from_numpy(w.T.copy()))
             linear.bias.copy_(torch.from_numpy(b))
+    return emb, mlp
+
+
+def _torch_loss(emb: torch.nn.Embedding, mlp: torch.nn.Sequential, ids: torch.Tensor, labels: torch.Tensor):
+    logits = mlp(emb(ids).mean(dim=1))[:, 0]
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+def make_torch(model: Model, data: Data) -> Stepper:
+    """``nn.Embedding(sparse=True)`` with ``SparseAdam``, and ``Adam(fused=True)`` for the MLP."""
+    del model
+    emb, mlp = _torch_model(data)
     sparse_opt = torch.optim.SparseAdam(list(emb.parameters()), lr=LEARNING_RATE)
     dense_opt = torch.optim.Adam(mlp.parameters(), lr=LEARNING_RATE, fused=True)
     ids = [torch.from_numpy(i).long() for i in data.ids]
@@ -188,11 +216,26 @@ def make_torch(model: Model, data: Data) -> Stepper:
         k = i % len(ids)
         sparse_opt.zero_grad(set_to_none=True)
         dense_opt.zero_grad(set_to_none=True)
-        logits = mlp(emb(ids[k]).mean(dim=1))[:, 0]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels[k])
-        loss.backward()
+        _torch_loss(emb, mlp, ids[k], labels[k]).backward()
         sparse_opt.step()
         dense_opt.step()
+
+    return run
+
+
+def make_torch_grad_only(model: Model, data: Data) -> Stepper:
+    """The PyTorch step without the optimizers: forward and backward."""
+    del model
+    emb, mlp = _torch_model(data)
+    params = [*emb.parameters(), *mlp.parameters()]
+    ids = [torch.from_numpy(i).long() for i in data.ids]
+    labels = [torch.from_numpy(y) for y in data.labels]
+
+    def run(i: int) -> None:
+        k = i % len(ids)
+        for p in params:
+            p.grad = None
+        _torch_loss(emb, mlp, ids[k], labels[k]).backward()
 
     return run
 
@@ -210,4 +253,6 @@ E2E_CONTENDERS: tuple[E2EContender, ...] = (
     E2EContender("osa_row_grad", "optax_sparse_adam: value_and_row_grad (ids deduplicated first)", make_osa_row_grad),
     E2EContender("torch_sparse", "PyTorch nn.Embedding(sparse=True) + SparseAdam + Adam(fused=True)", make_torch),
     E2EContender("optax_adam", "optax.adam on dense gradients", make_optax_dense),
+    E2EContender("jax_grad_only", "JAX gather + forward + backward, no optimizer step", make_jax_grad_only),
+    E2EContender("torch_grad_only", "PyTorch forward + backward, no optimizer step", make_torch_grad_only),
 )
