@@ -85,8 +85,9 @@ def _sparse_step(params, state, users, items, ratings):
         "items": osa.IndexedRows(items, g_items, NUM_ROWS),
         "mlp": g_mlp,
     }
-    updates, state = sparse.update(grads, state, params)
-    return osa.apply_updates(params, updates), state, loss
+    # tx.update followed by osa.apply_updates, in one pass over each touched row.
+    params, state = osa.update_and_apply(sparse, grads, state, params)
+    return params, state, loss
 
 
 # Donating params and state lets XLA update the tables in place.
