@@ -207,6 +207,23 @@ def test_threads_give_the_same_numbers():
     chex.assert_trees_all_equal(one[1], four_unfused[1])
 
 
+@needs_kernels
+def test_apply_updates_sums_duplicates_in_entry_order_on_any_thread_count():
+    """Rows split over threads by key: each row's duplicates still summed in entry order, as XLA does."""
+    rng = np.random.default_rng(7)
+    k = 8192
+    table = jnp.asarray(rng.standard_normal((NUM_ROWS, WIDTH)), jnp.float32)
+    ids = jnp.asarray(rng.integers(-3, NUM_ROWS + 3, k), jnp.int32)
+    values = jnp.asarray(rng.standard_normal((k, WIDTH)) * 1e3, jnp.float32)
+    g = osa.IndexedRows(ids, values, NUM_ROWS)
+    out = {}
+    for name, enabled, threads in [("xla", False, 1), ("one", True, 1), ("four", True, 4)]:
+        with osa.use_kernels(enabled, threads=threads):
+            out[name] = jax.jit(osa.apply_updates)(table, g)
+    chex.assert_trees_all_equal(out["one"], out["xla"])
+    chex.assert_trees_all_equal(out["four"], out["xla"])
+
+
 @pytest.mark.parametrize("threads", [0, 17, 1.5, True])
 def test_threads_out_of_range_raise(threads):
     with pytest.raises(ValueError, match="threads"), osa.use_kernels(True, threads=threads):
