@@ -34,6 +34,8 @@ class IndexedRows:
         that padding entries hold zeros; it lets the optimizer skip summing
         duplicates. Set it only where the promise holds, as in the gradients
         :meth:`RowLookup.grad` builds; an update keeps its gradient's flag.
+        Where it does not hold, the duplicated rows get unspecified values
+        (as with jax's own ``unique_indices``).
 
     Adding an ``IndexedRows`` to a dense array (``table + rows``) adds its
     values to their rows with one scatter, so :func:`optax.apply_updates`, and
