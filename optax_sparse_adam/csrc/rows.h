@@ -8,6 +8,7 @@
 #include <climits>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -42,6 +43,19 @@ struct Shard {
     return num_rows >= 0 && num_rows <= INT32_MAX && begin >= 0 && local_rows >= 0 && begin + local_rows <= num_rows;
   }
 };
+
+// Floats per row of a table of dimensions `dims` (all but the first).
+inline int64_t RowWidth(xla::ffi::Span<const int64_t> dims) {
+  int64_t width = 1;
+  for (size_t a = 1; a < dims.size(); ++a) width *= dims[a];
+  return width;
+}
+
+// XLA passes the operand's buffer when it may alias the result (it copies
+// beforehand otherwise); stay correct if it ever does not.
+inline void CopyIfNotAliased(float* dst, const float* src, size_t count) {
+  if (dst != src && count > 0) std::memcpy(dst, src, sizeof(float) * count);
+}
 
 inline void PrefetchRow(const float* row, int64_t width) {
   for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(row + j, 1, 3);

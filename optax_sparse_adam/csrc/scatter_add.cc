@@ -4,7 +4,6 @@
 // so the sums are bitwise the same); keys outside [0, num_rows) are padding,
 // and only the rows [row_begin, row_begin + table rows) are held (a row shard).
 #include <cstdint>
-#include <cstring>
 
 #include "rows.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,14 +34,12 @@ ffi::Error ScatterAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi
   if (dims.size() < 1) return ffi::Error::InvalidArgument("the table must have at least one dimension");
   const Shard shard{num_rows, *row_begin.typed_data(), dims[0]};
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
-  int64_t width = 1;
-  for (size_t a = 1; a < dims.size(); ++a) width *= dims[a];
+  const int64_t width = RowWidth(dims);
   const auto k = static_cast<int64_t>(keys.element_count());
   if (static_cast<int64_t>(values.element_count()) != k * width)
     return ffi::Error::InvalidArgument("values must have one row per key");
   float* out = table_out->typed_data();
-  if (out != table.typed_data() && table.element_count() > 0)
-    std::memcpy(out, table.typed_data(), sizeof(float) * table.element_count());
+  CopyIfNotAliased(out, table.typed_data(), table.element_count());
   const int32_t* key = keys.typed_data();
   ForEachKeyPart(pool, key, k, shard, threads, [&](const int32_t* entries, int64_t count) {
     AddRows(entries, count, key, shard, values.typed_data(), out, width);

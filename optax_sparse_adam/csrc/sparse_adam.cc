@@ -162,8 +162,7 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t n
   if (table.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
   shard.local_rows = table[0];
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
-  width = 1;
-  for (size_t a = 1; a < table.size(); ++a) width *= table[a];
+  width = RowWidth(table);
   if (mu_count != nu_count || static_cast<int64_t>(mu_count) != shard.local_rows * width)
     return ffi::Error::InvalidArgument("mu and nu must have the parameter's shape");
   if (static_cast<int64_t>(values_count) != k * width)
@@ -171,12 +170,6 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t n
   if (static_cast<int64_t>(scalars_count) != kNumScalars)
     return ffi::Error::InvalidArgument("scalars must hold 10 values");
   return ffi::Error::Success();
-}
-
-void CopyIfNotAliased(float* dst, const float* src, size_t count) {
-  // XLA passes the operand's buffer when it may alias the result (it copies
-  // beforehand otherwise); stay correct if it ever does not.
-  if (dst != src && count > 0) std::memcpy(dst, src, sizeof(float) * count);
 }
 
 template <bool kApply>

@@ -5,7 +5,6 @@
 // coalescing, no Adam arithmetic. A step cannot cost less than this. It
 // splits rows over threads as the step kernels do.
 #include <cstdint>
-#include <cstring>
 
 #include "rows.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,8 +45,7 @@ ffi::Error TouchImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   auto dims = p.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
   const int64_t num_rows = dims[0];
-  int64_t width = 1;
-  for (size_t a = 1; a < dims.size(); ++a) width *= dims[a];
+  const int64_t width = RowWidth(dims);
   const auto k = static_cast<int64_t>(keys.element_count());
   if (mu.element_count() != p.element_count() || nu.element_count() != p.element_count())
     return ffi::Error::InvalidArgument("p, mu and nu must have one shape");
@@ -55,9 +53,7 @@ ffi::Error TouchImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
     return ffi::Error::InvalidArgument("values must have one row per key");
   float* outs[3] = {p_out->typed_data(), mu_out->typed_data(), nu_out->typed_data()};
   const float* ins[3] = {p.typed_data(), mu.typed_data(), nu.typed_data()};
-  for (int t = 0; t < 3; ++t) {
-    if (outs[t] != ins[t] && p.element_count() > 0) std::memcpy(outs[t], ins[t], sizeof(float) * p.element_count());
-  }
+  for (int t = 0; t < 3; ++t) CopyIfNotAliased(outs[t], ins[t], p.element_count());
   const int32_t* key = keys.typed_data();
   ForEachKeyPart(pool, key, k, Shard{num_rows, 0, num_rows}, threads, [&](const int32_t* entries, int64_t count) {
     TouchRows(entries, count, key, values.typed_data(), outs[0], outs[1], outs[2], width);
