@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _keys
+from optax_sparse_adam import _sparse_leaf
 
 ROWS, DIM, IDS, STEPS = 1_000_000, 64, 8192, 200
 
@@ -24,20 +24,20 @@ def make_step(known: bool):
     tx = osa.sparse_adam(1e-3)
 
     def step(params, state, ids, rows):
-        to_leaf = _keys.SparseLeaf.to_leaf
+        to_leaf = _sparse_leaf.SparseLeaf.to_leaf
         if not known:  # at trace time only: every emitted leaf loses its record
 
             def without_record(leaf):
                 out = to_leaf(leaf)
-                object.__delattr__(out, _keys._KNOWN_ATTR)
+                object.__delattr__(out, _sparse_leaf._KNOWN_ATTR)
                 return out
 
-            _keys.SparseLeaf.to_leaf = without_record
+            _sparse_leaf.SparseLeaf.to_leaf = without_record
         try:
             updates, state = tx.update({"t": osa.IndexedRows(ids, rows, ROWS)}, state, params)
             return osa.apply_updates(params, updates), state
         finally:
-            _keys.SparseLeaf.to_leaf = to_leaf
+            _sparse_leaf.SparseLeaf.to_leaf = to_leaf
 
     return tx, jax.jit(step, donate_argnums=(0, 1))
 

@@ -2,13 +2,16 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from optax_sparse_adam._adam import scale_by_sparse_adam, sparse_adam
 from optax_sparse_adam._adamw import LazyWeightDecayState, lazy_decoupled_weight_decay, sparse_adamw
 from optax_sparse_adam._amsgrad import scale_by_sparse_amsgrad, sparse_amsgrad
 from optax_sparse_adam._apply import apply_updates
-from optax_sparse_adam._fast_path import RowLookup, lookup, value_and_row_grad
 from optax_sparse_adam._fused import update_and_apply
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
-from optax_sparse_adam._native import kernel_path, use_kernels
+from optax_sparse_adam._kernel_path import kernel_path, use_kernels
+from optax_sparse_adam._routing import RoutingInfo, all_gather_rows
+from optax_sparse_adam._row_grad import RowLookup, lookup, value_and_row_grad
+from optax_sparse_adam._row_sharding import RowSharding
 from optax_sparse_adam._rowwise import (
     ScaleByRowwiseAdagradState,
     ScaleByRowwiseAdamState,
@@ -17,10 +20,8 @@ from optax_sparse_adam._rowwise import (
     sparse_rowwise_adagrad,
     sparse_rowwise_adam,
 )
-from optax_sparse_adam._sharding import RoutingInfo, RowSharding, all_gather_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._stochastic_rounding import apply_updates_stochastic, stochastic_round
-from optax_sparse_adam._transform import scale_by_sparse_adam, sparse_adam
 
 try:
     __version__ = version("optax_sparse_adam")

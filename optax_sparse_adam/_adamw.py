@@ -8,17 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._row_rules import (
-    apply_rule,
-    broadcast_rows,
-    check_hparam,
-    check_state,
-    map_rule,
-    mask_tree,
-    row_shape,
-)
+from optax_sparse_adam._adam import EpsPlacement, scale_by_sparse_adam
+from optax_sparse_adam._checks import check_bool, check_hparam, check_state, mask_tree
+from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape
 from optax_sparse_adam._sparse_aware import sparse_aware
-from optax_sparse_adam._transform import EpsPlacement, scale_by_sparse_adam
+from optax_sparse_adam._tree import broadcast_rows
 
 __all__ = ["LazyWeightDecayState", "lazy_decoupled_weight_decay", "sparse_adamw"]
 
@@ -198,8 +192,7 @@ def sparse_adamw(
     """
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
-    if not isinstance(catch_up, bool):
-        raise TypeError(f"Invalid catch_up: {catch_up!r}; it must be a bool")
+    catch_up = check_bool("catch_up", catch_up)
     adam = scale_by_sparse_adam(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, maximize=maximize, eps_placement=eps_placement
     )

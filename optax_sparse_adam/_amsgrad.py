@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._row_rules import apply_rule, check_dtype, check_hparam, check_state, map_rule
+from optax_sparse_adam._checks import check_dtype, check_hparam, check_state
+from optax_sparse_adam._row_engine import apply_rule, map_rule
 from optax_sparse_adam._sparse_aware import sparse_aware
 
 __all__ = ["scale_by_sparse_amsgrad", "sparse_amsgrad"]

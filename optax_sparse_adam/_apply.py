@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam import _native
+from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._keys import SparseLeaf, to_sparse_leaf
+from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._tree import map_leaves, param_error
 
 __all__ = ["apply_updates"]
@@ -35,9 +35,9 @@ def _apply_leaf(path: Any, u: Any, p: Any) -> tuple[Any]:
 
 def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
     """``p`` plus a sparse leaf: the native scatter-add on the CPU where it applies, else XLA's."""
-    if not _native.supports(p.shape, leaf.n_sparse, p, leaf.values):
+    if not _kernel_path.supports(p.shape, leaf.n_sparse, p, leaf.values):
         return leaf.add_to(p)
-    return _native.select(lambda: _native.scatter_add(p, leaf.keys[:, 0], leaf.values), lambda: leaf.add_to(p))
+    return _kernel_path.select(lambda: _ffi.scatter_add(p, leaf.keys[:, 0], leaf.values), lambda: leaf.add_to(p))
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:

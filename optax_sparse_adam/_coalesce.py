@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from optax_sparse_adam._keys import SparseLeaf, padding_key
+from optax_sparse_adam._sparse_leaf import SparseLeaf, padding_key
 
 
 def _mix(x: jax.Array) -> jax.Array:
@@ -85,7 +85,7 @@ def coalesce(leaf: SparseLeaf) -> SparseLeaf:
 
     The capacity ``k`` is kept, so shapes stay fixed under ``jit``: the
     distinct keys fill the first slots and padding with zero values the rest,
-    which lets :func:`~optax_sparse_adam._keys.for_each_chunk` stop after the
+    which lets :func:`~optax_sparse_adam._sparse_leaf.for_each_chunk` stop after the
     last distinct key. Entries whose duplicates sum to zero stay (they are
     touched). A leaf already known to be distinct is returned as it is.
     """

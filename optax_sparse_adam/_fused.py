@@ -2,40 +2,19 @@
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import optax
 
-from optax_sparse_adam import _native
+from optax_sparse_adam import _ffi, _kernel_path
+from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._keys import SparseLeaf, to_sparse_leaf
+from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._tree import is_leaf
 
 __all__ = ["update_and_apply"]
-
-
-class FusedSpec(NamedTuple):
-    """What :func:`update_and_apply` needs to know of a :func:`~optax_sparse_adam.sparse_adam` to fuse it."""
-
-    learning_rate: optax.ScalarOrSchedule
-    b1: Any
-    b2: Any
-    eps: Any
-    eps_root: Any
-    maximize: bool
-    eps_placement: str
-
-
-# The update functions of the optimizers sparse_adam built, and their hyperparameters.
-_SPECS: weakref.WeakKeyDictionary[Any, FusedSpec] = weakref.WeakKeyDictionary()
-
-
-def register(tx: optax.GradientTransformation, spec: FusedSpec) -> None:
-    """Marks ``tx`` (as :func:`~optax_sparse_adam.sparse_adam` returns it) as one :func:`update_and_apply` can fuse."""
-    _SPECS[tx.update] = spec
 
 
 def update_and_apply(
@@ -89,9 +68,9 @@ def update_and_apply(
              [0.9, 0.9],
              [1. , 1. ]], dtype=float32)
     """
-    spec = _SPECS.get(tx.update)
-    fused = _fusable_leaves(grads, state, params) if spec is not None and _native.enabled() else {}
-    if spec is None or not fused:
+    fusion = getattr(tx.update, "fusion", None)
+    fused = _fusable_leaves(grads, state, params) if isinstance(fusion, AdamFusion) and _kernel_path.enabled() else {}
+    if fusion is None or not fused:
         updates, state = tx.update(grads, state, params)
         return apply_updates(params, updates), state
 
@@ -101,27 +80,19 @@ def update_and_apply(
     updates, new_state = tx.update(rest, state, params)
     new_params = apply_updates(params, updates)
 
-    count = new_state[0].count
-    bc1 = 1 - spec.b1**count  # the expressions of scale_by_sparse_adam and scale_by_learning_rate
-    bc2 = 1 - spec.b2**count
-    lr = spec.learning_rate(state[1].count) if callable(spec.learning_rate) else spec.learning_rate
-    scalars = _native.adam_scalars(spec.b1, spec.b2, spec.eps, spec.eps_root, bc1, bc2, -1 * lr)
+    adam = _adam_state(state)
+    lr = fusion.learning_rate
+    if callable(lr):
+        lr = lr(optax.tree.get(state, "ScaleByScheduleState").count)
+    scalars = kernel_scalars(fusion.hp, _adam_state(new_state).count, -1 * lr)
     p_leaves = treedef.flatten_up_to(params)
-    m_leaves = treedef.flatten_up_to(state[0].mu)
-    v_leaves = treedef.flatten_up_to(state[0].nu)
+    m_leaves = treedef.flatten_up_to(adam.mu)
+    v_leaves = treedef.flatten_up_to(adam.nu)
 
     def native() -> list[tuple[jax.Array, ...]]:
         return [
-            _native.sparse_adam_apply(
-                p_leaves[i],
-                m_leaves[i],
-                v_leaves[i],
-                sp.keys[:, 0],
-                sp.values,
-                scalars,
-                torch_eps=spec.eps_placement == "torch",
-                maximize=spec.maximize,
-                unique=sp.distinct,
+            _ffi.sparse_adam_apply(
+                p_leaves[i], m_leaves[i], v_leaves[i], sp.keys[:, 0], sp.values, scalars, **kernel_flags(fusion.hp, sp)
             )
             for i, sp in fused.items()
         ]
@@ -130,17 +101,22 @@ def update_and_apply(
         only = treedef.unflatten([g if i in fused else None for i, (_, g) in enumerate(grad_leaves)])
         updates, s = tx.update(only, state, params)
         p = treedef.flatten_up_to(apply_updates(params, updates))
-        m, v = treedef.flatten_up_to(s[0].mu), treedef.flatten_up_to(s[0].nu)
+        m, v = treedef.flatten_up_to(_adam_state(s).mu), treedef.flatten_up_to(_adam_state(s).nu)
         return [(p[i], m[i], v[i]) for i in fused]
 
-    results = dict(zip(fused, _native.select(native, xla), strict=True))
+    results = dict(zip(fused, _kernel_path.select(native, xla), strict=True))
     out_p = treedef.flatten_up_to(new_params)
-    out_m = treedef.flatten_up_to(new_state[0].mu)
-    out_v = treedef.flatten_up_to(new_state[0].nu)
+    out_m = treedef.flatten_up_to(_adam_state(new_state).mu)
+    out_v = treedef.flatten_up_to(_adam_state(new_state).nu)
     for i, (p, m, v) in results.items():
         out_p[i], out_m[i], out_v[i] = p, m, v
-    adam_state = new_state[0]._replace(mu=treedef.unflatten(out_m), nu=treedef.unflatten(out_v))
-    return treedef.unflatten(out_p), (adam_state, *new_state[1:])
+    new_state = optax.tree.set(new_state, mu=treedef.unflatten(out_m), nu=treedef.unflatten(out_v))
+    return treedef.unflatten(out_p), new_state
+
+
+def _adam_state(state: Any) -> optax.ScaleByAdamState:
+    """The :class:`optax.ScaleByAdamState` in a :func:`sparse_adam` chain's state, found by name."""
+    return optax.tree.get(state, "ScaleByAdamState")
 
 
 def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
@@ -156,9 +132,9 @@ def _fusable_leaves(grads: Any, state: Any, params: Any) -> dict[int, SparseLeaf
     grad_leaves, treedef = _flatten(grads)
     try:
         p_leaves = treedef.flatten_up_to(params)
-        m_leaves = treedef.flatten_up_to(state[0].mu)
-        v_leaves = treedef.flatten_up_to(state[0].nu)
-    except (ValueError, TypeError, AttributeError, IndexError):
+        m_leaves = treedef.flatten_up_to(_adam_state(state).mu)
+        v_leaves = treedef.flatten_up_to(_adam_state(state).nu)
+    except (ValueError, TypeError, AttributeError, IndexError, KeyError):
         return {}
     fused = {}
     for i, ((path, g), p, m, v) in enumerate(zip(grad_leaves, p_leaves, m_leaves, v_leaves, strict=True)):
@@ -167,6 +143,6 @@ def _fusable_leaves(grads: Any, state: Any, params: Any) -> dict[int, SparseLeaf
         if not p.shape == m.shape == v.shape:
             continue
         sp = to_sparse_leaf(g, p.shape, path, "scale_by_sparse_adam")
-        if _native.supports(p.shape, sp.n_sparse, p, m, v, sp.values):
+        if _kernel_path.supports(p.shape, sp.n_sparse, p, m, v, sp.values):
             fused[i] = sp
     return fused

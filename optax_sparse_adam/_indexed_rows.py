@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
-from optax_sparse_adam._explicit_sharding import replicate
+from optax_sparse_adam._row_ops import replicate, scatter_rows
 
 __all__ = ["IndexedRows", "is_sparse"]
 
@@ -91,7 +91,7 @@ class IndexedRows:
     def todense(self) -> jax.Array:
         """The dense equivalent: duplicates summed, padding dropped."""
         rows = normalise_keys(jnp.asarray(self.indices)[:, None], (self.num_rows,))[:, 0]
-        return jnp.zeros(self.shape, self.values.dtype).at[replicate(rows)].add(replicate(self.values), mode="drop")
+        return scatter_rows(jnp.zeros(self.shape, self.values.dtype), replicate(rows), replicate(self.values), "add")
 
 
 jax.tree_util.register_dataclass(

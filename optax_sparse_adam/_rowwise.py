@@ -18,18 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._row_rules import (
-    apply_rule,
-    broadcast_rows,
-    check_dtype,
-    check_hparam,
-    check_state,
-    map_rule,
-    param_error,
-    row_mean_square,
-    row_shape,
-)
+from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_state
+from optax_sparse_adam._row_engine import apply_rule, map_rule, row_mean_square, row_shape
 from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._tree import broadcast_rows, param_error
 
 __all__ = [
     "ScaleByRowwiseAdagradState",
@@ -135,8 +127,7 @@ def scale_by_rowwise_adam(
     check_hparam("eps", eps, lower=0.0, lower_open=True)
     check_hparam("eps_root", eps_root, lower=0.0, lower_open=False)
     mu_dtype = check_dtype(mu_dtype, "mu_dtype")
-    if not isinstance(per_row_bias_correction, bool):
-        raise TypeError(f"Invalid per_row_bias_correction: {per_row_bias_correction!r}; it must be a bool")
+    per_row_bias_correction = check_bool("per_row_bias_correction", per_row_bias_correction)
     where = "scale_by_rowwise_adam"
 
     def init_fn(params: optax.Params) -> ScaleByRowwiseAdamState:

@@ -8,9 +8,9 @@ import jax
 import optax
 
 from optax_sparse_adam._coalesce import coalesce as coalesce_leaf
-from optax_sparse_adam._explicit_sharding import take_rows
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._keys import SparseLeaf, to_sparse_leaf
+from optax_sparse_adam._row_ops import take_rows
+from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._tree import is_leaf, map_leaves, path_str
 
 __all__ = ["sparse_aware"]

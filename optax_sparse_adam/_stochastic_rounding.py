@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._apply import apply_updates
+from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._row_rules import coalesced_rows, map_leaves, param_error
+from optax_sparse_adam._row_ops import scatter_rows, take_rows
+from optax_sparse_adam._sparse_leaf import to_sparse_leaf
+from optax_sparse_adam._tree import map_leaves, param_error
 
 __all__ = ["apply_updates_stochastic", "stochastic_round"]
 
@@ -110,9 +113,10 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
                 )
             x = p.astype(jnp.float32) + u.astype(jnp.float32)
             return (stochastic_round(x, p.dtype, k),)
-        idx, values = coalesced_rows(u, p.shape, path, _WHERE)
-        x = p.at[idx].get(mode="fill", fill_value=0).astype(jnp.float32) + values.astype(jnp.float32)
-        return (p.at[idx].set(stochastic_round(x, p.dtype, k), mode="drop", unique_indices=True),)
+        leaf = coalesce(to_sparse_leaf(u, p.shape, path, _WHERE))  # padding: zero values, dropped keys
+        idx = leaf.row_index()
+        x = take_rows(p, idx).astype(jnp.float32) + leaf.values.astype(jnp.float32)
+        return (scatter_rows(p, idx, stochastic_round(x, p.dtype, k), "set", unique=True),)
 
     (new,) = map_leaves(
         leaf, updates, [(params, "parameters"), (index, "parameters")], where=_WHERE, tree_name="updates", n_out=1

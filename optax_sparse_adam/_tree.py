@@ -124,29 +124,3 @@ def map_leaves(
 def broadcast_rows(mask: jax.Array, ndim: int) -> jax.Array:
     """A per-row mask of shape ``(k,)`` reshaped to broadcast against ``(k, ...)`` with ``ndim`` axes."""
     return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
-
-
-def check_state(state: Any, cls: type, where: str) -> None:
-    if not isinstance(state, cls):
-        raise TypeError(
-            f"{where}: the optimizer state is a {type(state).__name__}, not the {cls.__name__} this "
-            "transformation's init builds; pass the state that `tx.init(params)` returned for this `tx`"
-        )
-
-
-def mask_tree(mask: Any, params: Any, name: str, where: str) -> Any:
-    """``mask`` (a bool, a tree of bools that is a prefix of ``params``, or a function of ``params``) per leaf."""
-    flags = mask(params) if callable(mask) else mask
-    try:
-        tree = jax.tree.map(
-            lambda flag, sub: jax.tree.map(lambda _: flag, sub, is_leaf=is_leaf), flags, params, is_leaf=is_leaf
-        )
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{where}: {name} must be a bool, or a tree of bools that is a prefix of the parameters (or a "
-            f"function returning one), but its structure does not fit the parameters: {e}"
-        ) from None
-    for path, flag in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
-        if not isinstance(flag, bool | np.bool_):
-            raise param_error(TypeError, where, path, f"{name} must give a Python bool per leaf, got {flag!r}")
-    return tree

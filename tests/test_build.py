@@ -12,8 +12,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import optax_sparse_adam as osa
+
+pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -21,6 +24,7 @@ STEP = """
 import json, sys
 import jax.numpy as jnp
 import optax_sparse_adam as osa
+
 tx = osa.sparse_adam(0.1)
 p = jnp.ones((6, 2), jnp.float32)
 g = osa.IndexedRows(jnp.array([1, 1, 4, -1], jnp.int32), jnp.arange(8, dtype=jnp.float32).reshape(4, 2), 6)

@@ -8,6 +8,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
 

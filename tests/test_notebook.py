@@ -16,9 +16,12 @@ import sys
 import tempfile
 
 import nbformat
+import pytest
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOK = NOTEBOOKS / "train_embeddings.ipynb"
@@ -46,6 +49,7 @@ NAMES = ("optax.adam", "sparse_adam, dense path", "sparse_adam, fast path")
 
 WORD_REPORT = """\
 import json
+
 print(json.dumps({
     "small": SMALL, "steps": STEPS, "batch": BATCH, "negatives": NEGATIVES, "vocab": VOCAB, "eval_steps": eval_steps,
     "fused": hasattr(osa, "update_and_apply"), "queries": QUERIES, "probes": probes,

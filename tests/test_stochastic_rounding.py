@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
+from tests.helpers import assert_trees_equal
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -46,7 +46,7 @@ def test_deterministic_given_the_key_and_lazy_on_sparse_updates():
     a = jax.jit(osa.apply_updates_stochastic)(p, u, jax.random.key(3))
     b = osa.apply_updates_stochastic(p, u, jax.random.key(3))
     c = osa.apply_updates_stochastic(p, u, jax.random.key(4))
-    chex.assert_trees_all_equal(a, b)
+    assert_trees_equal(a, b)
     assert not np.array_equal(np.asarray(a["emb"], np.float32), np.asarray(c["emb"], np.float32))
     emb = np.asarray(a["emb"], np.float32)
     assert emb.dtype == np.float32 and a["emb"].dtype == jnp.bfloat16

@@ -1,4 +1,5 @@
-"""Parity with the real ``torch.optim.SparseAdam`` (``eps_placement="torch"``)."""
+"""Parity with the real torch optimizers: ``torch.optim.SparseAdam`` (``eps_placement="torch"``), and ``Adagrad`` for
+the row-wise Adagrad on width-1 tables."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from jax.experimental import sparse as jsparse
 
 import optax_sparse_adam as osa
 
-pytestmark = pytest.mark.usefixtures("kernel_path")  # every test on both paths
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("kernel_path")]  # every test on both paths
 
 torch.set_num_threads(1)
 
@@ -108,3 +109,26 @@ def test_eps_placement_differs_measurably_when_v_is_small():
         topt.step()
     np.testing.assert_allclose(results["torch"], tp.detach().numpy(), rtol=RTOL)
     assert np.max(np.abs(results["optax"] - results["torch"])) > 1e-3
+
+
+def test_rowwise_adagrad_equals_torch_adagrad_on_width_1_tables():
+    """Width 1: a row's mean square is its square, so the rule is Adagrad's; a zero gradient moves nothing."""
+    rng = np.random.default_rng(1)
+    n = 9
+    init = rng.standard_normal((n, 1)).astype(np.float32)
+    t_param = torch.nn.Parameter(torch.tensor(init))
+    t_opt = torch.optim.Adagrad([t_param], lr=0.05, eps=1e-10)
+    tx = osa.sparse_rowwise_adagrad(0.05)
+    p = jnp.asarray(init)
+    s = tx.init(p)
+    for _ in range(8):
+        k = int(rng.integers(1, 7))
+        idx = np.concatenate([rng.integers(0, n, size=k), [-1]]).astype(np.int32)
+        vals = rng.standard_normal((k + 1, 1)).astype(np.float32)
+        g = osa.IndexedRows(jnp.asarray(idx), jnp.asarray(vals), n)
+        u, s = tx.update(g, s, p)
+        p = osa.apply_updates(p, u)
+        t_opt.zero_grad()
+        t_param.grad = torch.tensor(np.asarray(g.todense()))
+        t_opt.step()
+    np.testing.assert_allclose(p, t_param.detach().numpy(), rtol=1e-5, atol=1e-7)

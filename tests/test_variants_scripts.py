@@ -8,6 +8,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

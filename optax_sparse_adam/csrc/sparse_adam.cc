@@ -34,7 +34,7 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-// Order of the scalars operand, as _native.py stacks it.
+// Order of the scalars operand, as _adam.kernel_scalars stacks it.
 struct Scalars {
   float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, bc1, bc2, torch_scale, neg_lr;
 };

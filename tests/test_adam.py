@@ -1,21 +1,24 @@
-"""The lazy rule against a NumPy reference, and its behaviour under jit."""
+"""``sparse_adam``: the lazy rule against a NumPy loop, ``optax.adam`` where every row is touched, and what optax
+checks of its own optimizers (extra arguments, one compile, ``inject_hyperparams``, schedules, ``MultiSteps``, dtypes).
+"""
 
 from __future__ import annotations
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import sparse as jsparse
-from reference import LazyAdamReference
 
 import optax_sparse_adam as osa
+from tests.helpers import assert_trees_equal, jit_once
+from tests.reference import LazyAdamReference
 
 
 @st.composite
@@ -135,22 +138,19 @@ def test_count_advances_on_empty_and_all_padding_steps_and_none_skips():
         u, s = tx.update({"a": g, "b": None}, s, params)
         assert u["b"] is None
         new = osa.apply_updates(params, u)
-        jax.tree.map(np.testing.assert_array_equal, new, params)
+        assert_trees_equal(new, params)
     assert int(s[0].count) == 2
     np.testing.assert_array_equal(s[0].mu["b"], 0.0)
 
 
-def test_jit_and_eager_agree_and_one_trace_over_varying_distinct_counts():
-    traces = 0
+def test_jit_and_eager_agree_and_one_compile_over_varying_distinct_counts():
     tx = osa.sparse_adam(0.05)
 
     def step(params, state, idx, vals):
-        nonlocal traces
-        traces += 1
         u, state = tx.update({"emb": osa.IndexedRows(idx, vals, 50)}, state, params)
         return osa.apply_updates(params, u), state
 
-    jitted = jax.jit(step, donate_argnums=(0, 1))
+    jitted = jit_once(step, donate_argnums=(0, 1))
     rng = np.random.default_rng(0)
     p_e = {"emb": jnp.asarray(rng.standard_normal((50, 4)), jnp.float32)}
     p_j = jax.tree.map(jnp.copy, p_e)  # the jitted step donates its inputs
@@ -163,8 +163,7 @@ def test_jit_and_eager_agree_and_one_trace_over_varying_distinct_counts():
         vals = rng.standard_normal((16, 4)).astype(np.float32)
         p_e, s_e = step(p_e, s_e, jnp.asarray(idx), jnp.asarray(vals))
         p_j, s_j = jitted(p_j, s_j, jnp.asarray(idx), jnp.asarray(vals))
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), (p_j, s_j), (p_e, s_e))
-    assert traces == 5 + 1  # every eager call traces; the jitted step traced once
+        assert_trees_equal((p_j, s_j), (p_e, s_e), rtol=1e-5, atol=1e-6)
 
 
 def _varied_grads(step: int) -> dict:
@@ -198,7 +197,7 @@ def test_extra_args_are_accepted_and_inject_hyperparams_matches():
     injected = _train(optax.inject_hyperparams(osa.sparse_adam)(learning_rate=0.1, b1=0.8, b2=0.95))
     # Injected hyperparameters are float32 arrays rather than Python floats, so 1 - b2**t rounds
     # differently (optax.adam behaves the same way): equal up to float32 rounding.
-    chex.assert_trees_all_close(plain, injected, rtol=1e-5, atol=1e-6)
+    assert_trees_equal(plain, injected, rtol=1e-5, atol=1e-6)
     other = _train(optax.inject_hyperparams(osa.sparse_adam)(learning_rate=0.1, b1=0.5, b2=0.95))
     assert not np.allclose(other["emb"], plain["emb"], rtol=1e-3)
     other = _train(optax.inject_hyperparams(osa.sparse_adam)(learning_rate=0.1, b1=0.8, b2=0.5))
@@ -206,7 +205,7 @@ def test_extra_args_are_accepted_and_inject_hyperparams_matches():
 
 
 def test_schedule_equals_constant_and_multisteps_dense():
-    chex.assert_trees_all_equal(
+    assert_trees_equal(
         _train(osa.sparse_adam(0.1), dense=True), _train(osa.sparse_adam(optax.constant_schedule(0.1)), dense=True)
     )
     # MultiSteps averages k varied mini-batch gradients and steps once per k: equal to optax.adam's MultiSteps,
@@ -215,7 +214,7 @@ def test_schedule_equals_constant_and_multisteps_dense():
         _train(optax.MultiSteps(tx, every_k_schedule=3), steps=6, dense=True)
         for tx in (osa.sparse_adam(0.1), optax.adam(0.1))
     ]
-    chex.assert_trees_all_equal(*runs)
+    assert_trees_equal(*runs)
     assert not np.array_equal(runs[0]["emb"], _tables()["emb"])
 
 
@@ -229,7 +228,7 @@ def test_lazy_dense_mask_as_tree_and_callable():
         u, s = tx.update(grad, tx.init(params), params)
         outs.append((osa.apply_updates(params, u), s[0]))
         np.testing.assert_array_equal(s[0].mu["emb"][3:], 0.0)
-    jax.tree.map(np.testing.assert_array_equal, *outs)
+    assert_trees_equal(*outs)
     dense = osa.sparse_adam(0.1)
     _, s = dense.update(grad, dense.init(params), params)
     assert np.all(np.asarray(s[0].nu["emb"][2]) > 0)
@@ -256,7 +255,7 @@ def test_sharded_table_matches_unsharded():
     p_sh, s_sh = step(sharded, tx.init(sharded))
     assert s_sh[0].mu.sharding.is_equivalent_to(rows, 2)
     np.testing.assert_array_equal(p_sh, p_ref)
-    jax.tree.map(np.testing.assert_array_equal, s_sh, s_ref)
+    assert_trees_equal(s_sh, s_ref)
     assert p_sh.sharding.is_equivalent_to(rows, 2)
 
 
@@ -287,3 +286,162 @@ def test_large_capacity_in_chunks_matches_reference(unique):
     np.testing.assert_allclose(params, ref.p, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(state[0].mu, ref.m, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(state[0].nu, ref.v, rtol=2e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- equal to optax.adam, on both kernel paths
+
+TOL = 1e-6
+ROWS, WIDTH = 16, 3
+
+
+def _all_rows_indexed(g: np.ndarray, rng: np.random.Generator) -> osa.IndexedRows:
+    """Every row, shuffled, each split into two duplicate entries that sum to ``g``, plus padding."""
+    n = g.shape[0]
+    perm = rng.permutation(n)
+    part = rng.standard_normal(g.shape).astype(np.float32)
+    idx = np.concatenate([perm, perm, [-1, n]]).astype(np.int32)
+    vals = np.concatenate([part[perm], (g - part)[perm], np.ones((2, *g.shape[1:]), np.float32)])
+    return osa.IndexedRows(jnp.asarray(idx), jnp.asarray(vals), n)
+
+
+def _all_entries_bcoo(g: np.ndarray, n_sparse: int) -> jsparse.BCOO:
+    return jsparse.BCOO.fromdense(jnp.asarray(g), n_dense=g.ndim - n_sparse, nse=int(np.prod(g.shape[:n_sparse])))
+
+
+def _run_every_step(tx, make_grad, steps=6, seed=0):
+    rng, grad_rng = np.random.default_rng(seed), np.random.default_rng(seed + 1)
+    params = {"emb": jnp.asarray(rng.standard_normal((ROWS, WIDTH)), jnp.float32), "w": jnp.ones((WIDTH,), jnp.float32)}
+    state = tx.init(params)
+    for _ in range(steps):
+        g = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+        g = {k: np.where(np.abs(x) < 1e-3, 1e-3, x).astype(np.float32) for k, x in g.items()}  # no exact zeros
+        updates, state = jax.jit(tx.update)(make_grad(g, grad_rng), state, params)
+        params = osa.apply_updates(params, updates)
+    return params, state
+
+
+@pytest.mark.usefixtures("kernel_path")
+@pytest.mark.parametrize(
+    ("name", "tx_kwargs", "make_grad"),
+    [
+        ("dense", {}, lambda g, rng: {k: jnp.asarray(v) for k, v in g.items()}),
+        ("lazy_dense", {"lazy_dense": True}, lambda g, rng: {k: jnp.asarray(v) for k, v in g.items()}),
+        ("indexed_rows", {}, lambda g, rng: {"emb": _all_rows_indexed(g["emb"], rng), "w": jnp.asarray(g["w"])}),
+        ("bcoo_rows", {}, lambda g, rng: {"emb": _all_entries_bcoo(g["emb"], 1), "w": jnp.asarray(g["w"])}),
+        ("bcoo_elements", {}, lambda g, rng: {"emb": _all_entries_bcoo(g["emb"], 2), "w": jnp.asarray(g["w"])}),
+        (
+            "mixed",
+            {"lazy_dense": {"emb": False, "w": True}},
+            lambda g, rng: {"emb": _all_rows_indexed(g["emb"], rng), "w": jnp.asarray(g["w"])},
+        ),
+    ],
+)
+def test_equals_optax_adam_when_every_row_is_touched(name, tx_kwargs, make_grad):
+    ref_params, ref_state = _run_every_step(optax.adam(0.01), lambda g, rng: {k: jnp.asarray(v) for k, v in g.items()})
+    params, state = _run_every_step(osa.sparse_adam(0.01, **tx_kwargs), make_grad)
+    assert_trees_equal(
+        (params, state[0].mu, state[0].nu), (ref_params, ref_state[0].mu, ref_state[0].nu), rtol=TOL, atol=TOL
+    )
+    assert state[0].count == ref_state[0].count
+
+
+@pytest.mark.usefixtures("kernel_path")
+def test_dense_default_is_bitwise_optax_adam():
+    """The default dense path runs optax's own arithmetic, so it is identical, not just close."""
+    ref_params, ref_state = _run_every_step(optax.adam(0.01), lambda g, rng: {k: jnp.asarray(v) for k, v in g.items()})
+    params, state = _run_every_step(osa.sparse_adam(0.01), lambda g, rng: {k: jnp.asarray(v) for k, v in g.items()})
+    assert_trees_equal((params, state[0]), (ref_params, ref_state[0]))
+
+
+@pytest.mark.usefixtures("kernel_path")
+def test_state_is_optax_adam_state_and_tree_get_works():
+    params = {"emb": jnp.zeros((ROWS, WIDTH), jnp.float32)}
+    state = osa.sparse_adam(0.1).init(params)
+    ref = optax.adam(0.1).init(params)
+    assert isinstance(state[0], optax.ScaleByAdamState)
+    assert jax.tree.structure(state[0]) == jax.tree.structure(ref[0])
+    mu = optax.tree.get(state, "mu")
+    assert mu["emb"].shape == (ROWS, WIDTH)
+
+
+@pytest.mark.usefixtures("kernel_path")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("mu_dtype", [None, jnp.float32])
+def test_dense_dtypes_match_optax(dtype, mu_dtype):
+    """Moments in optax's dtypes; values equal to optax's in the gradient's dtype, over several varied steps
+    (after the first, updates are no longer about +-1, so low-precision arithmetic shows)."""
+    params = {"w": jnp.linspace(-1, 1, 12, dtype=dtype).reshape(4, 3)}
+    ref, tx = optax.scale_by_adam(mu_dtype=mu_dtype), osa.scale_by_sparse_adam(mu_dtype=mu_dtype)
+    rs, s = ref.init(params), tx.init(params)
+    for step in range(6):
+        g = {"w": jnp.asarray(np.random.default_rng(step).standard_normal((4, 3)), dtype)}
+        ru, rs = ref.update(g, rs, params)
+        u, s = tx.update(g, s, params)
+        assert u["w"].dtype == dtype  # updates in the gradient's dtype (optax promotes to mu_dtype)
+        assert s.mu["w"].dtype == rs.mu["w"].dtype == (mu_dtype or dtype)
+        assert s.nu["w"].dtype == rs.nu["w"].dtype == dtype
+        assert_trees_equal((u["w"], s.mu, s.nu), (ru["w"].astype(dtype), rs.mu, rs.nu))
+    assert np.abs(np.asarray(u["w"], np.float32)).min() < 0.9  # not the first step's +-1 any more
+
+
+def _complex_run(tx, sparse, steps=4):
+    rng = np.random.default_rng(0)
+    p = jnp.asarray(rng.standard_normal((ROWS, WIDTH)) + 1j * rng.standard_normal((ROWS, WIDTH)), jnp.complex64)
+    state = tx.init(p)
+    for _ in range(steps):
+        g = jnp.asarray(rng.standard_normal((ROWS, WIDTH)) + 1j * rng.standard_normal((ROWS, WIDTH)), jnp.complex64)
+        if sparse:
+            g = osa.IndexedRows(jnp.arange(ROWS, dtype=jnp.int32), g, ROWS)
+        u, state = jax.jit(tx.update)(g, state, p)
+        p = osa.apply_updates(p, u)
+    return p, state
+
+
+def test_complex_parameters_match_optax_adam():
+    """The second moment is ``|g|^2``, as in optax: identical on the dense path, to rounding on the sparse one."""
+    ref_p, ref_state = _complex_run(optax.adam(0.05), sparse=False)
+    p, state = _complex_run(osa.sparse_adam(0.05), sparse=False)
+    assert_trees_equal((p, state[0]), (ref_p, ref_state[0]))
+    assert np.all(np.asarray(state[0].nu).imag == 0) and np.all(np.asarray(state[0].nu).real > 0)
+    p, state = _complex_run(osa.sparse_adam(0.05), sparse=True)
+    assert_trees_equal((p, state[0].mu, state[0].nu), (ref_p, ref_state[0].mu, ref_state[0].nu), rtol=1e-6)
+
+
+def _eager_params():
+    return {"emb": jnp.arange(30, dtype=jnp.float32).reshape(10, 3) / 10 - 1, "w": jnp.ones((3,), jnp.float32)}
+
+
+def test_dense_default_is_identical_to_optax_adam_eagerly_too():
+    runs = []
+    for tx in (optax.adam(0.01), osa.sparse_adam(0.01)):
+        params = _eager_params()
+        state = tx.init(params)
+        for step in range(6):
+            g = jax.tree.map(
+                lambda x, s=step: jnp.asarray(np.random.default_rng(s).standard_normal(x.shape), x.dtype), params
+            )
+            u, state = tx.update(g, state, params)
+            params = optax.apply_updates(params, u)
+        runs.append((params, state[0]))
+    assert_trees_equal(*runs)
+
+
+# --------------------------------------------------------------------------- mu_dtype on the sparse path
+
+
+def test_sparse_mu_dtype_matches_the_reference_with_rounded_moments():
+    rng = np.random.default_rng(1)
+    init = rng.standard_normal((10, 3)).astype(np.float32)
+    ref = LazyAdamReference(init, lr=0.1, round_m=lambda m: np.asarray(m, ml_dtypes.bfloat16).astype(np.float64))
+    tx = osa.sparse_adam(0.1, mu_dtype=jnp.bfloat16)
+    params = jnp.asarray(init)
+    state = tx.init(params)
+    for _ in range(5):
+        keys = rng.integers(-2, 12, size=6)
+        values = rng.standard_normal((6, 3)).astype(np.float32)
+        ref.step([(int(k),) for k in keys], list(values))
+        u, state = jax.jit(tx.update)(osa.IndexedRows(jnp.asarray(keys, jnp.int32), jnp.asarray(values), 10), state)
+        params = osa.apply_updates(params, u)
+    assert state[0].mu.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(state[0].mu, np.float32), ref.m, rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(params, ref.p, rtol=1e-2, atol=2e-3)

@@ -1,9 +1,11 @@
-// The memory floor of a sparse step, for benchmarks only:
-//   optax_sparse_adam_v1_touch_rows  (p, mu, nu, keys, values) -> (p, mu, nu)
+// The memory floor of a sparse step, for the benchmarks only (not part of the
+// library; built and registered by benchmarks/floor.py):
+//   osa_bench_touch_rows  (p, mu, nu, keys, values) -> (p, mu, nu)
 // reads and writes the row of p, mu and nu of every in-range key (adding the
 // gradient row, so the work cannot be skipped) and does nothing else: no
 // coalescing, no Adam arithmetic. A step cannot cost less than this. It
-// splits rows over threads as the step kernels do.
+// splits rows over threads as the step kernels do (rows.h, the library's
+// header in optax_sparse_adam/csrc/, found on the include path).
 #include <cstdint>
 
 #include "rows.h"

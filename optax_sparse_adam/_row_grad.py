@@ -7,25 +7,39 @@ deduplicated, each distinct row is gathered once, and the model indexes the
 small array of gathered rows. The gradient of that array is already summed per
 distinct row, so it becomes an :class:`IndexedRows` with ``unique_indices=True``
 and the optimizer step costs O(rows looked up) from end to end.
+
+The pieces (selecting the tables, checking the ids, packing distinct ids, and
+the guard that refuses a loss that reads a table other than at the ids) also
+serve :meth:`RowSharding.value_and_row_grad`, so both paths accept and refuse
+the same losses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
 from optax_sparse_adam._coalesce import pack_distinct
-from optax_sparse_adam._explicit_sharding import replicate, take_rows
 from optax_sparse_adam._indexed_rows import IndexedRows, normalise_keys
-from optax_sparse_adam._keys import padding_key
-from optax_sparse_adam._tree import broadcast_rows, path_str
+from optax_sparse_adam._row_ops import replicate, take_rows
+from optax_sparse_adam._sparse_leaf import padding_key
+from optax_sparse_adam._tree import broadcast_rows, is_leaf, path_str
 
-__all__ = ["RowLookup", "lookup", "value_and_row_grad"]
+__all__ = [
+    "RowLookup",
+    "Selection",
+    "check_ids",
+    "check_reads_rows_only",
+    "distinct_ids",
+    "lookup",
+    "select_tables",
+    "value_and_row_grad",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,22 +124,33 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     """
     table = jnp.asarray(table)
     ids = jnp.asarray(ids)
-    if table.ndim < 1:
-        raise ValueError(f"lookup: the table must have at least one axis, got shape {table.shape}")
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"lookup: ids must be integers, got dtype {ids.dtype}")
-    num_rows = table.shape[0]
-    keys = normalise_keys(replicate(ids.reshape(-1, 1)), (num_rows,))[:, 0]
-    k = keys.shape[0]
-    valid = keys < num_rows
-    # The distinct ids go into the leading slots, so that the optimizer stops
-    # after the last one (see for_each_chunk).
-    target, packed = pack_distinct(keys[:, None], valid, padding_key(table.shape, 1))
-    indices = packed[:, 0]
+    _check_table("lookup", "the table", table.shape)
+    _check_ids_dtype("lookup", "the table", ids.dtype)
+    indices, inverse = distinct_ids(replicate(ids.reshape(-1)), table.shape[0])
     rows = take_rows(table, indices)
-    # A padding id reads the last slot, which is padding (a zero row) whenever there is a padding id.
-    inverse = jnp.where(valid, target, k - 1).reshape(ids.shape)
-    return RowLookup(indices, rows, inverse, num_rows)
+    return RowLookup(indices, rows, inverse.reshape(ids.shape), table.shape[0])
+
+
+def distinct_ids(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """The distinct in-range ids of a flat batch, packed into the leading slots, and each id's slot.
+
+    Sort-free (:func:`~optax_sparse_adam._coalesce.pack_distinct`), O(k) for
+    ``k`` ids whatever the table's size.
+
+    Args:
+      ids: ``(k,)`` integer ids; ids ``< 0`` or ``>= num_rows`` are padding.
+      num_rows: The number of rows of the table.
+
+    Returns:
+      ``(indices, inverse)``: ``(k,)`` int32 distinct ids, ``num_rows`` in the
+      slots after them; ``(k,)`` int32 slot of each id, where a padding id
+      gets the last slot (padding whenever there is a padding id).
+    """
+    keys = normalise_keys(ids[:, None], (num_rows,))
+    valid = keys[:, 0] < num_rows
+    # The distinct ids go into the leading slots, so that the optimizer stops after the last one (for_each_chunk).
+    target, packed = pack_distinct(keys, valid, padding_key((num_rows,), 1))
+    return packed[:, 0], jnp.where(valid, target, ids.shape[0] - 1)
 
 
 # Primitives that hand on a table unchanged in value (a view of it): their result is still "the table".
@@ -208,11 +233,107 @@ def _misuse(table: str, how: str) -> ValueError:
     )
 
 
+def check_reads_rows_only(
+    fun: Callable[[Any, Any, Any], Any],
+    rows: list[Any],
+    positions: Any,
+    extra: Any,
+    tables: dict[int, str],
+    *,
+    axis_env: Sequence[tuple[str, int]] | None = None,
+) -> None:
+    """Raises unless ``fun(rows, positions, extra)`` uses each table only by indexing it at the positions.
+
+    Traces ``fun`` once with :func:`jax.make_jaxpr` (no compute: ``rows`` and
+    ``extra`` may hold :class:`jax.ShapeDtypeStruct` placeholders) and walks
+    its jaxpr: a table (``rows[i]`` for ``i`` in ``tables``) may be viewed
+    (cast, copied) and read at positions computed from ``positions``, and
+    nothing else. ``extra`` is traced too but is no source of positions.
+
+    Args:
+      fun: The loss on the gathered rows, as a function of three trees.
+      rows: The parameters' leaves, each table replaced by its gathered rows.
+      positions: The positions of the ids in the gathered rows.
+      extra: Further traced arguments of ``fun``.
+      tables: The tables' leaf numbers in ``rows`` and their paths, for the message.
+      axis_env: Mesh axes bound while tracing (``fun`` runs inside ``shard_map``).
+    """
+    probe = jax.make_jaxpr(fun, axis_env=axis_env)(rows, positions, extra)
+    invars = probe.jaxpr.invars
+    n_rows, n_positions = len(jax.tree.leaves(rows)), len(jax.tree.leaves(positions))
+    row_vars = jax.tree.unflatten(jax.tree.structure(rows), invars[:n_rows])
+    _check_table_uses(
+        probe.jaxpr, {row_vars[i]: path for i, path in tables.items()}, set(invars[n_rows : n_rows + n_positions])
+    )
+
+
 class _Slot:
     """Stands in for the ``i``-th leaf of the parameters while ``tables`` selects leaves."""
 
     def __init__(self, i: int) -> None:
         self.i = i
+
+
+class Selection(NamedTuple):
+    """The parameters' leaves and paths, the selected tables' leaf numbers (in selection order), the treedef."""
+
+    leaves: list[Any]
+    paths: list[str]
+    chosen: list[int]
+    treedef: Any
+
+
+def select_tables(params: Any, tables: Callable[[Any], Any], where: str) -> Selection:
+    """The leaves that ``tables`` selects from ``params``, each checked to be a table (at least one axis).
+
+    ``tables`` is called on the tree's structure with a placeholder for each
+    leaf, so it may only index into the tree.
+    """
+    treedef: Any  # jax's PyTreeDef, which type checkers do not see
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
+    must_select = (
+        f"{where}: `tables` must select leaves of params (index into the tree it is given, "
+        "e.g. `lambda p: (p['user'], p['item'])`), not compute with them"
+    )
+    try:
+        selected = jax.tree.leaves(tables(treedef.unflatten([_Slot(i) for i in range(len(path_leaves))])))
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+        raise TypeError(f"{must_select}; calling it on the tree's leaves failed: {e}") from None
+    for s in selected:
+        if not isinstance(s, _Slot):
+            raise TypeError(f"{must_select}; it returned a {type(s).__name__}")
+    leaves = [leaf for _, leaf in path_leaves]
+    paths = [path_str(path) for path, _ in path_leaves]
+    for s in selected:
+        leaf = leaves[s.i]
+        _check_table(where, f"table {paths[s.i]}", tuple(leaf.shape) if hasattr(leaf, "shape") else jnp.shape(leaf))
+    return Selection(leaves, paths, [s.i for s in selected], treedef)
+
+
+def check_ids(ids: Any, selection: Selection, where: str) -> tuple[list[jax.Array], Any]:
+    """``ids``'s leaves, one integer array per selected table, and its treedef."""
+    id_treedef: Any
+    id_leaves, id_treedef = jax.tree.flatten(ids)
+    chosen, paths = selection.chosen, selection.paths
+    if len(id_leaves) != len(chosen):
+        raise ValueError(
+            f"{where}: `tables` selected {len(chosen)} table(s) ({', '.join(paths[i] for i in chosen)}) "
+            f"but `ids` holds {len(id_leaves)} array(s); give one array of ids per selected table"
+        )
+    id_leaves = [jnp.asarray(x) for x in id_leaves]
+    for i, x in zip(chosen, id_leaves, strict=True):
+        _check_ids_dtype(where, f"table {paths[i]}", x.dtype)
+    return id_leaves, id_treedef
+
+
+def _check_table(where: str, name: str, shape: tuple[int, ...]) -> None:
+    if not shape:
+        raise ValueError(f"{where}: {name} must have at least one axis (its rows), got a scalar")
+
+
+def _check_ids_dtype(where: str, name: str, dtype: Any) -> None:
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{where}: the ids for {name} must be integers, got dtype {dtype}")
 
 
 def value_and_row_grad(
@@ -278,40 +399,11 @@ def value_and_row_grad(
     """
 
     def wrapped(params: Any, ids: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        treedef: Any  # jax's PyTreeDef, which type checkers do not see
-        id_treedef: Any
-        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-        paths = [path_str(path) for path, _ in path_leaves]
-        leaves = [leaf for _, leaf in path_leaves]
-        must_select = (
-            "value_and_row_grad: `tables` must select leaves of params (index into the tree it is given, "
-            "e.g. `lambda p: (p['user'], p['item'])`), not compute with them"
-        )
-        try:
-            selected = jax.tree.leaves(tables(treedef.unflatten([_Slot(i) for i in range(len(leaves))])))
-        except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
-            raise TypeError(f"{must_select}; calling it on the tree's leaves failed: {e}") from None
-        for s in selected:
-            if not isinstance(s, _Slot):
-                raise TypeError(f"{must_select}; it returned a {type(s).__name__}")
-        id_leaves, id_treedef = jax.tree.flatten(ids)
-        if len(id_leaves) != len(selected):
-            raise ValueError(
-                f"value_and_row_grad: `tables` selected {len(selected)} table(s) "
-                f"({', '.join(paths[s.i] for s in selected)}) but `ids` holds {len(id_leaves)} array(s); "
-                "give one array of ids per selected table"
-            )
-        id_leaves = [jnp.asarray(x) for x in id_leaves]
-        for s, x in zip(selected, id_leaves, strict=True):
-            if not jnp.issubdtype(x.dtype, jnp.integer):
-                raise TypeError(
-                    f"value_and_row_grad: the ids for table {paths[s.i]} must be integers, got dtype {x.dtype}"
-                )
-            if jnp.ndim(leaves[s.i]) < 1:
-                raise ValueError(f"value_and_row_grad: table {paths[s.i]} must have at least one axis, got a scalar")
+        leaves, paths, chosen, treedef = sel = select_tables(params, tables, "value_and_row_grad")
+        id_leaves, id_treedef = check_ids(ids, sel, "value_and_row_grad")
         by_table: dict[int, list[int]] = {}
-        for j, s in enumerate(selected):
-            by_table.setdefault(s.i, []).append(j)
+        for j, i in enumerate(chosen):
+            by_table.setdefault(i, []).append(j)
         lookups: dict[int, RowLookup] = {}
         positions: list[Any] = [None] * len(id_leaves)
         for i, js in by_table.items():
@@ -328,14 +420,12 @@ def value_and_row_grad(
             return fun(treedef.unflatten(diff), positions_tree, *args, **kwargs)
 
         diff = [lookups[i].rows if i in lookups else leaf for i, leaf in enumerate(leaves)]
-        probe = jax.make_jaxpr(lambda d, pos: fun(treedef.unflatten(d), pos, *args, **kwargs))(diff, positions_tree)
-        n_diff = len(jax.tree.leaves(diff))
-        invars = probe.jaxpr.invars
-        diff_vars = jax.tree.unflatten(jax.tree.structure(diff), invars[:n_diff])
-        _check_table_uses(
-            probe.jaxpr,
-            {diff_vars[i]: paths[i] for i in lookups if jnp.ndim(diff[i]) > 0},
-            set(invars[n_diff:]),
+        check_reads_rows_only(
+            lambda d, pos, _: fun(treedef.unflatten(d), pos, *args, **kwargs),
+            diff,
+            positions_tree,
+            (),
+            {i: paths[i] for i in lookups},
         )
         value, grads = jax.value_and_grad(inner, has_aux=has_aux)(diff)
         grads = [lookups[i].grad(g) if i in lookups else g for i, g in enumerate(grads)]

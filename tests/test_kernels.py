@@ -1,10 +1,9 @@
-"""The native CPU kernels against the XLA path: the same cases on both, compared."""
+"""The native CPU kernels (``_kernel_path``, ``_ffi``) against the XLA path: the same cases on both, compared."""
 
 from __future__ import annotations
 
 import os
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,17 +11,18 @@ import optax
 import pytest
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _native
+from optax_sparse_adam import _kernel_path
+from tests.helpers import assert_trees_equal, jit_once
 
 NUM_ROWS, WIDTH = 97, 5
 
-needs_kernels = pytest.mark.skipif(not _native.available(), reason="the native kernels were not built")
+needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 
 
 def test_kernels_are_built_where_required():
     """`make test` sets OPTAX_SPARSE_ADAM_REQUIRE_KERNELS=1: there, a missing build is a failure, not a skip."""
     if os.environ.get("OPTAX_SPARSE_ADAM_REQUIRE_KERNELS") == "1":
-        assert _native.available()
+        assert _kernel_path.available()
         assert osa.kernel_path() == "native-cpu"
     with osa.use_kernels(False):
         assert osa.kernel_path() == "xla"
@@ -85,7 +85,7 @@ def _assert_same(a, b, n_steps, lr):
     an ulp and the update (times the learning rate) to two, not bitwise.
     """
     (pa, sa, ua), (pb, sb, ub) = a, b
-    chex.assert_trees_all_equal(sa, sb)
+    assert_trees_equal(sa, sb)
     if ua is not None and ub is not None:
         np.testing.assert_array_max_ulp(np.asarray(ua["table"].todense()), np.asarray(ub["table"].todense()), maxulp=2)
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
@@ -174,8 +174,8 @@ def test_schedule_and_mixed_dtypes_fuse_where_they_can():
                 p = jax.jit(osa.apply_updates)(p, u)
         results.append((p, s))
     (p1, s1), (p2, s2) = results
-    chex.assert_trees_all_equal(s1, s2)
-    chex.assert_trees_all_equal(p1["bf16"], p2["bf16"])
+    assert_trees_equal(s1, s2)
+    assert_trees_equal(p1["bf16"], p2["bf16"])
     np.testing.assert_array_max_ulp(np.asarray(p1["f32"]), np.asarray(p2["f32"]), maxulp=1)
     assert int(s1[1].count) == 3
 
@@ -188,7 +188,7 @@ def test_update_and_apply_runs_any_transformation(kernel_path):
     state = tx.init(params)
     p1, s1 = jax.jit(lambda p, s: osa.update_and_apply(tx, g, s, p))(params, state)
     u, s2 = tx.update(g, state, params)
-    chex.assert_trees_all_equal((p1, s1), (osa.apply_updates(params, u), s2))
+    assert_trees_equal((p1, s1), (osa.apply_updates(params, u), s2))
 
 
 @needs_kernels
@@ -201,10 +201,10 @@ def test_threads_give_the_same_numbers():
     with osa.use_kernels(True, threads=4):
         four = _run(tx, steps, fused=True)
         four_unfused = _run(tx, steps, fused=False)
-    chex.assert_trees_all_equal(one[:2], four[:2])
+    assert_trees_equal(one[:2], four[:2])
     # The two-call path's scatter-add splits rows over threads too: same sums, same order.
-    chex.assert_trees_all_equal(one_unfused[:2], four_unfused[:2])
-    chex.assert_trees_all_equal(one[1], four_unfused[1])
+    assert_trees_equal(one_unfused[:2], four_unfused[:2])
+    assert_trees_equal(one[1], four_unfused[1])
 
 
 @needs_kernels
@@ -220,8 +220,8 @@ def test_apply_updates_sums_duplicates_in_entry_order_on_any_thread_count():
     for name, enabled, threads in [("xla", False, 1), ("one", True, 1), ("four", True, 4)]:
         with osa.use_kernels(enabled, threads=threads):
             out[name] = jax.jit(osa.apply_updates)(table, g)
-    chex.assert_trees_all_equal(out["one"], out["xla"])
-    chex.assert_trees_all_equal(out["four"], out["xla"])
+    assert_trees_equal(out["one"], out["xla"])
+    assert_trees_equal(out["four"], out["xla"])
 
 
 @pytest.mark.parametrize("threads", [0, 17, 1.5, True])
@@ -248,7 +248,7 @@ def test_lowers_for_gpu_and_tpu_without_the_cpu_kernel(fused, platform):
     table = jnp.zeros((NUM_ROWS, WIDTH), jnp.float32)
     args = (table, tx.init(table), jnp.zeros((8,), jnp.int32), jnp.ones((8, WIDTH), jnp.float32))
     traced = jax.jit(_step_fn(tx, fused)).trace(*args)
-    assert ("optax_sparse_adam_v1" in traced.lower(lowering_platforms=("cpu",)).as_text()) == _native.enabled()
+    assert ("optax_sparse_adam_v1" in traced.lower(lowering_platforms=("cpu",)).as_text()) == _kernel_path.enabled()
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert "optax_sparse_adam_v1" not in text
     assert "scatter" in text  # the XLA path
@@ -268,12 +268,7 @@ def test_in_place_and_compiled_once(fused):
         sizes[rows] = compiled.memory_analysis().temp_size_in_bytes
     assert sizes[100_000] == sizes[1_000] < 1_000 * 16 * 4
 
-    chex.clear_trace_counter()
-
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def traced_once(params, state, ids, values):
-        return _step_fn(tx, fused)(params, state, ids, values)
+    traced_once = jit_once(_step_fn(tx, fused))
 
     table = jnp.zeros((NUM_ROWS, WIDTH), jnp.float32)
     params, state = table, tx.init(table)
@@ -284,8 +279,6 @@ def test_in_place_and_compiled_once(fused):
 @needs_kernels
 def test_row_sharded_table_stays_sharded_on_both_calls():
     """Tables split by rows over 8 devices: each device updates its own rows; numbers as on one device."""
-    if jax.device_count() < 8:
-        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set by conftest)")
     mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows", None))
     tx = osa.sparse_adam(0.1)
@@ -306,7 +299,7 @@ def test_row_sharded_table_stays_sharded_on_both_calls():
                 assert state[0].mu.sharding.is_equivalent_to(rows, 2)
             outs.append((table, state))
     for a, b in (outs[:2], outs[2:]):
-        chex.assert_trees_all_equal(a, b)
+        assert_trees_equal(a, b)
     np.testing.assert_array_max_ulp(np.asarray(outs[0][0]), np.asarray(outs[2][0]), maxulp=1)
 
 
@@ -323,5 +316,5 @@ def test_vmapped_step_equals_xla(fused):
     for kernels in (True, False):
         with osa.use_kernels(kernels):
             outs.append(jax.jit(jax.vmap(step))(tables, jax.vmap(tx.init)(tables), ids, values))
-    chex.assert_trees_all_equal(outs[0][1], outs[1][1])
+    assert_trees_equal(outs[0][1], outs[1][1])
     np.testing.assert_array_max_ulp(np.asarray(outs[0][0]), np.asarray(outs[1][0]), maxulp=1)

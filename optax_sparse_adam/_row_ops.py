@@ -1,12 +1,15 @@
-"""Row gathers and scatters that also trace on meshes with ``Explicit`` axes.
+"""Every row gather and scatter of the library, including on meshes with ``Explicit`` axes.
+
+The lazy-row engine, the leaf forms, applying updates, routing and the row
+gradients read and write rows only through :func:`take_rows` and
+:func:`scatter_rows` (coalescing's hash tables are its own).
 
 ``jax.make_mesh`` gives ``Explicit`` axes by default. On such a mesh a gather
 from, or a scatter into, an array whose rows are sharded (``P("x", None)``)
 needs its output sharding spelled out (``out_sharding=``), and ids or values
 sharded over a batch axis must be made whole before they can index anything.
-Every row gather and scatter of the library goes through the three functions
-here; on a single device, an ``Auto`` mesh, or inside ``shard_map`` they are
-the plain ``.at[...]`` operations.
+Here that is done once for the whole library; on a single device, an ``Auto``
+mesh, or inside ``shard_map`` these are the plain ``.at[...]`` operations.
 """
 
 from __future__ import annotations
@@ -49,20 +52,25 @@ def replicate(x: jax.Array, like: jax.Array | None = None) -> jax.Array:
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
-def take_rows(x: jax.Array, index: Any) -> jax.Array:
-    """``x.at[index].get(mode="fill", fill_value=0)``, replicated when ``x`` is sharded over an ``Explicit`` axis."""
+def take_rows(x: jax.Array, index: Any, fill_value: Any = 0) -> jax.Array:
+    """``x.at[index].get(mode="fill")``, replicated when ``x`` is sharded over an ``Explicit`` axis.
+
+    An out-of-range index (padding) reads ``fill_value``.
+    """
     x = jnp.asarray(x)
     sharding = explicit_sharding(x)
-    if sharding is None:
-        return x.at[index].get(mode="fill", fill_value=0)
-    return x.at[index].get(mode="fill", fill_value=0, out_sharding=NamedSharding(sharding.mesh, PartitionSpec()))
+    out_sharding = None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec())
+    return x.at[index].get(mode="fill", fill_value=fill_value, out_sharding=out_sharding)
 
 
-def scatter_rows(x: jax.Array, index: Any, values: jax.Array, op: Literal["set", "add"]) -> jax.Array:
-    """``x.at[index].set(values)`` or ``.add(values)`` (out-of-range dropped), keeping ``x``'s sharding."""
+def scatter_rows(
+    x: jax.Array, index: Any, values: jax.Array, op: Literal["set", "add"], *, unique: bool = False
+) -> jax.Array:
+    """``x.at[index].set(values)`` or ``.add(values)`` (out-of-range dropped), keeping ``x``'s sharding.
+
+    ``unique`` promises that the in-range indices are distinct (padding may repeat: it is dropped).
+    """
     ref = x.at[index]
     update = ref.set if op == "set" else ref.add
     sharding = explicit_sharding(x)
-    if sharding is None:
-        return update(values, mode="drop")
-    return update(values, mode="drop", out_sharding=sharding)
+    return update(values, mode="drop", unique_indices=unique, out_sharding=sharding)

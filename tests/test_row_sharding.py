@@ -6,7 +6,7 @@ data-parallel batch sums duplicates in another order. Shardings are checked
 after each step.
 
 Run as a script, this file is one process of the multi-process test
-(``python tests/test_sharding.py PROCESS_ID NUM_PROCESSES PORT DEVICES OUT``).
+(``python tests/test_row_sharding.py PROCESS_ID NUM_PROCESSES PORT DEVICES OUT``).
 """
 
 from __future__ import annotations
@@ -263,6 +263,29 @@ def test_owner_aligned_gradients_also_work_with_plain_update_and_apply():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-9), routed, plain)
 
 
+@pytest.mark.parametrize("tx", [osa.sparse_adam(0.05), osa.sparse_amsgrad(0.05)])  # fused where it can be, and not
+def test_update_and_apply_equals_update_then_apply_updates(tx):
+    mesh = _mesh()
+    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"], batch_axis="x")
+    ((ids, y),) = _batches(1)
+    batch = NamedSharding(mesh, P("x"))
+    params = rs.shard(_params())
+    state = tx.init(params)
+    _, g, _ = jax.jit(rs.value_and_row_grad(loss_fn))(params, jax.device_put(ids, batch), jax.device_put(y, batch))
+
+    @jax.jit
+    def two_calls(p: Any, s: Any, g: Any) -> Any:
+        u, s = rs.update(tx, g, s, p)
+        return rs.apply_updates(p, u), s
+
+    fused = jax.jit(functools.partial(rs.update_and_apply, tx))(g, state, params)
+    # one float32 rounding: XLA:CPU contracts the step's arithmetic differently in the two programs
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-9), fused, two_calls(params, state, g)
+    )
+    _assert_row_sharded(fused, mesh)
+
+
 def test_several_tables_and_a_table_looked_up_twice():
     mesh = _mesh()
     rng = np.random.default_rng(5)
@@ -398,6 +421,30 @@ def test_errors_name_the_table_and_what_to_do():
         osa.RowSharding(mesh, "x", lambda p: 3).shard(_params())
 
 
+# Every loss that the one-device fast path refuses (tests/test_reliability.py), by name.
+WHOLE_TABLE_LOSSES = {
+    "l2-penalty": lambda p, ids: jnp.sum(p["emb"][ids] @ p["w"]) + 0.1 * jnp.sum(p["emb"] ** 2),
+    "tied-output-embedding": lambda p, ids: jnp.sum(jax.nn.log_softmax(p["emb"][ids] @ p["emb"].T)),
+    "constant-row": lambda p, ids: jnp.sum(p["emb"][0] * p["w"]),
+    "arange-rows": lambda p, ids: jnp.sum(p["emb"][jnp.arange(3)] @ p["w"]),
+    "inside-cond": lambda p, ids: jax.lax.cond(True, lambda t: jnp.sum(t * 2.0), lambda t: jnp.sum(t), p["emb"]),
+}
+
+
+@pytest.mark.parametrize(("batch_axis", "routing"), [(None, "all_to_all"), ("x", "all_gather"), ("x", "all_to_all")])
+@pytest.mark.parametrize("name", list(WHOLE_TABLE_LOSSES))
+def test_sharded_fast_path_refuses_what_the_fast_path_refuses(name, batch_axis, routing):
+    loss = WHOLE_TABLE_LOSSES[name]
+    params = {"emb": np.ones((16, 2), np.float32), "w": np.ones((2,), np.float32)}
+    ids = jnp.array([1, 4, 4, 9, 0, 15, 3, 3, 7, 2, 2, 11, 12, 5, 6, 8], jnp.int32)  # two per device
+    with pytest.raises(ValueError, match="other than by indexing it with the ids") as plain:
+        osa.value_and_row_grad(loss, lambda p: p["emb"])(params, ids)
+    rs = osa.RowSharding(_mesh(), "x", lambda p: p["emb"], batch_axis=batch_axis, routing=routing)
+    with pytest.raises(ValueError) as sharded:
+        rs.value_and_row_grad(loss)(rs.shard(params), ids)
+    assert str(sharded.value) == str(plain.value)
+
+
 # --------------------------------------------------------------------------------- data-parallel sums
 
 
@@ -438,6 +485,7 @@ def test_all_gather_rows_sums_sparse_gradients_over_devices(check_vma):
 # ------------------------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.slow
 def test_orbax_restores_a_sharded_table_with_its_shardings(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     mesh = _mesh()
@@ -492,6 +540,7 @@ def _launch(num_processes: int, devices: int, out: pathlib.Path) -> None:
         assert p.returncode == 0, log[-4000:]
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_table_of_a_single_process_run(tmp_path):
     """2 processes x 2 CPU devices (gloo collectives on 127.0.0.1) against 1 process x 4 devices."""
     _launch(2, 2, tmp_path / "two")

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
-from optax_sparse_adam._explicit_sharding import replicate, scatter_rows
 from optax_sparse_adam._indexed_rows import IndexedRows, normalise_keys
+from optax_sparse_adam._row_ops import replicate, scatter_rows
 from optax_sparse_adam._tree import broadcast_rows, param_error
 
 _KNOWN_ATTR = "_osa_known"
@@ -65,7 +65,7 @@ class SparseLeaf(NamedTuple):
         return self.keys.shape[1]
 
     def row_index(self) -> tuple[jax.Array, ...]:
-        """Index tuple for ``x.at[...]`` over the first ``n_sparse`` axes."""
+        """Index tuple over the first ``n_sparse`` axes, for the row gathers and scatters of ``_row_ops``."""
         return tuple(self.keys[:, j] for j in range(self.n_sparse))
 
     def valid(self) -> jax.Array:

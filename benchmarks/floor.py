@@ -1,0 +1,136 @@
+"""The benchmark's memory floor: a native kernel that only reads and writes the rows a step touches.
+
+The kernel (``floor/touch_rows.cc``, an XLA FFI handler) is not part of the
+library. It is compiled on first use with the system C++ compiler (``$CXX``,
+else ``c++`` or ``g++``), with the library's flags, against jaxlib's XLA FFI
+headers and the library's ``rows.h`` (``optax_sparse_adam/csrc``, on the
+include path), into ``floor/build/`` (git-ignored); it is rebuilt when the
+source or a header is newer than the built library. It is loaded with ctypes
+and registered, once per process, as the CPU target ``osa_bench_touch_rows``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import numpy as np
+
+TARGET = "osa_bench_touch_rows"
+_HERE = pathlib.Path(__file__).resolve().parent
+SOURCE = _HERE / "floor" / "touch_rows.cc"
+CSRC = _HERE.parent / "optax_sparse_adam" / "csrc"  # the library's headers (rows.h)
+BUILD = _HERE / "floor" / "build"
+LIBRARY = BUILD / "libosa_bench_floor.so"
+# As setup.py builds the library's kernels (no fast-math, no contraction, no errno), plus a shared object.
+FLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+
+_registered = False
+
+
+def _ffi_include() -> pathlib.Path | None:
+    """jaxlib's XLA FFI headers, found as setup.py finds them, or None."""
+    try:
+        import jaxlib
+    except ImportError:
+        return None
+    include = pathlib.Path(jaxlib.__file__).resolve().parent / "include"
+    return include if (include / "xla" / "ffi" / "api" / "ffi.h").exists() else None
+
+
+def _compiler() -> str | None:
+    """The C++ compiler command: ``$CXX`` where it names one that exists, else ``c++`` or ``g++``; or None."""
+    cxx = os.environ.get("CXX", "").strip()
+    if cxx:
+        return cxx if shutil.which(cxx.split()[0]) else None
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def _inputs(include: pathlib.Path | None) -> list[pathlib.Path]:
+    """The files the built library depends on."""
+    deps = [SOURCE, *sorted(CSRC.glob("*.h"))]
+    return [*deps, include / "xla" / "ffi" / "api" / "ffi.h"] if include is not None else deps
+
+
+def _fresh() -> bool:
+    if not LIBRARY.exists():
+        return False
+    built = LIBRARY.stat().st_mtime
+    return all(p.stat().st_mtime <= built for p in _inputs(_ffi_include()))
+
+
+def unavailable() -> str | None:
+    """Why the floor kernel cannot be built here, or None when it is built or can be."""
+    if _fresh():
+        return None
+    if _compiler() is None:
+        return "the floor contender needs a C++17 compiler (c++ or g++, or $CXX) to build its kernel; none was found"
+    if _ffi_include() is None:
+        return "the floor contender needs jaxlib's XLA FFI headers (jaxlib/include/xla/ffi/api/ffi.h); none were found"
+    return None
+
+
+def build() -> pathlib.Path:
+    """Compiles the kernel into ``floor/build/`` unless the built library is fresh; returns its path."""
+    if _fresh():
+        return LIBRARY
+    why = unavailable()
+    if why is not None:
+        raise RuntimeError(why)
+    cxx, include = _compiler(), _ffi_include()
+    assert cxx is not None and include is not None
+    BUILD.mkdir(parents=True, exist_ok=True)
+    # Into a temporary file first, so that a concurrent run never loads a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=BUILD)
+    os.close(fd)
+    cmd = [*cxx.split(), "-isystem", str(include), "-I", str(CSRC), *FLAGS, str(SOURCE), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the floor kernel failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        os.replace(tmp, LIBRARY)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return LIBRARY
+
+
+def _register() -> None:
+    """Builds (if needed), loads and registers the kernel, once per process."""
+    global _registered
+    if not _registered:
+        lib = ctypes.CDLL(str(build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OptaxSparseAdamTouchRows), platform="cpu")
+        _registered = True
+
+
+def touch_rows(
+    p: jax.Array, m: jax.Array, v: jax.Array, keys: jax.Array, values: jax.Array, threads: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Adds ``values[i]`` to row ``keys[i]`` of p, m and v (in place when donated); out-of-range keys are skipped.
+
+    Args:
+      p, m, v: float32 tables of one shape (rows first).
+      keys: ``(k,)`` int32 row indices.
+      values: ``(k, ...)`` float32 rows, one per key.
+      threads: Threads the kernel may use, from XLA's intra-op pool.
+
+    Returns:
+      The updated ``(p, m, v)``.
+    """
+    _register()
+    table = jax.ShapeDtypeStruct(p.shape, p.dtype)
+    rows = values.reshape(values.shape[0], math.prod(values.shape[1:]))
+    p, m, v = jax.ffi.ffi_call(
+        TARGET,
+        (table, table, table),
+        input_output_aliases={0: 0, 1: 1, 2: 2},
+        vmap_method="sequential",
+    )(p, m, v, keys, rows, threads=np.int64(threads))
+    return p, m, v

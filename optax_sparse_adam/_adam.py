@@ -1,0 +1,401 @@
+"""Lazy (sparse) Adam: :func:`scale_by_sparse_adam` and :func:`sparse_adam`.
+
+Adam is a rule on the lazy-row engine (:mod:`._row_engine`), with the native
+CPU kernel as the rule's stand-in where it applies; dense leaves that no
+``lazy_dense`` mask selects take :func:`optax.scale_by_adam` itself, so that
+they equal :func:`optax.adam` bitwise. :func:`sparse_adam` carries what
+:func:`~optax_sparse_adam.update_and_apply` needs to fuse it
+(:class:`AdamFusion`, on its ``update``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_sparse_adam import _ffi, _kernel_path
+from optax_sparse_adam._checks import (
+    check_bool,
+    check_dense_gradient,
+    check_dtype,
+    check_hparam,
+    check_mask,
+    check_state,
+    mask_tree,
+)
+from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule
+from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._sparse_leaf import SparseLeaf
+from optax_sparse_adam._tree import param_error
+
+__all__ = ["scale_by_sparse_adam", "sparse_adam"]
+
+EpsPlacement = Literal["optax", "torch"]
+MaskOrFn = bool | Any | Callable[[optax.Params], Any]
+_WHERE = "scale_by_sparse_adam"
+
+
+class AdamHyperparams(NamedTuple):
+    """The hyperparameters the rule reads (possibly traced under ``inject_hyperparams``)."""
+
+    b1: Any
+    b2: Any
+    eps: Any
+    eps_root: Any
+    maximize: bool
+    eps_placement: EpsPlacement
+
+
+def _moments(g: jax.Array, m: jax.Array, v: jax.Array, hp: AdamHyperparams) -> tuple[jax.Array, jax.Array]:
+    """Adam's new moments, with optax's own expressions (``|g|^2`` for complex ``g``)."""
+    if hp.maximize:
+        g = -g
+    return optax.tree.update_moment(g, m, hp.b1, 1), optax.tree.update_moment_per_elem_norm(g, v, hp.b2, 2)
+
+
+def _step(m: jax.Array, v: jax.Array, count: jax.Array, hp: AdamHyperparams) -> jax.Array:
+    """Adam's step from the new moments, for either placement of ``eps``."""
+    if hp.eps_placement == "optax":
+        m_hat = optax.tree.bias_correction(m, hp.b1, count)
+        v_hat = optax.tree.bias_correction(v, hp.b2, count)
+        return m_hat / (jnp.sqrt(v_hat + hp.eps_root) + hp.eps)
+    scale = jnp.sqrt(1 - hp.b2**count) / (1 - hp.b1**count)
+    return scale.astype(m.dtype) * m / (jnp.sqrt(v + hp.eps_root) + hp.eps)
+
+
+def _rule(hp: AdamHyperparams, count: jax.Array) -> Rule:
+    """Adam on the touched rows: ``(step, (mu, nu))``."""
+
+    def rule(g: jax.Array, state: Arrays, reads: Arrays) -> tuple[jax.Array, Arrays]:
+        m, v = _moments(g, state[0], state[1], hp)
+        return _step(m, v, count, hp), (m, v)
+
+    return rule
+
+
+def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 0.0) -> jax.Array:
+    """The kernels' scalar operand at step ``count``, each value rounded to float32 as the rule rounds it.
+
+    ``neg_lr`` is the learning-rate scale of the fused step (:func:`update_and_apply`).
+    """
+
+    def f32(x: Any) -> jax.Array:
+        return jnp.asarray(x).astype(jnp.float32)
+
+    bc1, bc2 = 1 - hp.b1**count, 1 - hp.b2**count  # as optax.tree.bias_correction computes them
+    values = (hp.b1, 1 - hp.b1, hp.b2, 1 - hp.b2, hp.eps, hp.eps_root, bc1, bc2, jnp.sqrt(bc2) / bc1, neg_lr)
+    return jnp.stack([f32(x) for x in values])
+
+
+def _kernel(hp: AdamHyperparams, count: jax.Array) -> Kernel:
+    """The native CPU kernel in the rule's place."""
+
+    def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
+        return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
+
+    def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
+        scalars = kernel_scalars(hp, count)
+        m, v, keys, step = _ffi.sparse_adam_rows(
+            state[0], state[1], leaf.keys[:, 0], leaf.values, scalars, **kernel_flags(hp, leaf)
+        )
+        return keys[:, None], step, (m, v)
+
+    return Kernel(supports, run)
+
+
+def kernel_flags(hp: AdamHyperparams, leaf: SparseLeaf) -> dict[str, bool]:
+    """The kernels' static flags for a leaf."""
+    return {"torch_eps": hp.eps_placement == "torch", "maximize": hp.maximize, "unique": leaf.distinct}
+
+
+def _dense_adam(grads: Any, mu: Any, nu: Any, state_count: jax.Array, hp: AdamHyperparams) -> tuple[Any, Any, Any]:
+    """``(updates, mu, nu)`` of plain Adam over a tree of dense leaves (``None`` elsewhere).
+
+    With ``eps_placement="optax"`` this is :func:`optax.scale_by_adam` itself on
+    the tree, so XLA sees the graph it sees for :func:`optax.adam`, with the
+    same jit boundaries, and the numbers are identical, jitted or not.
+    """
+    if hp.maximize:
+        grads = jax.tree.map(lambda g: -g, grads)
+    if hp.eps_placement == "optax":
+        tx = optax.scale_by_adam(hp.b1, hp.b2, hp.eps, hp.eps_root)
+        updates, state = tx.update(grads, optax.ScaleByAdamState(count=state_count, mu=mu, nu=nu))
+        new_mu, new_nu = state.mu, state.nu
+    else:
+        new_mu = optax.tree.update_moment(grads, mu, hp.b1, 1)
+        new_nu = optax.tree.update_moment_per_elem_norm(grads, nu, hp.b2, 2)
+        count = optax.safe_increment(state_count)
+        updates = jax.tree.map(lambda m, v: _step(m, v, count, hp), new_mu, new_nu)
+    cast = lambda new, old: jax.tree.map(lambda x, y: x.astype(y.dtype), new, old)  # noqa: E731
+    return cast(updates, grads), cast(new_mu, mu), cast(new_nu, nu)
+
+
+def scale_by_sparse_adam(
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
+    eps_root: jax.typing.ArrayLike = 0.0,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    *,
+    maximize: bool = False,
+    eps_placement: EpsPlacement = "optax",
+    lazy_dense: MaskOrFn = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Rescales updates by lazy Adam: only the rows a gradient touches move.
+
+    For a sparse gradient leaf (:class:`IndexedRows` or a BCOO), duplicates are
+    summed into a touched set :math:`S`, and only :math:`S` is updated:
+
+    .. math::
+
+      m_S \leftarrow \beta_1 m_S + (1 - \beta_1) g_S, \qquad
+      v_S \leftarrow \beta_2 v_S + (1 - \beta_2) |g_S|^2,
+
+    with the step, for ``eps_placement="optax"``,
+
+    .. math::
+
+      u_S = \frac{m_S / (1 - \beta_1^t)}{\sqrt{v_S / (1 - \beta_2^t) + \epsilon_{root}} + \epsilon}
+
+    and for ``eps_placement="torch"`` (as ``torch.optim.SparseAdam``)
+
+    .. math::
+
+      u_S = \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t}
+            \frac{m_S}{\sqrt{v_S + \epsilon_{root}} + \epsilon}.
+
+    Outside :math:`S`, ``mu`` and ``nu`` are bitwise unchanged and the update is
+    a sparse leaf of the same type holding exactly the touched entries. The
+    step count :math:`t` advances on every call. A dense gradient leaf gets
+    plain Adam (:func:`optax.scale_by_adam`'s expressions) unless
+    ``lazy_dense`` selects it, in which case a row counts as touched when any of
+    its entries is nonzero. A ``None`` leaf is skipped.
+
+    Args:
+      b1: Decay rate of the first moment.
+      b2: Decay rate of the second moment.
+      eps: Term added to the denominator, outside the square root.
+      eps_root: Term added inside the square root.
+      mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
+      maximize: Whether to ascend rather than descend (negates the gradient).
+      eps_placement: ``"optax"`` or ``"torch"``; see above.
+      lazy_dense: Which dense gradient leaves to treat lazily: a bool, a tree
+        of bools (a prefix of the parameters), or a function of the parameters
+        returning one, as in optax's ``mask`` arguments.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is an
+      :class:`optax.ScaleByAdamState`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> tx = osa.scale_by_sparse_adam()
+      >>> params = {"table": jnp.zeros((4, 2), jnp.float32)}
+      >>> state = tx.init(params)
+      >>> g = osa.IndexedRows(jnp.array([1, 1, -1]), jnp.ones((3, 2), jnp.float32), 4)
+      >>> updates, state = tx.update({"table": g}, state)
+      >>> updates["table"].todense().round(3)
+      Array([[0., 0.],
+             [1., 1.],
+             [0., 0.],
+             [0., 0.]], dtype=float32)
+
+    References:
+      Kingma and Ba, `Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>`_, 2014; PyTorch's
+      ``torch.optim.SparseAdam``.
+    """
+    hp = _hyperparams(b1, b2, eps, eps_root, maximize, eps_placement)
+    mu_dtype = check_dtype(mu_dtype, "mu_dtype")
+    check_mask("lazy_dense", lazy_dense)
+
+    def init_fn(params: optax.Params) -> optax.ScaleByAdamState:
+        mask_tree(lazy_dense, params, "lazy_dense", _WHERE)  # a mask that does not fit the parameters fails here
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+            nu=optax.tree.zeros_like(params),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.ScaleByAdamState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
+        del extra_args
+        check_state(state, optax.ScaleByAdamState, _WHERE)
+        count = optax.safe_increment(state.count)
+        lazy = mask_tree(lazy_dense, params if params is not None else updates, "lazy_dense", _WHERE)
+        trees = [(state.mu, "optimizer state's mu"), (state.nu, "optimizer state's nu"), (lazy, "lazy_dense mask")]
+
+        def plain(path: Any, g: Any, m: Any, v: Any, lazy: bool, *p: Any) -> tuple[Any, Any, Any]:
+            """The leaf's gradient, ``mu`` and ``nu`` if it takes plain dense Adam, else ``None``s."""
+            if p and p[0] is not None and g is not None and jnp.shape(p[0]) != jnp.shape(m):
+                raise param_error(
+                    ValueError,
+                    _WHERE,
+                    path,
+                    f"the optimizer state's mu has shape {jnp.shape(m)} but the parameter has shape "
+                    f"{jnp.shape(p[0])}: the state was built for other parameters; build it with `tx.init(params)`",
+                )
+            if g is None or is_sparse(g) or lazy:
+                return None, None, None
+            return check_dense_gradient(path, g, jnp.shape(m), _WHERE), m, v
+
+        with_params = trees + ([] if params is None else [(params, "parameters")])
+        plain_g, plain_m, plain_v = map_rule(plain, updates, with_params, _WHERE, 3)
+        dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # all at once, as optax.adam does
+        rule, kernel = _rule(hp, count), _kernel(hp, count)
+
+        def leaf(path: Any, g: Any, m: Any, v: Any, lazy: bool, *dense: Any) -> tuple[Any, Any, Any]:
+            if g is not None and not is_sparse(g) and not lazy:
+                return dense
+            out, (m, v) = apply_rule(
+                path, g, jnp.shape(m), (m, v), (), rule, _WHERE, whole_rows=False, lazy=lazy, kernel=kernel
+            )
+            return out, m, v
+
+        trees += [(tree, "dense step") for tree in dense]
+        updates, mu, nu = map_rule(leaf, updates, trees, _WHERE, 3)
+        return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def sparse_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
+    eps_root: jax.typing.ArrayLike = 0.0,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    *,
+    maximize: bool = False,
+    eps_placement: EpsPlacement = "optax",
+    lazy_dense: MaskOrFn = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Lazy Adam for sparse gradients: a drop-in for :func:`optax.adam`.
+
+    Sparse gradient leaves (:class:`IndexedRows`, BCOO) update only the rows
+    they touch, in parameters and in both moments, so a step costs
+    O(touched rows). Dense leaves get exactly :func:`optax.adam`, or the lazy
+    rule where ``lazy_dense`` selects them.
+
+    Let :math:`\alpha_t` represent the learning rate and :math:`\beta_1,
+    \beta_2, \varepsilon, \bar{\varepsilon}` the arguments ``b1``, ``b2``,
+    ``eps`` and ``eps_root``. Let :math:`g_t` be the gradient, with its
+    duplicate entries summed, and :math:`S_t` the rows (or entries) it
+    touches: every row of a dense leaf, the in-range keys of a sparse leaf,
+    the rows holding a nonzero of a ``lazy_dense`` leaf. With
+    :math:`m_0 = v_0 = 0`, at step :math:`t`, for the rows in :math:`S_t`:
+
+    .. math::
+
+      \begin{align*}
+        m_t &\leftarrow \beta_1 \cdot m_{t-1} + (1-\beta_1) \cdot g_t \\
+        v_t &\leftarrow \beta_2 \cdot v_{t-1} + (1-\beta_2) \cdot |g_t|^2 \\
+        \hat{m}_t &\leftarrow m_t / {(1-\beta_1^t)} \\
+        \hat{v}_t &\leftarrow v_t / {(1-\beta_2^t)} \\
+        p_t &\leftarrow p_{t-1} - \alpha_t \cdot \hat{m}_t / \left({\sqrt{\hat{v}_t +
+          \bar{\varepsilon}} + \varepsilon} \right)
+      \end{align*}
+
+    and :math:`m, v, p` are unchanged outside :math:`S_t`. The step count
+    :math:`t` is global and advances on every call. With
+    ``eps_placement="torch"`` the last line is ``torch.optim.SparseAdam``'s,
+    :math:`p_t \leftarrow p_{t-1} - \alpha_t \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}
+    \, m_t / (\sqrt{v_t + \bar{\varepsilon}} + \varepsilon)`.
+
+    Args:
+      learning_rate: A float or an optax schedule.
+      b1: Decay rate of the first moment.
+      b2: Decay rate of the second moment.
+      eps: Term added to the denominator, outside the square root.
+      eps_root: Term added inside the square root.
+      mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
+      maximize: Whether to ascend rather than descend.
+      eps_placement: ``"optax"`` (as :func:`optax.adam`) or ``"torch"`` (as
+        ``torch.optim.SparseAdam``).
+      lazy_dense: Which dense gradient leaves to treat lazily (a row is touched
+        when any of its entries is nonzero): a bool, a tree of bools, or a
+        function of the parameters returning one.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`. Apply its updates with
+      :func:`optax_sparse_adam.apply_updates`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> params = {"emb": jnp.ones((5, 2), jnp.float32), "w": jnp.ones((2,), jnp.float32)}
+      >>> tx = osa.sparse_adam(0.1)
+      >>> state = tx.init(params)
+      >>> grads = {"emb": osa.IndexedRows(jnp.array([3]), jnp.ones((1, 2), jnp.float32), 5),
+      ...          "w": jnp.ones((2,), jnp.float32)}
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = osa.apply_updates(params, updates)
+      >>> params["emb"].round(3)
+      Array([[1. , 1. ],
+             [1. , 1. ],
+             [1. , 1. ],
+             [0.9, 0.9],
+             [1. , 1. ]], dtype=float32)
+
+    References:
+      Kingma and Ba, `Adam: A Method for Stochastic Optimization
+      <https://arxiv.org/abs/1412.6980>`_, 2014.
+    """
+    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    tx = optax.chain(
+        scale_by_sparse_adam(
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            eps_root=eps_root,
+            mu_dtype=mu_dtype,
+            maximize=maximize,
+            eps_placement=eps_placement,
+            lazy_dense=lazy_dense,
+        ),
+        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
+    )
+    # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
+    fusion = AdamFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, maximize, eps_placement))
+    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))
+
+
+def _hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any, maximize: Any, eps_placement: Any) -> AdamHyperparams:
+    """Adam's hyperparameters, checked."""
+    check_hparam("b1", b1, lower=0.0, lower_open=False, upper=1.0)
+    check_hparam("b2", b2, lower=0.0, lower_open=False, upper=1.0)
+    check_hparam("eps", eps, lower=0.0, lower_open=True)
+    check_hparam("eps_root", eps_root, lower=0.0, lower_open=False)
+    if eps_placement not in ("optax", "torch"):
+        raise ValueError(f"Invalid eps_placement: {eps_placement!r}; it must be 'optax' or 'torch'")
+    return AdamHyperparams(b1, b2, eps, eps_root, check_bool("maximize", maximize), eps_placement)
+
+
+class AdamFusion(NamedTuple):
+    """What :func:`update_and_apply` needs of a :func:`sparse_adam` to run its step in one pass per row."""
+
+    learning_rate: optax.ScalarOrSchedule
+    hp: AdamHyperparams
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusableUpdate:
+    """An optimizer's ``update`` function that also carries how to fuse it with the parameters' update."""
+
+    update: optax.TransformUpdateExtraArgsFn
+    fusion: AdamFusion
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[optax.Updates, optax.OptState]:
+        return self.update(*args, **kwargs)

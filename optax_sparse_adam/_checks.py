@@ -1,0 +1,121 @@
+"""Argument checks shared by every transformation: one home, one wording.
+
+Each check raises ``ValueError`` or ``TypeError`` naming the argument (and,
+for a leaf, its path in the tree) and what to do, at trace time. Schedules and
+values traced under ``optax.inject_hyperparams`` are left alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_sparse_adam._tree import is_leaf, param_error
+
+__all__ = [
+    "check_bool",
+    "check_dense_gradient",
+    "check_dtype",
+    "check_hparam",
+    "check_mask",
+    "check_state",
+    "mask_tree",
+]
+
+
+def check_hparam(name: str, value: Any, *, lower: float, lower_open: bool, upper: float = math.inf) -> None:
+    """Checks a concrete scalar hyperparameter; schedules and traced (injected) values are left alone."""
+    if callable(value) or isinstance(value, jax.core.Tracer):
+        return
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iuf":
+        raise TypeError(f"Invalid {name}: {value!r}; it must be a real number")
+    if arr.size != 1:
+        raise ValueError(f"Invalid {name}: an array of shape {arr.shape}; it must be a scalar")
+    v = float(arr.reshape(()))
+    ok = (v > lower if lower_open else v >= lower) and (v < upper) and math.isfinite(v)
+    if not ok:
+        lo = f"> {lower:g}" if lower_open else f">= {lower:g}"
+        rule = f"in [{lower:g}, {upper:g})" if math.isfinite(upper) else f"finite and {lo}"
+        raise ValueError(f"Invalid {name}: {value!r}; it must be {rule}")
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a Python bool; a structural option must be one (it steers Python control flow)."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"Invalid {name}: {value!r}; it must be a bool")
+    return bool(value)
+
+
+def check_dtype(dtype: Any, name: str) -> Any:
+    """A canonical floating (or complex) dtype, or ``None``; a clear error otherwise."""
+    if dtype is None:
+        return None
+    try:
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"Invalid {name}: {dtype!r}; it must be a floating dtype such as jnp.float32") from e
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        raise TypeError(f"Invalid {name}: {dtype}; it must be a floating dtype such as jnp.float32")
+    return dtype
+
+
+def check_mask(name: str, mask: Any) -> None:
+    """A mask argument: a bool, a tree of bools, or a function returning one (checked when called)."""
+    if callable(mask):
+        return
+    for path, flag in jax.tree_util.tree_leaves_with_path(mask):
+        if not isinstance(flag, bool | np.bool_):
+            raise TypeError(
+                f"Invalid {name}: {flag!r} at {jax.tree_util.keystr(path) or '<root>'}; it must be a "
+                "bool, a tree of bools (a prefix of the parameters), or a function returning one"
+            )
+
+
+def check_dense_gradient(path: Any, g: Any, shape: tuple[int, ...], where: str) -> jax.Array:
+    """A dense gradient leaf as an array of the parameter's ``shape`` and a floating dtype."""
+    g = jnp.asarray(g)
+    if g.shape != tuple(shape):
+        raise param_error(
+            ValueError, where, path, f"gradient shape {g.shape} does not match the parameter shape {tuple(shape)}"
+        )
+    if not jnp.issubdtype(g.dtype, jnp.inexact):
+        raise param_error(
+            TypeError,
+            where,
+            path,
+            f"the gradient has dtype {g.dtype}; this optimizer needs floating-point gradients: cast the gradient, "
+            "or give this parameter a None gradient (or optax.set_to_zero) if it is not trained",
+        )
+    return g
+
+
+def check_state(state: Any, cls: type, where: str) -> None:
+    """The state passed to ``update`` is the one ``init`` builds."""
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{where}: the optimizer state is a {type(state).__name__}, not the {cls.__name__} this "
+            "transformation's init builds; pass the state that `tx.init(params)` returned for this `tx`"
+        )
+
+
+def mask_tree(mask: Any, params: Any, name: str, where: str) -> Any:
+    """``mask`` (a bool, a tree of bools that is a prefix of ``params``, or a function of ``params``) per leaf."""
+    flags = mask(params) if callable(mask) else mask
+    try:
+        tree = jax.tree.map(
+            lambda flag, sub: jax.tree.map(lambda _: flag, sub, is_leaf=is_leaf), flags, params, is_leaf=is_leaf
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{where}: {name} must be a bool, or a tree of bools that is a prefix of the parameters (or a "
+            f"function returning one), but its structure does not fit the parameters: {e}"
+        ) from None
+    for path, flag in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
+        if not isinstance(flag, bool | np.bool_):
+            raise param_error(TypeError, where, path, f"{name} must give a Python bool per leaf, got {flag!r}")
+    return tree

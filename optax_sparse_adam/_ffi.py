@@ -1,0 +1,186 @@
+"""The native CPU kernels' calls: one wrapper per XLA FFI handler, partitioned by row shards.
+
+Each wrapper lowers to ``jax.ffi.ffi_call`` with its operands aliased to its
+results, so a donated table is updated in place. Under SPMD partitioning a
+row-sharded table runs the kernel on each device's block
+(:func:`_by_row_shards`). Whether a kernel runs at all is decided in
+:mod:`._kernel_path`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import PartitionSpec as P
+
+from optax_sparse_adam._kernel_path import PREFIX, threads
+
+
+def _attrs(num_rows: int, **flags: bool) -> dict[str, np.int64]:
+    attrs = {"num_rows": np.int64(num_rows), **{k: np.int64(v) for k, v in flags.items()}}
+    attrs["threads"] = np.int64(threads())
+    return attrs
+
+
+def _rows2d(values: jax.Array) -> jax.Array:
+    return values.reshape(values.shape[0], math.prod(values.shape[1:]))
+
+
+_ROWS = "osa_rows"  # mesh axes of the row blocks of a sharded table, and of their replicas
+_REPLICAS = "osa_replicas"
+
+
+def _row_blocks(sharding: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """The devices of a table's sharding as a (row blocks, replicas) grid, block b holding the b-th rows.
+
+    A table split otherwise (columns, uneven blocks) comes back as one block:
+    the partitioner then gathers it, which is correct but not in place.
+    """
+    index = sharding.devices_indices_map(shape)
+    devices = sorted(index, key=lambda d: d.id)
+    starts: dict[int, list[Any]] = {}
+    for d in devices:
+        rows, *rest = index[d]
+        if any(r.indices(n) != (0, n, 1) for r, n in zip(rest, shape[1:], strict=True)):
+            return np.array(devices, dtype=object)[None, :]
+        starts.setdefault(rows.start or 0, []).append(d)
+    blocks = [starts[k] for k in sorted(starts)]
+    if shape[0] % len(blocks) or len({len(b) for b in blocks}) != 1:
+        return np.array(devices, dtype=object)[None, :]
+    return np.array(blocks, dtype=object)
+
+
+def _by_row_shards(fn: Callable[..., tuple[jax.Array, ...]], rule: str, summed: tuple[int, ...] = ()) -> Any:
+    """``fn(row_begin, *tables, *rest)`` made to run on each row shard of its tables under SPMD partitioning.
+
+    ``rule`` names the axes of the operands and results (Shardy's notation):
+    ``n w`` for a 2-D table, ``k`` for keys, ``k w`` for rows, ``s`` for
+    scalars. The tables come first among operands and results; the other operands
+    are replicated, and so are the other results: those listed in ``summed``
+    are summed over the shards (each shard writes zeros where it holds no
+    row), the others come out alike on every shard. On one device, or inside
+    ``shard_map``, ``fn`` runs as it is with ``row_begin = 0``.
+    """
+
+    @custom_partitioning
+    def call(*args: jax.Array) -> tuple[jax.Array, ...]:
+        return fn(jnp.zeros((), jnp.int32), *args)
+
+    def partition(mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+        table = arg_shapes[0]
+        grid = _row_blocks(table.sharding, table.shape)
+        mesh = jax.sharding.Mesh(grid, (_ROWS, _REPLICAS))
+        local_rows = table.shape[0] // grid.shape[0]
+        rows = jax.sharding.NamedSharding(mesh, P(_ROWS))
+        whole = jax.sharding.NamedSharding(mesh, P())
+
+        def lower(*args: jax.Array) -> tuple[jax.Array, ...]:
+            row_begin = jax.lax.axis_index(_ROWS).astype(jnp.int32) * local_rows
+            out = list(fn(row_begin, *args))
+            for i in summed:
+                out[i] = jax.lax.psum(out[i], _ROWS)
+            return tuple(out)
+
+        ins, outs = (side.split(", ") for side in rule.split(" -> "))
+        arg_shardings = tuple(rows if f == "n w" else whole for f in ins)
+        out_shardings = tuple(rows if f == "n w" else whole for f in outs)
+        return mesh, lower, out_shardings, arg_shardings
+
+    call.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=lambda mesh, args, result: partition(mesh, args, result)[2],
+        sharding_rule=rule,
+        need_replication_factors=tuple(f for f in ("w", "k", "s") if f in rule.split()),
+    )
+    # Under vmap (custom_partitioning has no batching rule), one call per batch element, in a loop.
+    return jax.custom_batching.sequential_vmap(call)
+
+
+def sparse_adam_rows(
+    m: jax.Array,
+    v: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    *,
+    torch_eps: bool,
+    maximize: bool,
+    unique: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The sparse leaf rule on the CPU: ``(m, v, keys, step)``, moments updated in place.
+
+    ``keys`` are ``(k,)`` int32 row indices (out of range: padding); the step
+    rows come back packed as :func:`coalesce` packs them (each distinct key
+    once, first, then padding keys ``num_rows`` with zero rows), or with
+    ``unique`` in the entries' own slots.
+    """
+    attrs = _attrs(m.shape[0], torch_eps=torch_eps, maximize=maximize, unique=unique)
+    shape = values.shape
+
+    def fn(row_begin: jax.Array, m: jax.Array, v: jax.Array, keys: jax.Array, values: jax.Array, scalars: jax.Array):
+        table = jax.ShapeDtypeStruct(m.shape, m.dtype)
+        rows = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(values.shape, values.dtype))
+        return jax.ffi.ffi_call(
+            PREFIX + "sparse_adam_rows",
+            (table, table, *rows),
+            input_output_aliases={0: 0, 1: 1},
+            vmap_method="sequential",
+        )(m, v, keys, values, scalars, row_begin, **attrs)
+
+    rule = "n w, n w, k, k w, s -> n w, n w, k, k w"
+    m2, v2, keys, step = _by_row_shards(fn, rule, summed=(3,))(_rows2d(m), _rows2d(v), keys, _rows2d(values), scalars)
+    return m2.reshape(m.shape), v2.reshape(v.shape), keys, step.reshape(shape)
+
+
+def sparse_adam_apply(
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    *,
+    torch_eps: bool,
+    maximize: bool,
+    unique: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sparse leaf rule and ``p += neg_lr * step`` in one pass over each touched row: ``(p, m, v)``."""
+    attrs = _attrs(p.shape[0], torch_eps=torch_eps, maximize=maximize, unique=unique)
+
+    def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
+        table = jax.ShapeDtypeStruct(p.shape, p.dtype)
+        return jax.ffi.ffi_call(
+            PREFIX + "sparse_adam_apply",
+            (table, table, table),
+            input_output_aliases={0: 0, 1: 1, 2: 2},
+            vmap_method="sequential",
+        )(p, m, v, *rest, row_begin, **attrs)
+
+    rule = "n w, n w, n w, k, k w, s -> n w, n w, n w"
+    out = _by_row_shards(fn, rule)(_rows2d(p), _rows2d(m), _rows2d(v), keys, _rows2d(values), scalars)
+    new_p, new_m, new_v = (x.reshape(p.shape) for x in out)
+    return new_p, new_m, new_v
+
+
+def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
+    """``table`` with ``values[i]`` added to row ``keys[i]`` in entry order, in place; padding dropped."""
+    attrs = _attrs(table.shape[0])
+
+    def fn(row_begin: jax.Array, table: jax.Array, keys: jax.Array, values: jax.Array):
+        return (
+            jax.ffi.ffi_call(
+                PREFIX + "scatter_add",
+                jax.ShapeDtypeStruct(table.shape, table.dtype),
+                input_output_aliases={0: 0},
+                vmap_method="sequential",
+            )(table, keys, values, row_begin, **attrs),
+        )
+
+    (out,) = _by_row_shards(fn, "n w, k, k w -> n w")(_rows2d(table), keys, _rows2d(values))
+    return out.reshape(table.shape)

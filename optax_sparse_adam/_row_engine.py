@@ -1,0 +1,196 @@
+"""The lazy-row engine: every optimizer of the library is a rule run by :func:`apply_rule`.
+
+An optimizer (Adam, AMSGrad, row-wise Adam, row-wise Adagrad, lazy weight
+decay) is a *rule*: a function of the touched rows of the gradient, of the
+optimizer state and, where it needs them, of the parameters, returning the
+step for those rows and their new state. :func:`apply_rule` runs a rule over
+one leaf:
+
+- a sparse leaf (:class:`IndexedRows`, BCOO) is summed into distinct rows, and
+  the rule sees the gathered rows of each state array, chunk by chunk, whose
+  new values are scattered back; untouched rows are bitwise unchanged;
+- a dense leaf has every row touched: the rule sees whole arrays; with
+  ``lazy`` only the rows holding a nonzero (or NaN) are touched.
+
+All row gathers and scatters go through :mod:`._row_ops`, so every rule runs
+on ``Explicit`` meshes too. A :class:`Kernel` may take a rule's place on a
+sparse leaf: where it supports the leaf, :func:`._kernel_path.select` lowers
+it on the CPU and the rule everywhere else.
+
+State arrays come in two layouts: *per entry* (the parameter's shape) and *per
+row* (``shape[:1]``, one scalar per row). A rule that keeps per-row state
+needs whole rows, so it takes sparse leaves that address rows only
+(``IndexedRows``, or a BCOO with ``n_sparse == 1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optax_sparse_adam import _kernel_path
+from optax_sparse_adam._checks import check_dense_gradient
+from optax_sparse_adam._coalesce import coalesce
+from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._row_ops import explicit_sharding, replicate, scatter_rows, take_rows
+from optax_sparse_adam._sparse_leaf import SparseLeaf, for_each_chunk, to_sparse_leaf
+from optax_sparse_adam._tree import broadcast_rows, map_leaves, param_error
+
+__all__ = ["Kernel", "Rule", "apply_rule", "map_rule", "row_mean_square", "row_shape", "touched_rows"]
+
+Arrays = tuple[jax.Array, ...]
+# rule(g_rows, state_rows, read_rows) -> (step_rows, new_state_rows); see apply_rule.
+Rule = Callable[[jax.Array, Arrays, Arrays], tuple[jax.Array, Arrays]]
+
+
+class Kernel(NamedTuple):
+    """A native kernel that can take a rule's place on a sparse leaf.
+
+    Attributes:
+      supports: ``supports(leaf, state, reads)``: whether the kernel handles
+        this leaf with these operands (see :func:`._kernel_path.supports`).
+      run: ``run(leaf, state, reads) -> (keys, values, new_state)``: the leaf
+        as the engine's XLA path leaves it (distinct keys packed first, or a
+        distinct leaf's keys in place) and the new state arrays.
+    """
+
+    supports: Callable[[SparseLeaf, Arrays, Arrays], bool]
+    run: Callable[[SparseLeaf, Arrays, Arrays], tuple[jax.Array, jax.Array, Arrays]]
+
+
+def row_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a per-row state array for a parameter of ``shape``: ``shape[:1]`` (``()`` for a scalar)."""
+    return tuple(shape[:1])
+
+
+def row_mean_square(g: jax.Array) -> jax.Array:
+    """``mean(|g|^2)`` over each row of ``g`` (all axes but the first), shaped ``g.shape[:1]``."""
+    sq = jnp.real(g * jnp.conj(g)) if jnp.iscomplexobj(g) else g * g
+    return jnp.mean(sq, axis=tuple(range(1, g.ndim))) if g.ndim > 1 else sq
+
+
+def touched_rows(g: jax.Array) -> jax.Array:
+    """Whether each row of a dense ``g`` holds a nonzero (or NaN): ``(g.shape[0],)`` bool (``g != 0`` for 1-D)."""
+    if g.ndim <= 1:
+        return g != 0
+    # A float max, not an any() of a table-sized mask, so XLA fuses it into the moment updates.
+    return jnp.max(jnp.abs(g), axis=tuple(range(1, g.ndim))) != 0
+
+
+def apply_rule(
+    path: Any,
+    g: Any,
+    shape: tuple[int, ...],
+    state: Sequence[jax.Array],
+    reads: Sequence[jax.Array],
+    rule: Rule,
+    where: str,
+    *,
+    whole_rows: bool,
+    lazy: bool = False,
+    kernel: Kernel | None = None,
+) -> tuple[Any, Arrays]:
+    """Runs ``rule`` on the rows ``g`` touches; returns the update leaf and the new state arrays.
+
+    Args:
+      path: The leaf's path, for errors.
+      g: The gradient leaf: dense, sparse, or ``None`` (nothing moves).
+      shape: The parameter's shape.
+      state: State arrays, each of the parameter's shape or of ``row_shape(shape)``;
+        the rule returns them in the same order, row for row.
+      reads: Arrays the rule reads but does not write (the parameters), of the
+        parameter's shape or per row.
+      rule: ``rule(g_rows, state_rows, read_rows) -> (step_rows, new_state_rows)``;
+        on a dense leaf the "rows" are the whole arrays.
+      where: The public function, for errors.
+      whole_rows: Whether the rule needs whole rows (it keeps per-row state).
+      lazy: For a dense leaf, touch only the rows that hold a nonzero.
+      kernel: A native kernel that may run instead of ``rule`` on a sparse leaf.
+
+    Returns:
+      The update leaf (the gradient's type; padding slots zero) and the state,
+      each array in its own dtype (the update in the gradient's).
+    """
+    state, reads = tuple(state), tuple(reads)
+    if g is None:
+        return None, state
+    if not is_sparse(g):
+        g = check_dense_gradient(path, g, shape, where)
+        step, new_state = rule(g, state, reads)
+        if lazy:
+            touched = touched_rows(g)
+            new_state = tuple(
+                jnp.where(broadcast_rows(touched, n.ndim), n, s) for n, s in zip(new_state, state, strict=True)
+            )
+            step = jnp.where(broadcast_rows(touched, step.ndim), step, jnp.zeros((), step.dtype))
+        return step.astype(g.dtype), tuple(n.astype(s.dtype) for n, s in zip(new_state, state, strict=True))
+    leaf = to_sparse_leaf(g, shape, path, where, emits=True)
+    if whole_rows and leaf.n_sparse != 1:
+        raise param_error(
+            ValueError,
+            where,
+            path,
+            f"this optimizer keeps one state scalar per row, so a sparse gradient must address whole rows, but this "
+            f"BCOO has n_sparse={leaf.n_sparse}; use an IndexedRows or a BCOO with n_sparse=1",
+        )
+
+    def xla() -> tuple[jax.Array, jax.Array, Arrays]:
+        summed = coalesce(leaf)
+        new_state, out = _run_rows(summed, shape, state, reads, rule)
+        return summed.keys, out, new_state
+
+    if kernel is not None and kernel.supports(leaf, state, reads):
+        keys, values, new_state = _kernel_path.select(lambda: kernel.run(leaf, state, reads), xla)
+    else:
+        keys, values, new_state = xla()
+    # As coalescing leaves it: distinct keys packed first, or a distinct leaf's keys in place.
+    out = leaf._replace(keys=keys, values=values, distinct=True, sorted=leaf.distinct and leaf.sorted)
+    return out.to_leaf(), tuple(new_state)
+
+
+def _run_rows(leaf: SparseLeaf, shape: tuple[int, ...], state: Arrays, reads: Arrays, rule: Rule) -> tuple[Arrays, Any]:
+    """The XLA path: ``rule`` on each chunk of a coalesced leaf's rows, gathered and scattered back."""
+
+    def index_for(x: jax.Array, idx: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        return idx[: x.ndim] if x.ndim < len(shape) else idx
+
+    def rows_update(start: Any, chunk: SparseLeaf, carry: Any) -> Any:
+        arrays, out = carry
+        idx = chunk.row_index()
+        rows = tuple(take_rows(a, index_for(a, idx)) for a in arrays)
+        read_rows = tuple(take_rows(r, index_for(r, idx)) for r in reads)
+        step, new_rows = rule(chunk.values, rows, read_rows)
+        step = jnp.where(broadcast_rows(chunk.valid(), step.ndim), step, jnp.zeros((), step.dtype))
+        arrays = tuple(
+            scatter_rows(a, index_for(a, idx), n.astype(a.dtype), "set", unique=True)
+            for a, n in zip(arrays, new_rows, strict=True)
+        )
+        return arrays, jax.lax.dynamic_update_slice_in_dim(out, step.astype(out.dtype), start, 0)
+
+    # On an Explicit mesh the rows come back replicated on it; the update they fill must live there too.
+    on_mesh = [x for x in state + reads if explicit_sharding(x) is not None]
+    out = replicate(jnp.zeros_like(leaf.values), like=on_mesh[0] if on_mesh else None)
+    return for_each_chunk(leaf, rows_update, (state, out))
+
+
+def map_rule(
+    fn: Callable[..., tuple[Any, ...]], grads: Any, trees: Sequence[tuple[Any, str]], where: str, n_out: int
+) -> tuple[Any, ...]:
+    """:func:`map_leaves` over the gradient tree, with state subtrees checked to be arrays."""
+
+    def leaf_fn(path: Any, g: Any, *others: Any) -> tuple[Any, ...]:
+        for (_, name), x in zip(trees, others, strict=True):
+            structure: Any = jax.tree.structure(x)
+            if g is not None and structure.num_nodes > 1:
+                raise param_error(
+                    ValueError,
+                    where,
+                    path,
+                    f"the gradient is a leaf but the {name} hold a subtree {jax.tree.structure(x)} there",
+                )
+        return fn(path, g, *others)
+
+    return map_leaves(leaf_fn, grads, trees, where=where, tree_name="gradient", n_out=n_out)

@@ -1,0 +1,498 @@
+"""Row-sharded tables: :class:`RowSharding`, the spec.
+
+A table too big for one device is split by rows over a mesh axis
+(``PartitionSpec(axis, None)``): device ``i`` of ``n`` holds the block of
+rows ``[i * num_rows / n, (i + 1) * num_rows / n)`` and its Adam moments. Ids
+reach the rows' owners by *routing* (:mod:`optax_sparse_adam._routing`) inside
+``jax.shard_map``; every device then runs the library's own update on its
+block, with ids local to it, and no collective touches a table. Per device and
+step: communication is O(ids x width), compute is O(rows it owns in the batch)
+plus the routing, and temporaries do not depend on the table's size.
+
+Between the routed calls a table's gradient or update is an ordinary
+:class:`IndexedRows` (or BCOO) in global ids, *owner-aligned*: its entries are
+sharded over the same axis as the table, and the block on device ``i`` holds
+only rows that device ``i`` owns (or padding). It has the usual meaning, so
+:func:`~optax_sparse_adam.apply_updates` and ``tx.update`` also take it
+under plain ``jit``; :meth:`RowSharding.update` and
+:meth:`RowSharding.apply_updates` run them on each block instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import sparse as jsparse
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from optax_sparse_adam import _routing
+from optax_sparse_adam._apply import apply_updates as _apply_updates
+from optax_sparse_adam._fused import update_and_apply as _update_and_apply
+from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
+from optax_sparse_adam._routing import Route, RoutingInfo
+from optax_sparse_adam._row_grad import Selection, check_ids, check_reads_rows_only, select_tables
+from optax_sparse_adam._row_ops import take_rows
+from optax_sparse_adam._tree import broadcast_rows, leaves_like
+
+__all__ = ["RowSharding"]
+
+_P = PartitionSpec
+
+
+def _specs_like(tree: Any, spec: PartitionSpec) -> Any:
+    """``spec`` for every array of ``tree`` (a sparse leaf keeps its static metadata)."""
+    return jax.tree.map(lambda _: spec, tree)
+
+
+def _flatten_up_to(treedef: Any, tree: Any, where: str) -> list[Any]:
+    """``tree``'s subtrees at the leaves of ``treedef`` (the parameters' structure), or an error naming the path."""
+    return leaves_like(treedef, treedef.unflatten([None] * treedef.num_leaves), tree, where, "parameters", "parameters")
+
+
+def _abstract(x: Any, shape: tuple[int, ...] | None = None) -> Any:
+    """A placeholder for ``x`` (with ``shape`` if given) for tracing without compute."""
+    if x is None:
+        return None
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape if shape is None else shape, aval.dtype, weak_type=aval.weak_type)
+
+
+_ROUTING_INFO_SPECS: Any = RoutingInfo(_P(), _P())  # type: ignore[arg-type]  # specs in place of arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSharding:
+    """Tables split by rows over a mesh axis, and how a batch's ids reach their rows' owners.
+
+    The tables that ``tables`` selects live as ``NamedSharding(mesh,
+    P(axis, None, ...))``: device ``i`` of the axis's ``n`` owns rows
+    ``[i * num_rows / n, (i + 1) * num_rows / n)`` (``num_rows`` must be a
+    multiple of ``n``). Every other parameter is replicated. The methods
+    mirror the library's step, each one ``jax.shard_map``-ped over ``mesh``:
+
+    - :meth:`value_and_row_grad`: the fast path; ids are routed to the
+      owners, the rows come back to the devices that look them up, and the
+      row gradients go back to the owners;
+    - :meth:`route`: an :class:`IndexedRows` or BCOO gradient in global ids
+      (from anywhere) brought to the owners;
+    - :meth:`update` and :meth:`apply_updates`: ``tx.update`` and
+      :func:`~optax_sparse_adam.apply_updates` on each device's block only.
+
+    Ids are either replicated (``batch_axis=None``: every device sees the
+    whole batch; each keeps the ids it owns, with no communication for a
+    gradient and one all-reduce of the rows for a lookup) or split over
+    ``batch_axis`` (which must be ``axis``: data parallel over the devices
+    holding the table), and then routed by
+
+    - ``"all_gather"``: every device receives every id of the batch and, as
+      rows forward and as gradients backward, every row looked up:
+      ``K * (2 * width + 1)`` words per device for a global batch of ``K``
+      ids, which does not fall as devices are added;
+    - ``"all_to_all"``: each device sums its duplicates, buckets its distinct
+      ids by owner with ``capacity`` slots per owner, and exchanges buckets
+      (ids, then rows, then gradients): ``n * capacity * (2 * width + 1)``
+      words per device, about ``K / n * (2 * width + 1)`` when ``capacity``
+      fits the batch. A bucket over
+      capacity on any device makes the whole step take the all-gather route
+      (one scalar decides; only routing sits in that ``lax.cond``, never a
+      table), so no id is dropped; :class:`RoutingInfo` reports the overflow.
+
+    The value of a data-parallel loss is the mean over devices of ``fun`` on
+    each device's share of the batch (a mean loss over equal shares is the
+    whole batch's mean loss), and the dense gradients are its gradients,
+    summed over the devices.
+
+    Attributes:
+      mesh: The device mesh (``jax.make_mesh``; ``Explicit`` or ``Auto``
+        axes), over all processes' devices under ``jax.distributed``.
+      axis: The mesh axis the tables' rows are split over.
+      tables: Selects the tables from the parameters, e.g. ``lambda p:
+        (p["user"], p["item"])``; it may only index into the tree.
+      batch_axis: ``None`` for replicated ids, or ``axis`` for ids (and the
+        other batch arguments) split over it along their first axis.
+      routing: ``"all_to_all"`` (default) or ``"all_gather"``; used with
+        ``batch_axis``.
+      capacity: Slots per (device, owner) bucket for ``"all_to_all"``;
+        ``None`` gives the even share ``m = k / n`` of a device's ``k`` ids
+        plus ``4 * sqrt(m) + 4``, which uniformly spread ids overflow about
+        once in a million buckets. Ids concentrated on a few owners (low ids
+        of a Zipf law with contiguous row blocks) need more: permute the
+        ids, or raise it, as :class:`RoutingInfo` shows.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+      >>> rs = osa.RowSharding(mesh, "x", tables=lambda p: p["emb"])
+      >>> params = rs.shard({"emb": jnp.ones((8, 2), jnp.float32), "w": jnp.ones((2,), jnp.float32)})
+      >>> params["emb"].sharding.spec == jax.P("x", None)
+      True
+      >>> tx = osa.sparse_adam(0.1)
+      >>> state = tx.init(params)
+      >>> def loss(p, ids):
+      ...   return (p["emb"][ids] @ p["w"]).sum()
+      >>> value, grads, info = rs.value_and_row_grad(loss)(params, jnp.array([3, 3, 5]))
+      >>> updates, state = rs.update(tx, grads, state, params)
+      >>> params = rs.apply_updates(params, updates)
+      >>> value, params["emb"][2:6, 0]
+      (Array(6., dtype=float32), Array([1. , 0.9, 1. , 0.9], dtype=float32))
+    """
+
+    mesh: Mesh
+    axis: str
+    tables: Callable[[Any], Any]
+    _: dataclasses.KW_ONLY
+    batch_axis: str | None = None
+    routing: Literal["all_gather", "all_to_all"] = "all_to_all"
+    capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        names = tuple(self.mesh.axis_names)
+        if self.axis not in names:
+            raise ValueError(f"RowSharding: axis {self.axis!r} is not an axis of the mesh {names}")
+        if self.batch_axis not in (None, self.axis):
+            raise ValueError(
+                f"RowSharding: batch_axis must be None (replicated ids) or the row axis {self.axis!r}, "
+                f"got {self.batch_axis!r}"
+            )
+        if self.routing not in ("all_gather", "all_to_all"):
+            raise ValueError(f"RowSharding: routing must be 'all_gather' or 'all_to_all', got {self.routing!r}")
+        if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
+            raise ValueError(f"RowSharding: capacity must be a positive int or None, got {self.capacity!r}")
+
+    # ---------------------------------------------------------------- layout
+
+    @property
+    def num_shards(self) -> int:
+        return int(self.mesh.shape[self.axis])
+
+    @property
+    def _route(self) -> Route:
+        return "replicated" if self.batch_axis is None else self.routing
+
+    def _selected(self, params: Any, where: str = "RowSharding") -> Selection:
+        """The tables that ``tables`` selects, each with a number of rows divisible by the devices."""
+        sel = select_tables(params, self.tables, where)
+        for i in sel.chosen:
+            rows = sel.leaves[i].shape[0]
+            if rows % self.num_shards:
+                raise ValueError(
+                    f"{where}: table {sel.paths[i]} has {rows} rows, not a multiple of the "
+                    f"{self.num_shards} devices of axis {self.axis!r}; pad the table to a multiple"
+                )
+        return sel
+
+    def specs(self, params: Any) -> Any:
+        """The ``PartitionSpec`` of each parameter: ``P(axis, None, ...)`` for tables, ``P()`` otherwise."""
+        leaves, _, chosen, treedef = self._selected(params)
+        return treedef.unflatten(
+            [_P(self.axis, *([None] * (jnp.ndim(x) - 1))) if i in chosen else _P() for i, x in enumerate(leaves)]
+        )
+
+    def shardings(self, params: Any) -> Any:
+        """The ``NamedSharding`` of each parameter (a restore target for orbax, ``out_shardings`` for jit)."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs(params))
+
+    def shard(self, params: Any) -> Any:
+        """``params`` placed on the mesh: tables split by rows, everything else replicated."""
+        return jax.device_put(params, self.shardings(params))
+
+    def state_specs(self, tx: Any, state: Any, params: Any) -> Any:
+        """The ``PartitionSpec`` of each leaf of ``tx``'s state: the parameters' for moments, ``P()`` else."""
+        return optax.tree_utils.tree_map_params(
+            tx, lambda _, spec: spec, state, self.specs(params), transform_non_params=lambda _: _P()
+        )
+
+    def _put(self, tree: Any, specs: Any) -> Any:
+        """``tree`` resharded to ``specs`` where the mesh has ``Explicit`` axes (``shard_map`` wants that)."""
+        explicit = any(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types)
+        if not explicit:
+            return tree
+
+        def put(x: Any, spec: Any) -> Any:
+            if x is None or isinstance(x, jax.ShapeDtypeStruct):
+                return x
+            return jax.sharding.reshard(x, NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(put, tree, specs, is_leaf=lambda x: x is None)
+
+    def _map(self, body: Callable[..., Any], in_specs: Any, out_specs: Any, *args: Any) -> Any:
+        args = tuple(self._put(a, s) for a, s in zip(args, in_specs, strict=True))
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+
+    def _tree_specs(self, params: Any, tree: Any) -> Any:
+        """Specs for a gradient/update tree: owner-aligned sparse table leaves (entries split over ``axis``)."""
+        _, _, chosen, treedef = self._selected(params)
+        leaves = _flatten_up_to(treedef, tree, "RowSharding")
+        return treedef.unflatten(
+            [
+                _specs_like(x, _P(self.axis)) if i in chosen and is_sparse(x) else (None if x is None else _P())
+                for i, x in enumerate(leaves)
+            ]
+        )
+
+    def _locals(self, tree: Any, chosen: list[int], treedef: Any, where: str) -> tuple[list[Any], list[Any]]:
+        """Inside ``shard_map``: ``tree``'s leaves, and the same with each table's sparse leaf local to the block."""
+        flat = _flatten_up_to(treedef, tree, where)
+        n = self.num_shards
+        local = [
+            _routing.to_local(x, self.axis, n, (), where) if i in chosen and is_sparse(x) else x
+            for i, x in enumerate(flat)
+        ]
+        return flat, local
+
+    # ---------------------------------------------------------------------------- update / apply
+
+    def update(self, tx: optax.GradientTransformation, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        """``tx.update(grads, state, params)`` on each device's block of the tables.
+
+        ``grads`` holds owner-aligned sparse leaves for the tables (from
+        :meth:`value_and_row_grad` or :meth:`route`) and replicated dense
+        leaves. Each device updates the rows it owns and their moments, with no
+        collective; the state keeps its shardings. ``tx`` runs per block, so
+        a transformation that reduces over the whole tree
+        (``clip_by_global_norm``) would see one block: apply such ones
+        before routing.
+
+        Returns:
+          ``(updates, state)``: owner-aligned sparse updates for the tables.
+        """
+        g_specs = self._tree_specs(params, grads)
+        p_specs = self.specs(params)
+        s_specs = self.state_specs(tx, state, params)
+        _, _, chosen, treedef = self._selected(params)
+        where = "RowSharding.update"
+
+        def body(grads: Any, state: Any, params: Any) -> Any:
+            flat, local = self._locals(grads, chosen, treedef, where)
+            updates, state = tx.update(treedef.unflatten(local), state, params)
+            out = _flatten_up_to(treedef, updates, where)
+            out = [
+                _routing.to_global(u, flat[i], self.axis, self.num_shards, (), where)
+                if i in chosen and is_sparse(u)
+                else u
+                for i, u in enumerate(out)
+            ]
+            return treedef.unflatten(out), state
+
+        return self._map(body, (g_specs, s_specs, p_specs), (g_specs, s_specs), grads, state, params)
+
+    def apply_updates(self, params: Any, updates: Any) -> Any:
+        """:func:`~optax_sparse_adam.apply_updates` on each device's block; the tables keep their sharding."""
+        u_specs = self._tree_specs(params, updates)
+        p_specs = self.specs(params)
+        _, _, chosen, treedef = self._selected(params)
+
+        def body(params: Any, updates: Any) -> Any:
+            _, local = self._locals(updates, chosen, treedef, "RowSharding.apply_updates")
+            return _apply_updates(params, treedef.unflatten(local))
+
+        return self._map(body, (p_specs, u_specs), p_specs, params, updates)
+
+    def update_and_apply(
+        self, tx: optax.GradientTransformation, grads: Any, state: Any, params: Any
+    ) -> tuple[Any, Any]:
+        """:func:`~optax_sparse_adam.update_and_apply` on each device's block, in one ``shard_map``.
+
+        Each table's owner-aligned gradient is made local to its block once,
+        and the step is applied there (in one pass per row where the native
+        kernels apply), with no round trip of the updates through global ids.
+
+        Returns:
+          ``(params, state)`` after the step, with their shardings.
+        """
+        g_specs = self._tree_specs(params, grads)
+        p_specs = self.specs(params)
+        s_specs = self.state_specs(tx, state, params)
+        _, _, chosen, treedef = self._selected(params)
+
+        def body(grads: Any, state: Any, params: Any) -> Any:
+            _, local = self._locals(grads, chosen, treedef, "RowSharding.update_and_apply")
+            return _update_and_apply(tx, treedef.unflatten(local), state, params)
+
+        return self._map(body, (g_specs, s_specs, p_specs), (p_specs, s_specs), grads, state, params)
+
+    # ----------------------------------------------------------------------------------- routing
+
+    def route(self, grads: Any, params: Any) -> tuple[Any, RoutingInfo]:
+        """Brings the tables' sparse gradients (global ids) to the devices that own their rows.
+
+        Args:
+          grads: A gradient tree with the structure of ``params``. A table's
+            leaf is an :class:`IndexedRows` or a BCOO in global ids, replicated
+            (``batch_axis=None``) or split over ``batch_axis`` (each device
+            holding the entries of its share of the batch); other leaves are
+            replicated and passed through.
+          params: The parameters (for the tables' shapes).
+
+        Returns:
+          ``(grads, info)``: the tables' leaves owner-aligned, for
+          :meth:`update`; :class:`RoutingInfo`.
+        """
+        leaves, paths, chosen, treedef = self._selected(params)
+        where = "RowSharding.route"
+        flat = _flatten_up_to(treedef, grads, where)
+        sparse = [i for i in chosen if is_sparse(flat[i])]
+        entry = _P() if self.batch_axis is None else _P(self.batch_axis)
+        in_specs = treedef.unflatten(
+            [_specs_like(x, entry) if i in sparse else (None if x is None else _P()) for i, x in enumerate(flat)]
+        )
+        out_leaves = [
+            (
+                IndexedRows(flat[i].indices, flat[i].values, flat[i].num_rows)
+                if isinstance(flat[i], IndexedRows)
+                else jsparse.BCOO((flat[i].data, flat[i].indices), shape=flat[i].shape)
+            )
+            if i in sparse
+            else flat[i]
+            for i in range(len(flat))
+        ]
+        out_specs = self._tree_specs(params, treedef.unflatten(out_leaves))
+        shapes = [tuple(jnp.shape(x)) for x in leaves]
+        axis, n, route = self.axis, self.num_shards, self._route
+        entries = _routing.coalesced if route == "all_to_all" else _routing.keys_values
+
+        def body(grads: Any) -> Any:
+            g = _flatten_up_to(treedef, grads, where)
+            routed = {}
+            for i in sparse:
+                keys, values = entries(g[i], shapes[i], paths[i], where)
+                routed[i] = _routing.route_entries(keys, values, shapes[i], axis, n, route, self.capacity)
+            overflow, fallback = _routing.decide([o for o, _ in routed.values()], axis, route)
+            for i, (_, finish) in routed.items():
+                g[i] = _routing.rebuild(out_leaves[i], *finish(fallback), shapes[i])
+            return treedef.unflatten(g), RoutingInfo(overflow, fallback)
+
+        return self._map(body, (in_specs,), (out_specs, _ROUTING_INFO_SPECS), grads)
+
+    # ---------------------------------------------------------------------------- fast path
+
+    def value_and_row_grad(
+        self, fun: Callable[..., Any], *, has_aux: bool = False
+    ) -> Callable[..., tuple[Any, Any, RoutingInfo]]:
+        """:func:`~optax_sparse_adam.value_and_row_grad` for row-sharded tables.
+
+        The returned function takes ``(params, ids, *args)`` as
+        :func:`~optax_sparse_adam.value_and_row_grad` does, one array of ids
+        per table that ``tables`` selects (a table selected twice gets both
+        arrays), and the ids and ``args`` split over ``batch_axis`` along
+        their first axis (or replicated). ``fun(params_rows, positions,
+        *args)`` runs on each device for its share of the batch, with the
+        rows its ids look up, wherever they live. Like
+        :func:`~optax_sparse_adam.value_and_row_grad`, it refuses (before any
+        compute) a ``fun`` that uses a table other than by indexing it with
+        the ids.
+
+        Returns:
+          A function returning ``(value, grads, info)``: the loss (the mean
+          over devices for a data-parallel batch); the gradients, owner-aligned
+          :class:`IndexedRows` for the tables and summed dense arrays for the
+          rest; :class:`RoutingInfo`. With ``has_aux``, ``value`` is
+          ``(loss, aux)`` and a data-parallel ``aux`` comes from every device,
+          stacked along a new first axis.
+        """
+
+        where = "RowSharding.value_and_row_grad"
+
+        def wrapped(params: Any, ids: Any, *args: Any) -> tuple[Any, Any, RoutingInfo]:
+            sel = self._selected(params, where)
+            leaves, paths, chosen, treedef = sel
+            id_leaves, id_treedef = check_ids(ids, sel, where)
+            tables = sorted(set(chosen))
+            by_table = {i: [j for j, c in enumerate(chosen) if c == i] for i in tables}
+            shapes = {i: tuple(jnp.shape(leaves[i])) for i in tables}
+            axis, n, route = self.axis, self.num_shards, self._route
+            n_batch = 1 if self.batch_axis is None else n
+
+            # What `fun` sees on one device, as placeholders: the guard traces it and computes nothing.
+            def per_device(x: Any) -> tuple[int, ...]:
+                shape = tuple(jnp.shape(x))
+                return shape if self.batch_axis is None else (shape[0] // n, *shape[1:])
+
+            id_shapes = [per_device(x) for x in id_leaves]
+            k = {i: sum(math.prod(id_shapes[j]) for j in by_table[i]) for i in tables}
+            check_reads_rows_only(
+                lambda d, pos, a: fun(treedef.unflatten(d), pos, *a),
+                [_abstract(x, (k[i], *shapes[i][1:]) if i in tables else None) for i, x in enumerate(leaves)],
+                id_treedef.unflatten([jax.ShapeDtypeStruct(s, jnp.int32) for s in id_shapes]),
+                jax.tree.map(lambda x: _abstract(x, per_device(x)), args),
+                {i: paths[i] for i in tables},
+                axis_env=list(self.mesh.shape.items()),
+            )
+
+            p_specs = self.specs(params)
+            batch = _P() if self.batch_axis is None else _P(self.batch_axis)
+            id_specs = jax.tree.map(lambda _: batch, ids)
+            arg_specs = jax.tree.map(lambda _: batch, args)
+            unique = route != "all_to_all"
+            grad_template = treedef.unflatten(
+                [
+                    IndexedRows(jnp.zeros(1, jnp.int32), jnp.zeros((1, *shapes[i][1:])), shapes[i][0], unique)
+                    if i in tables
+                    else x
+                    for i, x in enumerate(leaves)
+                ]
+            )
+            g_specs = self._tree_specs(params, grad_template)
+            stacked = has_aux and self.batch_axis is not None
+            value_spec = (_P(), _P(axis)) if stacked else _P()
+
+            def body(params: Any, ids: Any, args: Any) -> Any:
+                local = _flatten_up_to(treedef, params, where)
+                flat_ids = jax.tree.leaves(ids)
+                exchanges: dict[int, Any] = {}
+                wanted: dict[int, jax.Array] = {}
+                positions: list[Any] = [None] * len(flat_ids)
+                plans = {}
+                for i in tables:
+                    flat = [jnp.asarray(flat_ids[j]).reshape(-1) for j in by_table[i]]
+                    ids_i = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+                    plans[i] = _routing.plan(ids_i, shapes[i][0], axis, n, route, self.capacity)
+                overflow, fallback = _routing.decide([o for o, _ in plans.values()], axis, route)
+                for i, (_, finish) in plans.items():
+                    exchanges[i], wanted[i], pos = finish(fallback)
+                    start = 0
+                    for j in by_table[i]:
+                        x = flat_ids[j]
+                        positions[j] = pos[start : start + x.size].reshape(jnp.shape(x))
+                        start += x.size
+                rows = {i: take_rows(local[i], wanted[i]) for i in tables}
+                pos_tree = id_treedef.unflatten(positions)
+
+                def inner(diff: list[Any]) -> Any:
+                    full = [exchanges[i](diff[i]) if i in tables else diff[i] for i in range(len(diff))]
+                    out = fun(treedef.unflatten(full), pos_tree, *args)
+                    if has_aux:
+                        return out[0] / n_batch, out[1]
+                    return out / n_batch
+
+                diff = [rows[i] if i in tables else x for i, x in enumerate(local)]
+                value, grads = jax.value_and_grad(inner, has_aux=has_aux)(diff)
+                if self.batch_axis is not None:
+                    if has_aux:
+                        value = (jax.lax.psum(value[0], axis), jax.tree.map(lambda a: a[None], value[1]))
+                    else:
+                        value = jax.lax.psum(value, axis)
+                out = []
+                for i, g in enumerate(grads):
+                    if i not in tables:
+                        out.append(g)
+                        continue
+                    shard, lo = _routing.block(shapes[i][0], axis, n)
+                    owned = wanted[i] < shard
+                    values = jnp.where(broadcast_rows(owned, g.ndim), g, jnp.zeros((), g.dtype))
+                    out.append(
+                        IndexedRows(jnp.where(owned, wanted[i] + lo, -1), values, shapes[i][0], unique_indices=unique)
+                    )
+                return value, treedef.unflatten(out), RoutingInfo(overflow, fallback)
+
+            out_specs = (value_spec, g_specs, _ROUTING_INFO_SPECS)
+            return self._map(body, (p_specs, id_specs, arg_specs), out_specs, params, ids, args)
+
+        return wrapped

@@ -1,0 +1,49 @@
+"""What the tests share: one tree comparison, and one check that a step compiles once."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def assert_trees_equal(actual: Any, desired: Any, *, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """The same tree structure, and leaf by leaf the same dtype, shape and values.
+
+    Values are compared bitwise (NaNs equal) unless ``rtol`` or ``atol`` is given. Sparse leaves
+    (``IndexedRows``, BCOO) are pytrees: their indices and values are compared as they are.
+    """
+    structure, want_structure = jax.tree.structure(actual), jax.tree.structure(desired)
+    assert structure == want_structure, f"tree structures differ:\n{structure}\n{want_structure}"
+    for (path, a), d in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(desired), strict=True):
+        where = jax.tree_util.keystr(path) or "the root"
+        a, d = np.asarray(a), np.asarray(d)
+        assert a.dtype == d.dtype, f"{where}: dtype {a.dtype}, expected {d.dtype}"
+        assert a.shape == d.shape, f"{where}: shape {a.shape}, expected {d.shape}"
+        if rtol or atol:
+            if a.dtype.kind == "V" or a.dtype.itemsize < 2 or str(a.dtype) == "bfloat16":  # ml_dtypes floats
+                a, d = a.astype(np.float32), d.astype(np.float32)
+            np.testing.assert_allclose(a, d, rtol=rtol, atol=atol, err_msg=where)
+        else:
+            np.testing.assert_array_equal(a, d, err_msg=where, strict=True)
+
+
+def jit_once(fn: Callable[..., Any], *, jit: Callable[..., Any] = jax.jit, **jit_kwargs: Any) -> Callable[..., Any]:
+    """``jit(fn, **jit_kwargs)`` that fails the test as soon as ``fn`` is traced a second time (a recompile).
+
+    The count belongs to this one wrapped function, unlike ``chex.assert_max_traces``'s global counter keyed
+    by source, so parametrized tests need no reset. ``jit`` may be another tracing wrapper (``nnx.jit``).
+    """
+    traces = 0
+
+    @functools.wraps(fn)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal traces
+        traces += 1
+        assert traces == 1, f"{fn.__name__} was traced {traces} times: a later call recompiled it"
+        return fn(*args, **kwargs)
+
+    return jit(counted, **jit_kwargs)

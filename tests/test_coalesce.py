@@ -1,0 +1,108 @@
+"""Summing duplicate keys (``_coalesce.py``) against a NumPy loop: duplicates summed, the distinct keys packed into
+the first slots, padding after them with zero values, the capacity kept."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental import sparse as jsparse
+
+import optax_sparse_adam as osa
+from optax_sparse_adam._coalesce import coalesce
+from optax_sparse_adam._sparse_leaf import to_sparse_leaf
+from tests.helpers import jit_once
+
+
+def _internal(keys: np.ndarray, values: np.ndarray, shape: tuple[int, ...]):
+    """The internal form of the user's leaf: an IndexedRows for row keys, a BCOO otherwise."""
+    if keys.shape[1] == 1:
+        leaf = osa.IndexedRows(jnp.asarray(keys[:, 0]), jnp.asarray(values), shape[0])
+    else:
+        leaf = jsparse.BCOO((jnp.asarray(values), jnp.asarray(keys)), shape=shape)
+    return to_sparse_leaf(leaf, shape, (), "test")
+
+
+def _numpy_coalesce(keys: np.ndarray, values: np.ndarray, shape: tuple[int, ...]) -> dict[tuple[int, ...], np.ndarray]:
+    """Each in-range key once, with the float64 sum of its entries' values and the sum of their magnitudes."""
+    summed: dict[tuple[int, ...], np.ndarray] = {}
+    for key, value in zip(map(tuple, keys.tolist()), values, strict=True):
+        if all(0 <= c < n for c, n in zip(key, shape, strict=False)):
+            v = value.astype(np.float64)
+            total, size = summed.get(key, (0.0, 0.0))
+            summed[key] = (total + v, size + np.abs(v))
+    return summed
+
+
+def _assert_coalesced(out, keys: np.ndarray, values: np.ndarray, shape: tuple[int, ...]) -> None:
+    assert out.distinct and out.shape == shape
+    _assert_packed(out.keys, out.values, keys, values, shape)
+
+
+def _assert_packed(got_keys, got_values, keys: np.ndarray, values: np.ndarray, shape: tuple[int, ...]) -> None:
+    want = _numpy_coalesce(keys, values, shape)
+    n, n_sparse = len(want), keys.shape[1]
+    got_keys, got_values = np.asarray(got_keys), np.asarray(got_values)
+    assert got_keys.shape == keys.shape and got_keys.dtype == np.int32  # the capacity is kept
+    assert got_values.shape == values.shape and got_values.dtype == values.dtype
+    packed = [tuple(k) for k in got_keys[:n].tolist()]
+    assert sorted(packed) == sorted(want)  # each distinct key once, in the first slots
+    for key, value in zip(packed, got_values[:n], strict=True):
+        total, size = want[key]  # float32 sums of many entries: rounding grows with the magnitudes summed
+        assert np.all(np.abs(value - total) <= 1e-6 * size + 1e-6), (key, value, total)
+    np.testing.assert_array_equal(got_keys[n:], np.broadcast_to(np.array(shape[:n_sparse]), (len(keys) - n, n_sparse)))
+    np.testing.assert_array_equal(got_values[n:], 0.0)  # padding holds zeros
+
+
+@st.composite
+def _leaves(draw):
+    n_sparse = draw(st.integers(1, 2))
+    shape = tuple(draw(st.integers(1, 6)) for _ in range(n_sparse)) + draw(st.sampled_from([(), (2,), (2, 3)]))
+    capacity = draw(st.integers(0, 24))
+    in_range = st.tuples(*[st.integers(0, n - 1) for n in shape[:n_sparse]])
+    padding = st.tuples(*[st.sampled_from([-7, -1, n, n + 3]) for n in shape[:n_sparse]])
+    keys = draw(st.lists(st.one_of(in_range, in_range, in_range, padding), min_size=capacity, max_size=capacity))
+    return np.array(keys, np.int32).reshape(capacity, n_sparse), shape
+
+
+@settings(max_examples=80, deadline=None)
+@given(_leaves(), st.integers(0, 2**31 - 1))
+def test_matches_numpy_on_random_keys(leaf, seed):
+    keys, shape = leaf
+    values = np.random.default_rng(seed).standard_normal((len(keys), *shape[keys.shape[1] :])).astype(np.float32)
+    _assert_coalesced(coalesce(_internal(keys, values, shape)), keys, values, shape)
+
+
+def test_duplicates_that_sum_to_zero_keep_their_slot():
+    keys = np.array([[2], [5], [2], [-1], [5]], np.int32)
+    values = np.array([[1.0, -2.0], [3.0, 3.0], [-1.0, 2.0], [9.0, 9.0], [0.5, 0.5]], np.float32)
+    out = coalesce(_internal(keys, values, (6, 2)))
+    _assert_coalesced(out, keys, values, (6, 2))
+    assert 2 in np.asarray(out.keys)[:2, 0]  # touched with a zero sum: still a key
+
+
+def test_a_leaf_known_distinct_is_returned_as_it_is():
+    rows = osa.IndexedRows(jnp.array([3, 1, 9], jnp.int32), jnp.ones((3, 2), jnp.float32), 9, unique_indices=True)
+    leaf = to_sparse_leaf(rows, (9, 2), (), "test")
+    assert coalesce(leaf) is leaf
+
+
+@pytest.mark.parametrize("capacity", [1, 8192])
+def test_many_keys_under_jit_with_one_compile(capacity):
+    """Hash rounds run in a while loop: any mix of duplicates, up to one key repeated everywhere, one compile."""
+    rng = np.random.default_rng(capacity)
+    shape = (300, 2)
+
+    def step(keys, values):
+        out = coalesce(to_sparse_leaf(osa.IndexedRows(keys[:, 0], values, shape[0]), shape, (), "test"))
+        assert out.distinct
+        return out.keys, out.values
+
+    step = jit_once(step)
+    for distinct in (1, 17, 299):
+        keys = rng.choice(rng.choice(300, distinct, replace=False), capacity)[:, None].astype(np.int32)
+        keys[rng.random(capacity) < 0.1] = -1
+        values = rng.standard_normal((capacity, 2)).astype(np.float32)
+        _assert_packed(*step(jnp.asarray(keys), jnp.asarray(values)), keys, values, shape)

@@ -1,0 +1,174 @@
+"""The lazy-row engine: every optimizer runs on it, so every optimizer runs on row-sharded tables.
+
+Each optimizer of the library (and ``apply_updates_stochastic``) takes a step
+on a table split by rows over 8 devices, ``P("x", None)``, on
+``jax.make_mesh``'s default mesh (``Explicit`` axes) and on an ``Auto`` mesh,
+under plain ``jit``; the result equals the step on one device.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_sparse_adam as osa
+from optax_sparse_adam._row_engine import apply_rule, touched_rows
+
+ROWS, WIDTH = 64, 4
+
+OPTIMIZERS = {
+    "sparse_adam": lambda: osa.sparse_adam(0.1),
+    "sparse_adam_torch_eps": lambda: osa.sparse_adam(0.1, eps_placement="torch"),
+    "sparse_adamw": lambda: osa.sparse_adamw(0.1, weight_decay=0.1),
+    "sparse_adamw_catch_up": lambda: osa.sparse_adamw(0.1, weight_decay=0.1, catch_up=True),
+    "sparse_amsgrad": lambda: osa.sparse_amsgrad(0.1),
+    "sparse_rowwise_adam": lambda: osa.sparse_rowwise_adam(0.1),
+    "sparse_rowwise_adam_per_row_bias": lambda: osa.sparse_rowwise_adam(0.1, per_row_bias_correction=True),
+    "sparse_rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(0.1, weight_decay=0.01),
+}
+
+
+def _batches(steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        ids = rng.integers(-2, ROWS, size=24).astype(np.int32)  # duplicates and padding
+        out.append((ids, rng.normal(size=(24, WIDTH)).astype(np.float32)))
+    return out
+
+
+def _mesh(kind: str) -> jax.sharding.Mesh:
+    if kind == "explicit":
+        mesh = jax.make_mesh((8,), ("x",))
+        assert mesh.axis_types == (AxisType.Explicit,)
+        return mesh
+    return jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+
+
+def _train(make_tx, place, steps: int = 3):
+    """Three jitted steps of ``tx`` on a table placed by ``place``; returns the table and the state."""
+    tx = make_tx()
+    table = place(jnp.asarray(np.random.default_rng(1).normal(size=(ROWS, WIDTH)), jnp.float32))
+    params = {"emb": table, "w": jnp.ones((WIDTH,), jnp.float32)}
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, ids, values):
+        grads = {"emb": osa.IndexedRows(ids, values, ROWS), "w": jnp.full((WIDTH,), 0.5, jnp.float32)}
+        updates, state = tx.update(grads, state, params)
+        return osa.apply_updates(params, updates), state
+
+    for ids, values in _batches(steps):
+        params, state = step(params, state, jnp.asarray(ids), jnp.asarray(values))
+    return params, state
+
+
+@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_on_a_row_sharded_table_equals_one_device(name, mesh_kind, kernel_path):
+    mesh = _mesh(mesh_kind)
+    sharding = NamedSharding(mesh, P("x", None))
+    expected = _train(OPTIMIZERS[name], lambda t: t)
+    params, state = _train(OPTIMIZERS[name], lambda t: jax.device_put(t, sharding))
+    assert params["emb"].sharding.is_equivalent_to(sharding, 2)
+    np.testing.assert_allclose(np.asarray(params["emb"]), np.asarray(expected[0]["emb"]), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(params["w"]), np.asarray(expected[0]["w"]), rtol=2e-6, atol=1e-7)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
+def test_apply_updates_stochastic_on_a_row_sharded_table_equals_one_device(mesh_kind):
+    mesh = _mesh(mesh_kind)
+    sharding = NamedSharding(mesh, P("x", None))
+    table = jnp.asarray(np.random.default_rng(2).normal(size=(ROWS, WIDTH)), jnp.bfloat16)
+    ids, values = _batches(1)[0]
+    update = osa.IndexedRows(jnp.asarray(ids), jnp.asarray(values) * 1e-3, ROWS)
+    apply = jax.jit(osa.apply_updates_stochastic)
+    want = apply(table, update, jax.random.key(3))
+    got = apply(jax.device_put(table, sharding), update, jax.random.key(3))
+    assert got.sharding.is_equivalent_to(sharding, 2)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    assert not np.array_equal(np.asarray(want.astype(jnp.float32)), np.asarray(table.astype(jnp.float32)))
+
+
+def _numpy_lazy_rule(g, state, lazy_rows):
+    """A NumPy loop of what apply_rule does with a toy rule: ``s += g`` and step ``2 * g`` on touched rows."""
+    new, step = state.copy(), np.zeros_like(g)
+    for r in range(g.shape[0]):
+        if lazy_rows is None or lazy_rows[r]:
+            new[r] += g[r]
+            step[r] = 2 * g[r]
+    return step, new
+
+
+def _toy_rule(g, state, reads):
+    return 2 * g, (state[0] + g,)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_dense_leaf_touches_every_row_or_only_nonzero_rows(lazy):
+    g = np.zeros((6, 3), np.float32)
+    g[1], g[4, 2], g[5, 0] = 1.0, -2.0, np.nan
+    state = np.arange(18, dtype=np.float32).reshape(6, 3)
+    step, (new,) = apply_rule(
+        (), jnp.asarray(g), (6, 3), (jnp.asarray(state),), (), _toy_rule, "t", whole_rows=False, lazy=lazy
+    )
+    touched = np.asarray(touched_rows(jnp.asarray(g)))
+    np.testing.assert_array_equal(touched, [False, True, False, False, True, True])
+    want_step, want_new = _numpy_lazy_rule(g, state, touched if lazy else None)
+    np.testing.assert_array_equal(np.asarray(step), want_step)
+    np.testing.assert_array_equal(np.asarray(new), want_new)
+
+
+def test_sparse_leaf_sums_duplicates_and_leaves_other_rows_bitwise():
+    ids = np.array([3, 1, 3, -1, 9], np.int32)  # a duplicate, and padding on both sides
+    values = np.arange(15, dtype=np.float32).reshape(5, 3)
+    state = np.random.default_rng(0).normal(size=(6, 3)).astype(np.float32)
+    out, (new,) = apply_rule(
+        (),
+        osa.IndexedRows(jnp.asarray(ids), jnp.asarray(values), 6),
+        (6, 3),
+        (jnp.asarray(state),),
+        (),
+        _toy_rule,
+        "t",
+        whole_rows=False,
+    )
+    dense = np.zeros((6, 3), np.float32)
+    for i, v in zip(ids, values, strict=True):
+        if 0 <= i < 6:
+            dense[i] += v
+    want_step, want_new = _numpy_lazy_rule(dense, state, dense.any(axis=1))
+    np.testing.assert_array_equal(np.asarray(out.todense()), want_step)
+    np.testing.assert_array_equal(np.asarray(new), want_new)
+    assert isinstance(out, osa.IndexedRows) and out.indices.dtype == jnp.int32
+
+
+def test_whole_row_rules_refuse_element_sparse_leaves_with_the_path():
+    from jax.experimental import sparse as jsparse
+
+    g = jsparse.BCOO((jnp.ones((1,), jnp.float32), jnp.array([[1, 2]], jnp.int32)), shape=(4, 3))
+    tx = osa.sparse_rowwise_adagrad(0.1)
+    params = {"emb": jnp.zeros((4, 3), jnp.float32)}
+    with pytest.raises(ValueError, match=r"parameter \['emb'\].*n_sparse=2"):
+        tx.update({"emb": g}, tx.init(params), params)
+
+
+def test_adam_rule_equals_optax_adam_where_every_row_is_touched(kernel_path):
+    rng = np.random.default_rng(5)
+    params = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+    tx, ref = osa.sparse_adam(0.05), optax.adam(0.05)
+    s, rs = tx.init(params), ref.init(params)
+    p, rp = params, params
+    for _ in range(3):
+        g = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+        u, s = jax.jit(tx.update)(osa.IndexedRows(jnp.arange(8, dtype=jnp.int32), g, 8), s, p)
+        p = osa.apply_updates(p, u)
+        ru, rs = jax.jit(ref.update)(g, rs, rp)
+        rp = optax.apply_updates(rp, ru)
+    np.testing.assert_allclose(np.asarray(p), np.asarray(rp), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(s[0].nu), np.asarray(rs[0].nu))
