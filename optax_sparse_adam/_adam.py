@@ -29,7 +29,7 @@ from optax_sparse_adam._checks import (
     mask_tree,
 )
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule
+from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule, touched_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import param_error
@@ -75,6 +75,23 @@ def _rule(hp: AdamHyperparams, count: jax.Array) -> Rule:
     def rule(g: jax.Array, state: Arrays, reads: Arrays) -> tuple[jax.Array, Arrays]:
         m, v = _moments(g, state[0], state[1], hp)
         return _step(m, v, count, hp), (m, v)
+
+    return rule
+
+
+def _lazy_rule(hp: AdamHyperparams, count: jax.Array) -> Rule:
+    """Adam on the rows of a dense gradient that hold a nonzero (or NaN); other rows stay bitwise.
+
+    The step is computed from the selected moments, so that XLA updates the
+    donated moments in place: a step read from the old moments would need a
+    copy of each (two table-sized temporaries).
+    """
+
+    def rule(g: jax.Array, state: Arrays, reads: Arrays) -> tuple[jax.Array, Arrays]:
+        touched = touched_rows(g)
+        m, v = _moments(g, state[0], state[1], hp)
+        m, v = jnp.where(touched, m, state[0]), jnp.where(touched, v, state[1])
+        return jnp.where(touched, _step(m, v, count, hp), jnp.zeros((), g.dtype)), (m, v)
 
     return rule
 
@@ -253,13 +270,14 @@ def scale_by_sparse_adam(
         with_params = trees + ([] if params is None else [(params, "parameters")])
         plain_g, plain_m, plain_v = map_rule(plain, updates, with_params, _WHERE, 3)
         dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # all at once, as optax.adam does
-        rule, kernel = _rule(hp, count), _kernel(hp, count)
+        rule, lazy_rule, kernel = _rule(hp, count), _lazy_rule(hp, count), _kernel(hp, count)
 
         def leaf(path: Any, g: Any, m: Any, v: Any, lazy: bool, *dense: Any) -> tuple[Any, Any, Any]:
             if g is not None and not is_sparse(g) and not lazy:
                 return dense
+            leaf_rule = lazy_rule if lazy and not is_sparse(g) else rule
             out, (m, v) = apply_rule(
-                path, g, jnp.shape(m), (m, v), (), rule, _WHERE, whole_rows=False, lazy=lazy, kernel=kernel
+                path, g, jnp.shape(m), (m, v), (), leaf_rule, _WHERE, whole_rows=False, kernel=kernel
             )
             return out, m, v
 

@@ -9,8 +9,9 @@ one leaf:
 - a sparse leaf (:class:`IndexedRows`, BCOO) is summed into distinct rows, and
   the rule sees the gathered rows of each state array, chunk by chunk, whose
   new values are scattered back; untouched rows are bitwise unchanged;
-- a dense leaf has every row touched: the rule sees whole arrays; with
-  ``lazy`` only the rows holding a nonzero (or NaN) are touched.
+- a dense leaf has every row touched: the rule sees whole arrays (a rule
+  that treats dense leaves lazily, as Adam's ``lazy_dense``, selects the
+  rows itself, with :func:`touched_rows`).
 
 All row gathers and scatters go through :mod:`._row_ops`, so every rule runs
 on ``Explicit`` meshes too. A :class:`Kernel` may take a rule's place on a
@@ -73,11 +74,11 @@ def row_mean_square(g: jax.Array) -> jax.Array:
 
 
 def touched_rows(g: jax.Array) -> jax.Array:
-    """Whether each row of a dense ``g`` holds a nonzero (or NaN): ``(g.shape[0],)`` bool (``g != 0`` for 1-D)."""
+    """Whether each row of a dense ``g`` holds a nonzero (or NaN), shaped to broadcast against ``g``."""
     if g.ndim <= 1:
         return g != 0
     # A float max, not an any() of a table-sized mask, so XLA fuses it into the moment updates.
-    return jnp.max(jnp.abs(g), axis=tuple(range(1, g.ndim))) != 0
+    return jnp.max(jnp.abs(g), axis=tuple(range(1, g.ndim)), keepdims=True) != 0
 
 
 def apply_rule(
@@ -90,7 +91,6 @@ def apply_rule(
     where: str,
     *,
     whole_rows: bool,
-    lazy: bool = False,
     kernel: Kernel | None = None,
 ) -> tuple[Any, Arrays]:
     """Runs ``rule`` on the rows ``g`` touches; returns the update leaf and the new state arrays.
@@ -107,7 +107,6 @@ def apply_rule(
         on a dense leaf the "rows" are the whole arrays.
       where: The public function, for errors.
       whole_rows: Whether the rule needs whole rows (it keeps per-row state).
-      lazy: For a dense leaf, touch only the rows that hold a nonzero.
       kernel: A native kernel that may run instead of ``rule`` on a sparse leaf.
 
     Returns:
@@ -120,12 +119,6 @@ def apply_rule(
     if not is_sparse(g):
         g = check_dense_gradient(path, g, shape, where)
         step, new_state = rule(g, state, reads)
-        if lazy:
-            touched = touched_rows(g)
-            new_state = tuple(
-                jnp.where(broadcast_rows(touched, n.ndim), n, s) for n, s in zip(new_state, state, strict=True)
-            )
-            step = jnp.where(broadcast_rows(touched, step.ndim), step, jnp.zeros((), step.dtype))
         return step.astype(g.dtype), tuple(n.astype(s.dtype) for n, s in zip(new_state, state, strict=True))
     leaf = to_sparse_leaf(g, shape, path, where, emits=True)
     if whole_rows and leaf.n_sparse != 1:
