@@ -112,10 +112,12 @@ def lazy_decoupled_weight_decay(
                 (last_rows,), (p_rows,) = st, reads
                 if not decays:
                     return -lr * u, (jnp.full_like(last_rows, count),)
-                idle = (count - last_rows - 1).astype(p_rows.dtype)
-                factor = jnp.power(1 - lr * weight_decay, broadcast_rows(idle, p_rows.ndim)).astype(p_rows.dtype)
-                caught = factor * p_rows
-                step = -lr * (u + weight_decay * caught) + (caught - p_rows)
+                # In float32 at least: in bfloat16, 1 - lr * wd rounds to 1 for lr * wd < 0.002, losing the decay.
+                dtype = jnp.promote_types(p_rows.dtype, jnp.float32)
+                idle = broadcast_rows((count - last_rows - 1).astype(dtype), p_rows.ndim)
+                p_wide = p_rows.astype(dtype)
+                caught = jnp.exp(idle * jnp.log1p(-jnp.asarray(lr * weight_decay, dtype))) * p_wide
+                step = -lr * (u + weight_decay * caught) + (caught - p_wide)
                 return step, (jnp.full_like(last_rows, count),)
 
             out, (new_last,) = apply_rule(path, u, jnp.shape(p), (last,), (p,), rule, _WHERE, whole_rows=True)

@@ -90,13 +90,30 @@ class IndexedRows:
 
     def todense(self) -> jax.Array:
         """The dense equivalent: duplicates summed, padding dropped."""
-        rows = normalise_keys(jnp.asarray(self.indices)[:, None], (self.num_rows,))[:, 0]
+        rows = normalise_keys(as_index_array(self.indices)[:, None], (self.num_rows,))[:, 0]
         return scatter_rows(jnp.zeros(self.shape, self.values.dtype), replicate(rows), replicate(self.values), "add")
 
 
 jax.tree_util.register_dataclass(
     IndexedRows, data_fields=["indices", "values"], meta_fields=["num_rows", "unique_indices"]
 )
+
+
+def as_index_array(x: Any) -> jax.Array:
+    """Indices as a jax array, a concrete index JAX cannot hold made padding rather than wrapped.
+
+    With ``jax_enable_x64`` off (the default), ``jnp.asarray`` casts NumPy
+    ``int64``/``uint64`` indices to ``int32``, wrapping ``2**32 + 5`` onto
+    row 5; here such an index outside ``[0, 2**31)`` becomes ``-1`` (padding)
+    first, as it is padding in its own dtype. Jax arrays (and tracers) are
+    returned as they are: their dtype already is one JAX holds.
+    """
+    if isinstance(x, jax.Array):
+        return x
+    arr = np.asarray(x)
+    if arr.dtype.kind in "iu" and arr.dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+        arr = np.where((arr >= 0) & (arr <= np.iinfo(np.int32).max), arr, -1).astype(np.int32)
+    return jnp.asarray(arr)
 
 
 def normalise_keys(index: jax.Array, dims: tuple[int, ...]) -> jax.Array:

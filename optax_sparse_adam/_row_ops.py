@@ -60,6 +60,10 @@ def take_rows(x: jax.Array, index: Any, fill_value: Any = 0) -> jax.Array:
     x = jnp.asarray(x)
     sharding = explicit_sharding(x)
     out_sharding = None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec())
+    idx = index if isinstance(index, tuple) else (index,)
+    if any(n == 0 for n in x.shape[: len(idx)]):  # an empty axis: every index is padding (XLA refuses the gather)
+        shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in idx)) + x.shape[len(idx) :]
+        return jnp.full(shape, fill_value, x.dtype, device=out_sharding)
     return x.at[index].get(mode="fill", fill_value=fill_value, out_sharding=out_sharding)
 
 
@@ -70,6 +74,9 @@ def scatter_rows(
 
     ``unique`` promises that the in-range indices are distinct (padding may repeat: it is dropped).
     """
+    idx = index if isinstance(index, tuple) else (index,)
+    if any(n == 0 for n in x.shape[: len(idx)]):  # an empty axis: every index is padding, nothing is written
+        return x
     ref = x.at[index]
     update = ref.set if op == "set" else ref.add
     sharding = explicit_sharding(x)

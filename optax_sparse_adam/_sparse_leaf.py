@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
-from optax_sparse_adam._indexed_rows import IndexedRows, normalise_keys
+from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, normalise_keys
 from optax_sparse_adam._row_ops import replicate, scatter_rows
 from optax_sparse_adam._tree import broadcast_rows, param_error
 
@@ -138,7 +138,7 @@ def to_sparse_leaf(
     known = getattr(leaf, _KNOWN_ATTR, None)
     if isinstance(known, Known) and known.shape == param_shape:  # emitted by this library: use it as it is
         if isinstance(leaf, IndexedRows):
-            index, values = jnp.asarray(leaf.indices)[:, None], leaf.values
+            index, values = as_index_array(leaf.indices)[:, None], leaf.values
             declared = Declared(False, index.dtype, leaf.unique_indices, False)
         else:
             index, values = leaf.indices, leaf.data
@@ -169,7 +169,7 @@ def to_sparse_leaf(
             raise param_error(TypeError, where, path, f"BCOO indices must be integers, got dtype {index.dtype}")
         declared = Declared(True, index.dtype, bool(leaf.unique_indices), bool(leaf.indices_sorted))
     elif isinstance(leaf, IndexedRows):
-        index, values = jnp.asarray(leaf.indices), jnp.asarray(leaf.values)
+        index, values = as_index_array(leaf.indices), jnp.asarray(leaf.values)
         if not jnp.issubdtype(index.dtype, jnp.integer):
             raise param_error(TypeError, where, path, f"IndexedRows.indices must be integers, got dtype {index.dtype}")
         if index.ndim != 1:

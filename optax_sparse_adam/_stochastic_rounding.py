@@ -26,7 +26,10 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
     ``x`` goes to the neighbour above with probability equal to its distance
     from the neighbour below over the gap between them. Values that ``dtype``
-    holds exactly, infinities and NaN are rounded to nearest.
+    holds exactly, infinities and NaN are rounded to nearest, and so are
+    values beyond ``dtype``'s largest finite value on either side: they give
+    the largest finite value or overflow to infinity, as round to nearest
+    (``x.astype(dtype)``, :func:`apply_updates`) does.
 
     Args:
       x: A float32 array.
@@ -56,7 +59,10 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     p_hi = (x - lo) / (hi - lo)
     up = jax.random.uniform(key, x.shape, jnp.float32) < p_hi
     rounded = jnp.where(up == (hi == near), nearest, other)
-    exact = (near == x) | ~jnp.isfinite(x) | ~jnp.isfinite(far)
+    # Round to nearest where dtype holds x exactly, where x is not finite, and at the ends of dtype's range:
+    # beyond the largest finite value (where round to nearest overflows to +-inf, as apply_updates does)
+    # and between it and the overflow threshold (where round to nearest gives the largest finite value).
+    exact = (near == x) | ~jnp.isfinite(x) | ~jnp.isfinite(near) | ~jnp.isfinite(far)
     return jnp.where(exact, nearest, rounded)
 
 

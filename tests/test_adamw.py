@@ -111,6 +111,20 @@ def test_catch_up_decays_an_idle_row_by_the_steps_it_missed():
     np.testing.assert_array_equal(s[1].last_step, [4, 0, 5])
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_catch_up_decays_a_low_precision_table_by_the_exact_factor(dtype):
+    """A row idle 2,000 steps at lr * wd = 1e-3 decays by 0.999 ** 2000 = 0.1352, not 1 (bf16's 1 - 1e-3)."""
+    lr, wd, idle = 0.1, 0.01, 2000
+    tx = osa.lazy_decoupled_weight_decay(lr, weight_decay=wd)
+    p = jnp.ones((2, 4), dtype)
+    state = osa.LazyWeightDecayState(count=jnp.asarray(idle, jnp.int32), last_step=jnp.zeros((2,), jnp.int32))
+    u, _ = tx.update(osa.IndexedRows(jnp.array([1], jnp.int32), jnp.zeros((1, 4), dtype), 2), state, p)
+    want = (1 - lr * wd) ** (idle + 1)  # the idle steps and its own
+    got = np.asarray(osa.apply_updates(p, u).astype(jnp.float32))
+    np.testing.assert_allclose(got[1], want, rtol=0, atol=2 * float(jnp.finfo(dtype).eps))  # two roundings of ~1
+    np.testing.assert_array_equal(got[0], 1.0)
+
+
 def test_catch_up_with_a_schedule_decays_idle_steps_at_the_current_rate():
     schedule = optax.linear_schedule(0.2, 0.1, 10)
     wd = 0.5

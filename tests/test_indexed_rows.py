@@ -55,3 +55,22 @@ def test_is_a_pytree_with_static_num_rows_and_flag():
     doubled = jax.jit(lambda r: jax.tree.map(lambda x: x * 2, r))(rows)
     assert isinstance(doubled, osa.IndexedRows) and doubled.num_rows == N
     assert osa.is_sparse(rows) and not osa.is_sparse(rows.values)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_numpy_ids_too_wide_for_jax_are_padding_not_wrapped(dtype, kernel_path):
+    """With x64 off, ``2**32 + 5`` would wrap to row 5 in a cast to int32; it is padding in its own dtype."""
+    assert not jax.config.jax_enable_x64
+    ids = np.array([2**32 + 5, 1, 2**31], dtype)
+    g = osa.IndexedRows(ids, np.ones((3, 2), np.float32), 8)
+    want = np.zeros((8, 2), np.float32)
+    want[1] = 1.0
+    np.testing.assert_array_equal(np.asarray(g.todense()), want)
+    table = jnp.zeros((8, 2), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(osa.apply_updates(table, g)), want)
+    np.testing.assert_array_equal(np.asarray(table + g), want)
+    tx = osa.sparse_adam(0.1)
+    updates, _ = tx.update(g, tx.init(table), table)
+    np.testing.assert_array_equal(np.asarray(updates.todense()[:, 0]) != 0, want[:, 0] != 0)
+    new, _ = osa.update_and_apply(tx, g, tx.init(table), table)
+    np.testing.assert_array_equal(np.asarray(new[:, 0]) != 0, want[:, 0] != 0)

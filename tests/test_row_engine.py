@@ -187,3 +187,27 @@ def test_adam_rule_equals_optax_adam_where_every_row_is_touched(kernel_path):
         rp = optax.apply_updates(rp, ru)
     np.testing.assert_allclose(np.asarray(p), np.asarray(rp), rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(s[0].nu), np.asarray(rs[0].nu))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_table_of_zero_rows_takes_all_padding(name, kernel_path):
+    """``IndexedRows(num_rows=0)``: every id is padding, nothing moves (XLA refuses a gather from 0 rows)."""
+    tx = OPTIMIZERS[name]()
+    params = {"emb": jnp.zeros((0, WIDTH), jnp.float32), "w": jnp.ones((WIDTH,), jnp.float32)}
+    state = tx.init(params)
+    grads = {
+        "emb": osa.IndexedRows(jnp.array([0, -1, 3], jnp.int32), jnp.ones((3, WIDTH), jnp.float32), 0),
+        "w": jnp.ones((WIDTH,), jnp.float32),
+    }
+
+    @jax.jit
+    def two_calls(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return osa.apply_updates(params, updates), state, updates["emb"].values
+
+    new, new_state, values = two_calls(params, state, grads)
+    assert new["emb"].shape == (0, WIDTH)
+    np.testing.assert_array_equal(np.asarray(values), 0.0)
+    fused, fused_state = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(params, state, grads)
+    np.testing.assert_array_equal(np.asarray(fused["w"]), np.asarray(new["w"]))
+    assert jax.tree.structure(fused_state) == jax.tree.structure(new_state)

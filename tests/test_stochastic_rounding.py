@@ -37,6 +37,22 @@ def test_special_values_round_to_nearest():
     assert np.asarray(y.astype(jnp.float32)).tobytes() == np.asarray(x).tobytes()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_values_past_the_largest_finite_round_to_nearest_on_both_sides(dtype):
+    big = float(jnp.finfo(dtype).max)
+    past = [1e6, 7e4] if dtype == jnp.float16 else []  # overflow in float16, not in bfloat16
+    x = jnp.array([float(jnp.finfo(jnp.float32).max), big * 1.0001, big, *past], jnp.float32)
+    x = jnp.concatenate([x, -x])
+    y = osa.stochastic_round(x, dtype, jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(x.astype(dtype).astype(jnp.float32)))
+    table = jnp.zeros((2, x.shape[0]), dtype)
+    update = osa.IndexedRows(jnp.array([0, 1], jnp.int32), jnp.stack([x, -x]), 2)
+    np.testing.assert_array_equal(
+        np.asarray(osa.apply_updates_stochastic(table, update, jax.random.key(3)).astype(jnp.float32)),
+        np.asarray(osa.apply_updates(table, update).astype(jnp.float32)),
+    )
+
+
 def test_deterministic_given_the_key_and_lazy_on_sparse_updates():
     p = {"emb": jnp.ones((6, 64), jnp.bfloat16), "w": jnp.ones((64,), jnp.float32)}
     u = {
