@@ -21,6 +21,7 @@ from optax_sparse_adam._rowwise import (
     sparse_rowwise_adam,
 )
 from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._step_report import StepReport, step_report
 from optax_sparse_adam._stochastic_rounding import apply_updates_stochastic, stochastic_round
 
 try:
@@ -36,6 +37,7 @@ __all__ = [
     "RowSharding",
     "ScaleByRowwiseAdagradState",
     "ScaleByRowwiseAdamState",
+    "StepReport",
     "all_gather_rows",
     "apply_updates",
     "apply_updates_stochastic",
@@ -53,6 +55,7 @@ __all__ = [
     "sparse_aware",
     "sparse_rowwise_adagrad",
     "sparse_rowwise_adam",
+    "step_report",
     "stochastic_round",
     "update_and_apply",
     "use_kernels",

@@ -1,0 +1,155 @@
+"""Asking a compiled step what it costs, and why: :func:`step_report`.
+
+A sparse step costs O(touched rows) only when XLA updates the tables in
+place. Three things undo that without a word: a table passed to the step but
+not donated (XLA must keep the caller's copy), a table-sized copy that XLA
+inserts because it cannot order a read of the table before the write, and
+the XLA path where the native kernels were expected. The compiled step says
+all three (its arguments' donation, its memory analysis and its HLO);
+:func:`step_report` reads them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from optax_sparse_adam._kernel_path import kernel_path
+
+__all__ = ["StepReport", "step_report"]
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4}
+_BYTES |= {"s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_COPY = re.compile(r"%(\S+) = (\w+)\[([\d,]*)\]\S* copy\(")
+_KERNEL_CALL = 'custom_call_target="optax_sparse_adam_v'
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What a compiled step costs (see :func:`step_report`).
+
+    Attributes:
+      kernel_path: ``"native-cpu"`` or ``"xla"``, as :func:`kernel_path` said when the step was traced.
+      kernel_calls: How many calls of the library's native kernels the compiled step makes.
+      argument_bytes: The bytes of the step's array arguments.
+      temp_bytes: The bytes of temporaries XLA allocates for the step.
+      threshold_bytes: What counts as table-sized below.
+      not_donated: ``(path, bytes)`` of each table-sized argument the step does not donate.
+      copies: ``(hlo name, bytes)`` of each table-sized copy in the compiled step.
+    """
+
+    kernel_path: str
+    kernel_calls: int
+    argument_bytes: int
+    temp_bytes: int
+    threshold_bytes: int
+    not_donated: tuple[tuple[str, int], ...]
+    copies: tuple[tuple[str, int], ...]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the step updates its table-sized arguments in place: all donated, none copied."""
+        return not self.not_donated and not self.copies and self.temp_bytes < self.threshold_bytes
+
+    def __str__(self) -> str:
+        lines = [
+            f"kernel path: {self.kernel_path} ({self.kernel_calls} native kernel call(s) in the compiled step)",
+            f"arguments: {_mb(self.argument_bytes)}; temporaries: {_mb(self.temp_bytes)} "
+            f"(table-sized: {_mb(self.threshold_bytes)} or more)",
+        ]
+        for path, size in self.not_donated:
+            lines.append(
+                f"not donated: {path} ({_mb(size)}): XLA keeps the caller's copy and writes a new one every step; "
+                "donate it (jax.jit(..., donate_argnums=...)) and use the returned value"
+            )
+        why = (
+            "an argument that is not donated is copied before it is updated"
+            if self.not_donated
+            else "XLA could not order a read of the table before its update in place"
+        )
+        for name, size in self.copies:
+            lines.append(f"table-sized copy: {name} ({_mb(size)}): {why}; see the README's 'When a step is slow'")
+        if self.temp_bytes >= self.threshold_bytes and not self.copies:
+            lines.append("table-sized temporaries: a dense array of a table's size is built (a dense gradient?)")
+        if self.in_place:
+            lines.append("in place: every table-sized argument is donated and none is copied")
+        return "\n".join(lines)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = None, **kwargs: Any) -> StepReport:
+    """Compiles ``step`` for these arguments and reports what it costs and why.
+
+    Args:
+      step: The step, as :func:`jax.jit` returns it (with its ``donate_argnums``);
+        a plain function is jitted without donation.
+      *args: Its arguments (arrays or ``jax.ShapeDtypeStruct``).
+      min_bytes: What counts as table-sized; default: a quarter of the largest
+        array argument, and at least 1 MiB.
+      **kwargs: Its keyword arguments.
+
+    Returns:
+      A :class:`StepReport`; ``print`` it for a summary with what to do.
+
+    Examples:
+      >>> import functools, jax, jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> tx = osa.sparse_adam(0.1)
+      >>> def step(p, s, ids, g):
+      ...     return osa.update_and_apply(tx, osa.IndexedRows(ids, g, 4096), s, p)
+      >>> p = jnp.zeros((4096, 64), jnp.float32)
+      >>> args = (p, tx.init(p), jnp.arange(8), jnp.ones((8, 64), jnp.float32))
+      >>> osa.step_report(jax.jit(step, donate_argnums=(0, 1)), *args).in_place
+      True
+      >>> report = osa.step_report(jax.jit(step), *args)
+      >>> report.in_place, [path for path, _ in report.not_donated]
+      (False, ['args[0]', 'args[1][0].mu', 'args[1][0].nu'])
+    """
+    if not hasattr(step, "lower"):
+        step = jax.jit(step)
+    path = kernel_path()
+    lowered = step.lower(*args, **kwargs)  # type: ignore[attr-defined]
+    compiled = lowered.compile()
+    infos = jax.tree_util.tree_leaves_with_path(lowered.args_info)
+    sizes = [(jax.tree_util.keystr(p), _nbytes(info), bool(info.donated)) for p, info in infos]
+    largest = max((size for _, size, _ in sizes), default=0)
+    threshold = min_bytes if min_bytes is not None else max(2**20, largest // 4)
+    not_donated = tuple((_arg_path(p), size) for p, size, donated in sizes if size >= threshold and not donated)
+    hlo = compiled.as_text()
+    copies = []
+    for match in _COPY.finditer(hlo):
+        dims = [int(d) for d in match.group(3).split(",") if d]
+        size = math.prod(dims) * _BYTES.get(match.group(2), 4)
+        if size >= threshold:
+            copies.append((f"{match.group(1)} {match.group(2)}{dims}", size))
+    memory = compiled.memory_analysis()
+    return StepReport(
+        kernel_path=path,
+        kernel_calls=hlo.count(_KERNEL_CALL),
+        argument_bytes=sum(size for _, size, _ in sizes),
+        temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
+        threshold_bytes=threshold,
+        not_donated=not_donated,
+        copies=tuple(copies),
+    )
+
+
+def _nbytes(info: Any) -> int:
+    return math.prod(info.shape) * jax.numpy.dtype(info.dtype).itemsize
+
+
+def _arg_path(keystr: str) -> str:
+    """``args_info``'s path ``[0][1][0].mu`` as ``args[1][0].mu`` (its first index is args vs. kwargs)."""
+    if keystr.startswith("[0]"):
+        return "args" + keystr[3:]
+    if keystr.startswith("[1]"):
+        return "kwargs" + keystr[3:]
+    return keystr

@@ -1,0 +1,99 @@
+"""step_report: what a compiled step costs, read from its donation, memory analysis and HLO."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax_sparse_adam as osa
+
+ROWS, WIDTH = 1 << 14, 64
+
+
+def _args(tx):
+    p = {"emb": jnp.zeros((ROWS, WIDTH), jnp.float32), "w": jnp.ones((WIDTH,), jnp.float32)}
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, ROWS, 256), jnp.int32)
+    return p, tx.init(p), ids
+
+
+def _step(tx, loss):
+    def step(params, state, ids):
+        value, grads = osa.value_and_row_grad(loss, lambda p: p["emb"])(params, ids)
+        params, state = osa.update_and_apply(tx, grads, state, params)
+        return params, state, value
+
+    return step
+
+
+def _nonlinear(p, ids):
+    return jnp.tanh(p["emb"][ids] @ p["w"]).sum()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_donated_step_is_in_place_on_both_kernel_paths(kernel_path, fused):
+    tx = osa.sparse_adam(0.1)
+
+    def step(params, state, ids):
+        value, grads = osa.value_and_row_grad(_nonlinear, lambda p: p["emb"])(params, ids)
+        if fused:
+            params, state = osa.update_and_apply(tx, grads, state, params)
+        else:
+            updates, state = tx.update(grads, state, params)
+            params = osa.apply_updates(params, updates)
+        return params, state, value
+
+    report = osa.step_report(jax.jit(step, donate_argnums=(0, 1)), *_args(tx))
+    assert report.in_place, str(report)
+    assert report.kernel_path == kernel_path
+    assert (report.kernel_calls > 0) == (kernel_path == "native-cpu")
+    assert report.temp_bytes < ROWS * WIDTH * 4 // 4
+    assert "in place" in str(report)
+
+
+def test_tables_not_donated_are_named_with_their_paths(kernel_path):
+    tx = osa.sparse_adam(0.1)
+    report = osa.step_report(jax.jit(_step(tx, _nonlinear), donate_argnums=(1,)), *_args(tx))
+    assert not report.in_place
+    assert [path for path, _ in report.not_donated] == ["args[0]['emb']"]
+    assert report.not_donated[0][1] == ROWS * WIDTH * 4
+    assert "not donated: args[0]['emb']" in str(report) and "donate_argnums" in str(report)
+
+
+def test_copies_are_reported_when_they_are_there(kernel_path):
+    """A loss linear in the rows: XLA copies the donated table (see the README); the report shows it."""
+    tx = osa.sparse_adam(0.1)
+
+    def linear(p, ids):
+        return (p["emb"][ids] @ p["w"]).sum()
+
+    step = jax.jit(_step(tx, linear), donate_argnums=(0, 1))
+    args = _args(tx)
+    report = osa.step_report(step, *args)
+    hlo = step.lower(*args).compile().as_text()
+    table_copies = [line for line in hlo.splitlines() if f"f32[{ROWS},{WIDTH}]" in line and " copy(" in line]
+    assert len(report.copies) == len(table_copies)
+    assert all(size == ROWS * WIDTH * 4 for _, size in report.copies)
+    assert (report.temp_bytes >= report.threshold_bytes) == bool(report.copies)
+
+
+def test_a_plain_function_is_jitted_without_donation():
+    tx = osa.sparse_adam(0.1)
+    report = osa.step_report(_step(tx, _nonlinear), *_args(tx), min_bytes=1)
+    assert {path for path, _ in report.not_donated} >= {"args[0]['emb']", "args[0]['w']", "args[2]"}
+    assert report.threshold_bytes == 1
+
+
+def test_dense_gradient_steps_show_table_sized_temporaries():
+    tx = osa.sparse_adam(0.1)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def dense(params, state, ids):
+        value, grads = jax.value_and_grad(_nonlinear)(params, ids)
+        updates, state = tx.update(grads, state, params)
+        return osa.apply_updates(params, updates), state, value
+
+    report = osa.step_report(dense, *_args(tx))
+    assert report.temp_bytes >= ROWS * WIDTH * 4
+    assert not report.in_place
