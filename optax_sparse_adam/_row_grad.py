@@ -9,7 +9,8 @@ distinct row, so it becomes an :class:`IndexedRows` with ``unique_indices=True``
 and the optimizer step costs O(rows looked up) from end to end.
 
 The pieces (selecting the tables, checking the ids, packing distinct ids, and
-the guard that refuses a loss that reads a table other than at the ids) also
+the guard that refuses a loss that uses a table, or the ids, other than to
+read the ids' rows of that table) also
 serve :meth:`RowSharding.value_and_row_grad`, so both paths accept and refuse
 the same losses.
 """
@@ -23,9 +24,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 
 from optax_sparse_adam._coalesce import pack_distinct
-from optax_sparse_adam._indexed_rows import IndexedRows, normalise_keys
+from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, normalise_keys
 from optax_sparse_adam._row_ops import replicate, take_rows
 from optax_sparse_adam._sparse_leaf import padding_key
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, path_str
@@ -79,9 +81,27 @@ class RowLookup:
         d_rows = jnp.asarray(d_rows)
         if d_rows.shape != self.rows.shape:
             raise ValueError(f"RowLookup.grad: d_rows has shape {d_rows.shape}, expected {self.rows.shape}")
-        valid = broadcast_rows(self.indices < self.num_rows, d_rows.ndim)
-        values = jnp.where(valid, d_rows, jnp.zeros((), d_rows.dtype))
+        valid = (self.indices < self.num_rows) & _read(self.rows)
+        values = jnp.where(broadcast_rows(valid, d_rows.ndim), d_rows, jnp.zeros((), d_rows.dtype))
         return IndexedRows(self.indices, values, self.num_rows, unique_indices=True)
+
+
+def _read(rows: jax.Array) -> jax.Array:
+    """``True`` for each row, computed from the row's first value (its bits OR 1 are never 0).
+
+    The table's gradient goes through it, so it depends on the rows read: XLA
+    then reads the table before the step updates it in place. A loss linear in
+    the rows has a gradient that does not depend on them otherwise, and XLA
+    copied the whole donated table to keep the read and the write apart.
+    """
+    flat = rows.reshape(rows.shape[0], -1)
+    if flat.shape[1] == 0:
+        return jnp.ones(rows.shape[0], bool)
+    first = flat[:, 0]
+    if jnp.iscomplexobj(first):
+        first = jnp.real(first)
+    bits = jax.lax.bitcast_convert_type(first, jnp.dtype(f"uint{first.dtype.itemsize * 8}"))
+    return (bits | 1) != 0
 
 
 jax.tree_util.register_dataclass(RowLookup, data_fields=["indices", "rows", "inverse"], meta_fields=["num_rows"])
@@ -123,7 +143,7 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
              [2., 2.]], dtype=float32)
     """
     table = jnp.asarray(table)
-    ids = jnp.asarray(ids)
+    ids = as_index_array(ids)
     _check_table("lookup", "the table", table.shape)
     _check_ids_dtype("lookup", "the table", ids.dtype)
     indices, inverse = distinct_ids(replicate(ids.reshape(-1)), table.shape[0])
@@ -153,73 +173,321 @@ def distinct_ids(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     return packed[:, 0], jnp.where(valid, target, ids.shape[0] - 1)
 
 
+# What the guard knows of a value in the loss's jaxpr. A value it knows nothing of (None) is an ordinary one: it may
+# feed anything but a table's rows.
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    """A selected table's gathered rows, or a view of them (a cast, a copy)."""
+
+    leaf: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    """Another leaf of the parameters, or a view of it: an ordinary value, tracked to be named in messages."""
+
+    leaf: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Positions:
+    """Positions of ids in the rows of a table in ``owners``, moved about by shape-only ops.
+
+    With ``cols`` None every element is a position; otherwise the value holds a gather's index vectors (its last
+    axis), whose columns ``cols`` are positions and whose other columns are ordinary values (``t[ids, 0]``).
+    """
+
+    owners: frozenset[int]
+    cols: frozenset[int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wrapped:
+    """``lt(p, 0)`` or ``add(p, c)`` of positions ``p``: how jnp indexing wraps negative indices.
+
+    Only ``select_n(lt(p, 0), p, add(p, c))`` may use them; it gives ``p``, since positions are never negative.
+    """
+
+    owners: frozenset[int]
+    origin: str  # the primitive that made it: "lt" or "add"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Const:
+    """A scalar constant: a literal, or one that ``pvary`` marks as varying over a mesh axis."""
+
+    value: Any
+
+
+_Kind = _Table | _Param | _Positions | _Wrapped | _Const | None
+
+
+class _Guard(NamedTuple):
+    paths: dict[int, str]  # the tables' paths, and the other parameters' where known, by leaf number
+    bound: int  # the most rows a table holds inside `fun`: a cast of positions must hold every position
+
+
 # Primitives that hand on a table unchanged in value (a view of it): their result is still "the table".
 _TABLE_VIEWS = frozenset({"convert_element_type", "copy", "copy_p", "stop_gradient", "reduce_precision"})
-# Primitives that read rows of a table at given positions: allowed when the positions come from the ids.
-_ROW_READS = frozenset({"gather", "dynamic_slice"})
+# Primitives that only move elements about: applied to positions, their result holds positions.
+_SHAPE_OPS = frozenset(
+    {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "transpose", "rev", "copy", "copy_p"}
+)
 
 
-def _check_table_uses(jaxpr: Any, tables: dict[Any, str], tainted: set[Any]) -> tuple[dict[int, str], set[int]]:
-    """Raises unless each table in ``jaxpr`` is only read at positions computed from the ids.
+def _tracked(kind: _Kind) -> bool:
+    """Whether a value is a table or comes from the positions: the guard checks every use of such values."""
+    return isinstance(kind, _Table | _Positions | _Wrapped)
+
+
+def _flat_positions(kind: _Kind) -> bool:
+    return isinstance(kind, _Positions) and kind.cols is None
+
+
+def _check_uses(jaxpr: Any, kinds: dict[Any, _Kind], guard: _Guard) -> list[_Kind]:
+    """Raises unless ``jaxpr`` reads each table only at the positions of its ids, and uses positions for nothing else.
 
     Args:
       jaxpr: A ``jax.extend.core.Jaxpr``.
-      tables: Its variables that hold a table's gathered rows (or a view of them), with the table's path.
-      tainted: Its variables computed from the ids' positions.
+      kinds: What is known of its input variables (tables, other parameters, positions).
+      guard: The paths for messages, and the bound on positions.
 
     Returns:
-      Which outputs (by position) are tables, and which are computed from the positions.
+      What is known of its outputs.
     """
-    tables, tainted = dict(tables), set(tainted)
+    kinds = dict(kinds)
 
-    def is_var(v: Any) -> bool:
-        return isinstance(v, jex.Var)
+    def kind(v: Any) -> _Kind:
+        if isinstance(v, jex.Literal):
+            return _Const(np.asarray(v.val).item()) if np.ndim(v.val) == 0 else None
+        return kinds.get(v) if isinstance(v, jex.Var) else None
 
     for eqn in jaxpr.eqns:
-        ins = eqn.invars
-        used = [tables[v] for v in ins if is_var(v) and v in tables]
-        name = eqn.primitive.name
-        if used:
-            subs = [p for p in eqn.params.values() if isinstance(p, jex.ClosedJaxpr | jex.Jaxpr)]
-            branches = eqn.params.get("branches")
-            if name in _TABLE_VIEWS:
-                tables[eqn.outvars[0]] = used[0]
-            elif name in _ROW_READS and is_var(ins[0]) and ins[0] in tables and used.count(used[0]) == 1:
-                if not any(is_var(v) and v in tainted for v in ins[1:]):
-                    raise _misuse(used[0], f"it is indexed at positions that do not come from the ids ({name})")
-            elif len(subs) == 1 and len(_inner(subs[0]).invars) == len(ins):
-                inner = _inner(subs[0])
-                out_tables, out_tainted = _check_table_uses(
-                    inner,
-                    {iv: tables[v] for iv, v in zip(inner.invars, ins, strict=True) if is_var(v) and v in tables},
-                    {iv for iv, v in zip(inner.invars, ins, strict=True) if is_var(v) and v in tainted},
-                )
-                tables.update({eqn.outvars[i]: n for i, n in out_tables.items()})
-                tainted.update(eqn.outvars[i] for i in out_tainted)
-            elif name == "cond" and branches is not None:
-                for branch in branches:
-                    inner = _inner(branch)
-                    _check_table_uses(
-                        inner,
-                        {
-                            iv: tables[v]
-                            for iv, v in zip(inner.invars, ins[1:], strict=True)
-                            if is_var(v) and v in tables
-                        },
-                        {iv for iv, v in zip(inner.invars, ins[1:], strict=True) if is_var(v) and v in tainted},
-                    )
-            else:
-                raise _misuse(used[0], f"`{name}` reads it")
-        if any(is_var(v) and (v in tainted or v in tables) for v in ins):
-            tainted.update(eqn.outvars)
-    return (
-        {i: tables[v] for i, v in enumerate(jaxpr.outvars) if is_var(v) and v in tables},
-        {i for i, v in enumerate(jaxpr.outvars) if is_var(v) and v in tainted},
-    )
+        ins = [kind(v) for v in eqn.invars]
+        if any(k is not None and not isinstance(k, _Const) for k in ins) or eqn.primitive.name == "pvary":
+            for v, k in zip(eqn.outvars, _eqn_kinds(eqn, ins, guard), strict=True):
+                if k is not None:
+                    kinds[v] = k
+    return [kind(v) for v in jaxpr.outvars]
+
+
+def _eqn_kinds(eqn: Any, ins: list[_Kind], guard: _Guard) -> list[_Kind]:
+    """What is known of the outputs of ``eqn``, whose inputs are ``ins``; raises on a use the guard refuses."""
+    name = eqn.primitive.name
+    first, rest_plain = ins[0], not any(_tracked(k) for k in ins[1:])
+    if name == "gather":
+        return [_gather(eqn, ins, guard)]
+    if name == "dynamic_slice":
+        return [_dynamic_slice(eqn, ins, guard)]
+    if name == "concatenate":
+        return [_concatenate(eqn, ins, guard)]
+    if name == "cond":
+        return _cond(eqn, ins, guard)
+    if name in ("scan", "while"):
+        return _loop(eqn, ins, guard)
+    if name == "pvary":  # marks values as varying over mesh axes (inside shard_map), unchanged
+        return ins
+    subs = [p for p in eqn.params.values() if isinstance(p, jex.ClosedJaxpr | jex.Jaxpr)]
+    if len(subs) == 1 and len(_inner(subs[0]).invars) == len(ins):  # jit, custom_jvp/vjp, remat: forward into it
+        inner = _inner(subs[0])
+        return _check_uses(inner, dict(zip(inner.invars, ins, strict=True)), guard)
+    if isinstance(first, _Table | _Param) and name in _TABLE_VIEWS and rest_plain:
+        return [first]
+    if _flat_positions(first) and rest_plain:
+        assert isinstance(first, _Positions)
+        if name in _SHAPE_OPS:
+            return [first]
+        if name == "convert_element_type" and _holds(eqn.params["new_dtype"], guard.bound):
+            return [first]
+        if name == "lt" and ins[1] == _Const(0):
+            return [_Wrapped(first.owners, "lt")]
+        if name == "add" and isinstance(ins[1], _Const):
+            return [_Wrapped(first.owners, "add")]
+    if (
+        name == "select_n"
+        and isinstance(first, _Wrapped)
+        and first.origin == "lt"
+        and isinstance(ins[1], _Positions)
+        and ins[1].cols is None
+        and all(_flat_positions(k) or (isinstance(k, _Wrapped) and k.origin == "add") for k in ins[2:])
+    ):
+        return [ins[1]]  # select_n(p < 0, p, p + c) is p: jnp indexing's wrapping of negative indices
+    if not any(_tracked(k) for k in ins):
+        return [None] * len(eqn.outvars)  # parameters other than the tables are ordinary values
+    raise _refusal(name, ins, guard)
+
+
+def _gather(eqn: Any, ins: list[_Kind], guard: _Guard) -> _Kind:
+    operand, indices = ins
+    if isinstance(indices, _Positions) and not isinstance(operand, _Positions | _Wrapped):
+        if not isinstance(operand, _Table):
+            what = (
+                f"parameter {guard.paths[operand.leaf]}, which `tables` does not select,"
+                if isinstance(operand, _Param)
+                else "an array that `tables` does not select"
+            )
+            raise _misuse_ids(indices.owners, f"`gather` indexes {what} with them", guard)
+        table = guard.paths[operand.leaf]
+        if operand.leaf not in indices.owners:
+            raise _misuse_ids(indices.owners, f"`gather` indexes table {table} with them", guard)
+        dims = eqn.params["dimension_numbers"]
+        cols = range(eqn.invars[1].aval.shape[-1]) if indices.cols is None else sorted(indices.cols)
+        axes = [dims.start_index_map[c] for c in cols]
+        if axes != [0] or 0 in dims.operand_batching_dims:
+            axis = next((a for a in axes if a != 0), 0)
+            raise _misuse_ids(indices.owners, f"`gather` indexes axis {axis} of table {table} with them", guard)
+        if eqn.params["slice_sizes"][0] != 1:
+            raise _misuse_ids(indices.owners, f"`gather` reads several rows of table {table} from each", guard)
+        return None
+    if isinstance(operand, _Table) and not _tracked(indices):
+        raise _misuse(guard.paths[operand.leaf], "it is indexed at positions that do not come from the ids (gather)")
+    if _flat_positions(operand) and not _tracked(indices):
+        return operand  # positions picked out at ordinary indices: still positions
+    if not _tracked(operand) and not _tracked(indices):
+        return None
+    raise _refusal("gather", ins, guard)
+
+
+def _dynamic_slice(eqn: Any, ins: list[_Kind], guard: _Guard) -> _Kind:
+    operand, starts = ins[0], ins[1:]
+    if isinstance(operand, _Table):
+        table = guard.paths[operand.leaf]
+        if not any(_tracked(k) for k in starts):
+            raise _misuse(table, "it is indexed at positions that do not come from the ids (dynamic_slice)")
+        row = starts[0]
+        if _flat_positions(row) and not any(_tracked(k) for k in starts[1:]):
+            assert isinstance(row, _Positions)
+            if operand.leaf not in row.owners:
+                raise _misuse_ids(row.owners, f"`dynamic_slice` indexes table {table} with them", guard)
+            if eqn.params["slice_sizes"][0] != 1:
+                raise _misuse_ids(row.owners, f"`dynamic_slice` reads several rows of table {table} from each", guard)
+            return None
+        for axis, k in enumerate(starts[1:], start=1):
+            if isinstance(k, _Positions):
+                raise _misuse_ids(k.owners, f"`dynamic_slice` indexes axis {axis} of table {table} with them", guard)
+        raise _refusal("dynamic_slice", ins, guard)
+    if not any(_tracked(k) for k in starts):
+        return operand if _flat_positions(operand) else _eqn_plain(eqn, ins, guard)
+    positions = next((k for k in starts if isinstance(k, _Positions)), None)
+    if positions is not None and not _tracked(operand):
+        what = (
+            f"parameter {guard.paths[operand.leaf]}, which `tables` does not select,"
+            if isinstance(operand, _Param)
+            else "an array that `tables` does not select"
+        )
+        raise _misuse_ids(positions.owners, f"`dynamic_slice` indexes {what} with them", guard)
+    raise _refusal("dynamic_slice", ins, guard)
+
+
+def _eqn_plain(eqn: Any, ins: list[_Kind], guard: _Guard) -> _Kind:
+    if any(_tracked(k) for k in ins):
+        raise _refusal(eqn.primitive.name, ins, guard)
+    return None
+
+
+def _concatenate(eqn: Any, ins: list[_Kind], guard: _Guard) -> _Kind:
+    if not any(_tracked(k) for k in ins):
+        return None
+    if any(isinstance(k, _Table | _Wrapped) for k in ins):
+        raise _refusal("concatenate", ins, guard)
+    owners = frozenset.intersection(*(k.owners for k in ins if isinstance(k, _Positions)))
+    if all(_flat_positions(k) for k in ins):
+        return _Positions(owners)
+    # Positions beside ordinary values along the last axis: the index vectors of `t[ids, 0]` or `t[ids, :2]`.
+    dim = eqn.params["dimension"]
+    if dim != len(eqn.outvars[0].aval.shape) - 1:
+        raise _misuse_ids(owners, "`concatenate` joins them to other values", guard)
+    cols: set[int] = set()
+    start = 0
+    for v, k in zip(eqn.invars, ins, strict=True):
+        width = v.aval.shape[dim]
+        if isinstance(k, _Positions):
+            cols.update(range(start, start + width) if k.cols is None else (start + c for c in k.cols))
+        start += width
+    return _Positions(owners, frozenset(cols))
+
+
+def _cond(eqn: Any, ins: list[_Kind], guard: _Guard) -> list[_Kind]:
+    if _tracked(ins[0]):
+        raise _refusal("cond", ins[:1], guard)  # a branch chosen by the positions, not the ids
+    outs = []
+    for branch in eqn.params["branches"]:
+        inner = _inner(branch)
+        outs.append(_check_uses(inner, dict(zip(inner.invars, ins[1:], strict=True)), guard))
+    joined: list[_Kind] = []
+    for ks in zip(*outs, strict=True):
+        if all(k == ks[0] for k in ks):
+            joined.append(ks[0])
+        elif all(_flat_positions(k) for k in ks):
+            joined.append(_Positions(frozenset.intersection(*(k.owners for k in ks if isinstance(k, _Positions)))))
+        elif not any(_tracked(k) for k in ks):
+            joined.append(None)
+        else:  # a table or positions from some branches only
+            raise _refusal("cond", list(ks), guard, "returns {} from some branches only")
+    return joined
+
+
+def _loop(eqn: Any, ins: list[_Kind], guard: _Guard) -> list[_Kind]:
+    """``scan`` and ``while``: positions may be loop constants or scanned over, never carried."""
+    name, params = eqn.primitive.name, eqn.params
+    if name == "scan":
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        consts, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
+    else:
+        n_consts = params["cond_nconsts"] + params["body_nconsts"]
+        consts, carry, xs = ins[:n_consts], ins[n_consts:], []
+    for k in carry:
+        if isinstance(k, _Positions | _Wrapped):
+            raise _misuse_ids(k.owners, f"`{name}` carries them from step to step", guard)
+    for k in xs:
+        if _tracked(k) and not _flat_positions(k):
+            raise _refusal(name, [k], guard)
+    if name == "scan":
+        body = _inner(params["jaxpr"])
+        outs = _check_uses(body, dict(zip(body.invars, ins, strict=True)), guard)
+        carry_out, ys = outs[:n_carry], outs[n_carry:]
+    else:
+        cond, body = _inner(params["cond_jaxpr"]), _inner(params["body_jaxpr"])
+        n_cond = params["cond_nconsts"]
+        (pred,) = _check_uses(cond, dict(zip(cond.invars, [*consts[:n_cond], *carry], strict=True)), guard)
+        if _tracked(pred):
+            raise _refusal(name, [pred], guard)
+        carry_out = _check_uses(body, dict(zip(body.invars, [*consts[n_cond:], *carry], strict=True)), guard)
+        ys = []
+    for k_in, k_out in zip(carry, carry_out, strict=True):
+        if (_tracked(k_in) or _tracked(k_out)) and k_in != k_out:
+            raise _refusal(name, [k_out if _tracked(k_out) else k_in], guard)
+    for k in ys:
+        if _tracked(k) and not _flat_positions(k):
+            raise _refusal(name, [k], guard)
+    return [*(k if _tracked(k) else None for k in carry), *(k if _tracked(k) else None for k in ys)]
 
 
 def _inner(jaxpr: Any) -> Any:
     return jaxpr.jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jaxpr
+
+
+def _holds(dtype: Any, bound: int) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.integer)) and int(jnp.iinfo(dtype).max) >= bound - 1
+
+
+def _refusal(name: str, ins: list[_Kind], guard: _Guard, how: str = "") -> ValueError:
+    """The error for primitive ``name`` using a table or positions among ``ins`` as the guard does not allow.
+
+    ``how`` says what ``name`` does with them, ``{}`` standing for "it" or "them"; by default it reads a table and
+    computes with positions.
+    """
+    for k in ins:
+        if isinstance(k, _Table):
+            return _misuse(guard.paths[k.leaf], f"`{name}` {(how or 'reads {}').format('it')}")
+    for k in ins:
+        if isinstance(k, _Wrapped):  # blame the computation, not what jnp indexing does with its result
+            return _misuse_ids(k.owners, f"`{k.origin}` computes with them", guard)
+        if isinstance(k, _Positions) and k.cols is not None:
+            return _misuse_ids(k.owners, "`concatenate` joins them to other values", guard)
+        if isinstance(k, _Positions):
+            return _misuse_ids(k.owners, f"`{name}` {(how or 'computes with {}').format('them')}", guard)
+    raise AssertionError(f"_refusal({name}): no table or positions among the inputs")
 
 
 def _misuse(table: str, how: str) -> ValueError:
@@ -233,6 +501,18 @@ def _misuse(table: str, how: str) -> ValueError:
     )
 
 
+def _misuse_ids(owners: frozenset[int], how: str, guard: _Guard) -> ValueError:
+    whose = f"for table {' or '.join(guard.paths[i] for i in sorted(owners))}" if owners else "of several tables"
+    return ValueError(
+        f"value_and_row_grad: the loss uses the ids {whose} other than by indexing it with the ids ({how}). "
+        "Inside `fun` each id is replaced by its position in the rows the batch looks up, so arithmetic on the ids, "
+        "a mask or feature computed from them, or another array indexed with them would be silently wrong. Do "
+        "arithmetic on the ids before the lookup (pass `ids + 1` as the ids, not `table[ids + 1]`); compute masks "
+        "and features from the raw ids outside `fun` and pass them in as an extra argument; select in `tables` "
+        "every parameter the ids index (a per-id bias, a second table), each paired with its own array of ids."
+    )
+
+
 def check_reads_rows_only(
     fun: Callable[[Any, Any, Any], Any],
     rows: list[Any],
@@ -241,14 +521,22 @@ def check_reads_rows_only(
     tables: dict[int, str],
     *,
     axis_env: Sequence[tuple[str, int]] | None = None,
+    selection: Selection | None = None,
 ) -> None:
-    """Raises unless ``fun(rows, positions, extra)`` uses each table only by indexing it at the positions.
+    """Raises unless ``fun(rows, positions, extra)`` uses the tables and the positions only to read rows.
 
     Traces ``fun`` once with :func:`jax.make_jaxpr` (no compute: ``rows`` and
     ``extra`` may hold :class:`jax.ShapeDtypeStruct` placeholders) and walks
-    its jaxpr: a table (``rows[i]`` for ``i`` in ``tables``) may be viewed
-    (cast, copied) and read at positions computed from ``positions``, and
-    nothing else. ``extra`` is traced too but is no source of positions.
+    its jaxpr, into ``jit``, ``cond``, ``scan``, ``while``, ``custom_jvp``,
+    ``custom_vjp`` and ``remat``. A table (``rows[i]`` for ``i`` in
+    ``tables``) may be viewed (cast, copied) and gathered along its rows (axis
+    0) at its own ids' positions, and nothing else. The positions may reach
+    such a gather through shape-only ops (reshape, squeeze, broadcast, slice,
+    transpose, concatenation of positions, casts to an integer type that holds
+    them) and the wrapping of negative indices that jnp indexing emits
+    (``select_n(p < 0, p, p + n)``), and nothing else: not arithmetic, not a
+    comparison, not another array, not a loop's carry, not the outputs.
+    ``extra`` is traced too, as ordinary values.
 
     Args:
       fun: The loss on the gathered rows, as a function of three trees.
@@ -257,14 +545,29 @@ def check_reads_rows_only(
       extra: Further traced arguments of ``fun``.
       tables: The tables' leaf numbers in ``rows`` and their paths, for the message.
       axis_env: Mesh axes bound while tracing (``fun`` runs inside ``shard_map``).
+      selection: The parameters' :class:`Selection`: pairs each leaf of
+        ``positions`` with its table and names the other parameters in
+        messages. Without it, positions may index any of the tables.
     """
     probe = jax.make_jaxpr(fun, axis_env=axis_env)(rows, positions, extra)
     invars = probe.jaxpr.invars
     n_rows, n_positions = len(jax.tree.leaves(rows)), len(jax.tree.leaves(positions))
     row_vars = jax.tree.unflatten(jax.tree.structure(rows), invars[:n_rows])
-    _check_table_uses(
-        probe.jaxpr, {row_vars[i]: path for i, path in tables.items()}, set(invars[n_rows : n_rows + n_positions])
-    )
+    kinds: dict[Any, _Kind] = {}
+    paths = dict(tables)
+    if selection is not None:
+        paths = {**dict(enumerate(selection.paths)), **paths}
+        kinds.update({v: _Param(i) for i, v in enumerate(row_vars) if isinstance(v, jex.Var) and i not in tables})
+    kinds.update({row_vars[i]: _Table(i) for i in tables})
+    owners = [frozenset(tables)] * n_positions if selection is None else [frozenset({i}) for i in selection.chosen]
+    kinds.update({v: _Positions(o) for v, o in zip(invars[n_rows : n_rows + n_positions], owners, strict=True)})
+    bound = max((int(row_vars[i].aval.shape[0]) for i in tables), default=0)
+    guard = _Guard(paths, bound)
+    for k in _check_uses(probe.jaxpr, kinds, guard):
+        if isinstance(k, _Table):
+            raise _misuse(paths[k.leaf], "`fun` returns it")
+        if isinstance(k, _Positions | _Wrapped):
+            raise _misuse_ids(k.owners, "`fun` returns them", guard)
 
 
 class _Slot:
@@ -320,7 +623,7 @@ def check_ids(ids: Any, selection: Selection, where: str) -> tuple[list[jax.Arra
             f"{where}: `tables` selected {len(chosen)} table(s) ({', '.join(paths[i] for i in chosen)}) "
             f"but `ids` holds {len(id_leaves)} array(s); give one array of ids per selected table"
         )
-    id_leaves = [jnp.asarray(x) for x in id_leaves]
+    id_leaves = [as_index_array(x) for x in id_leaves]
     for i, x in zip(chosen, id_leaves, strict=True):
         _check_ids_dtype(where, f"table {paths[i]}", x.dtype)
     return id_leaves, id_treedef
@@ -356,6 +659,18 @@ def value_and_row_grad(
 
     A table selected more than once (say, for positive and negative samples)
     is looked up once, with all of its ids; its positions index the same rows.
+
+    Since ``fun`` sees rows and positions, not tables and ids, it may use each
+    table only by reading its rows at its own ids (``table[ids]``,
+    ``jnp.take(table, ids, axis=0)``, ``table[ids, 0]``, through reshapes,
+    slices, ``jit``, ``cond``, ``scan``), and the ids for nothing else. Before
+    any compute, this refuses with a ``ValueError`` a ``fun`` that reads a
+    whole table (an L2 penalty, a softmax over all rows), computes with the
+    ids (``table[ids + 1]``, ``table[ids % n]``, a mask ``ids != 0``, a
+    feature), indexes a parameter that ``tables`` does not select with them
+    (a per-id bias), or indexes a table's other axes with them: compute such
+    terms from the raw ids outside ``fun`` and pass them in, or select the
+    parameter in ``tables`` too.
 
     With ``flax.nnx``, split the model (``graphdef, params = nnx.split(model,
     nnx.Param)``) and merge it with ``params_rows`` inside ``fun``; the
@@ -426,6 +741,7 @@ def value_and_row_grad(
             positions_tree,
             (),
             {i: paths[i] for i in lookups},
+            selection=sel,
         )
         value, grads = jax.value_and_grad(inner, has_aux=has_aux)(diff)
         grads = [lookups[i].grad(g) if i in lookups else g for i, g in enumerate(grads)]

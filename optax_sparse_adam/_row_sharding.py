@@ -404,6 +404,7 @@ class RowSharding:
             sel = self._selected(params, where)
             leaves, paths, chosen, treedef = sel
             id_leaves, id_treedef = check_ids(ids, sel, where)
+            ids = id_treedef.unflatten(id_leaves)  # NumPy ids too wide for JAX made padding, not wrapped
             tables = sorted(set(chosen))
             by_table = {i: [j for j, c in enumerate(chosen) if c == i] for i in tables}
             shapes = {i: tuple(jnp.shape(leaves[i])) for i in tables}
@@ -424,6 +425,7 @@ class RowSharding:
                 jax.tree.map(lambda x: _abstract(x, per_device(x)), args),
                 {i: paths[i] for i in tables},
                 axis_env=list(self.mesh.shape.items()),
+                selection=sel,
             )
 
             p_specs = self.specs(params)

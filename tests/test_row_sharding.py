@@ -428,6 +428,14 @@ WHOLE_TABLE_LOSSES = {
     "constant-row": lambda p, ids: jnp.sum(p["emb"][0] * p["w"]),
     "arange-rows": lambda p, ids: jnp.sum(p["emb"][jnp.arange(3)] @ p["w"]),
     "inside-cond": lambda p, ids: jax.lax.cond(True, lambda t: jnp.sum(t * 2.0), lambda t: jnp.sum(t), p["emb"]),
+    # Uses of the ids other than indexing the table's rows (tests/test_row_grad.py).
+    "shift-by-one": lambda p, ids: jnp.sum(p["emb"][ids + 1] @ p["w"]),
+    "hashing-trick": lambda p, ids: jnp.sum(p["emb"][ids % 16] @ p["w"]),
+    "times-zero": lambda p, ids: jnp.sum(p["emb"][ids * 0] @ p["w"]),
+    "non-row-axis": lambda p, ids: jnp.sum(p["emb"][:, ids]),
+    "padding-mask": lambda p, ids: jnp.sum((p["emb"][ids] @ p["w"]) * (ids != 0)),
+    "id-as-feature": lambda p, ids: jnp.sum((p["emb"][ids] @ p["w"]) * ids.astype(jnp.float32)),
+    "scan-carry": lambda p, ids: jax.lax.scan(lambda c, _: (c + 1, jnp.sum(p["emb"][c])), ids, None, length=2)[1].sum(),
 }
 
 
