@@ -3,7 +3,8 @@
 Adam is a rule on the lazy-row engine (:mod:`._row_engine`), with the native
 CPU kernel as the rule's stand-in where it applies; dense leaves that no
 ``lazy_dense`` mask selects take :func:`optax.scale_by_adam` itself, so that
-they equal :func:`optax.adam` bitwise. :func:`sparse_adam` carries what
+they equal :func:`optax.adam` bitwise (with ``eps_placement="torch"``,
+``torch.optim.Adam``'s rule). :func:`sparse_adam` carries what
 :func:`~optax_sparse_adam.update_and_apply` needs to fuse it
 (:class:`AdamFusion`, on its ``update``).
 """
@@ -11,6 +12,7 @@ they equal :func:`optax.adam` bitwise. :func:`sparse_adam` carries what
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -25,6 +27,7 @@ from optax_sparse_adam._checks import (
     check_dtype,
     check_hparam,
     check_mask,
+    check_params,
     check_state,
     mask_tree,
 )
@@ -32,7 +35,7 @@ from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule, touched_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
-from optax_sparse_adam._tree import param_error
+from optax_sparse_adam._tree import is_leaf, param_error
 
 __all__ = ["scale_by_sparse_adam", "sparse_adam"]
 
@@ -50,6 +53,8 @@ class AdamHyperparams(NamedTuple):
     eps_root: Any
     maximize: bool
     eps_placement: EpsPlacement
+    log_b1: float | None  # log(b1) in double where b1 is a concrete number, else None (see _torch_corrections)
+    log_b2: float | None
 
 
 def _moments(g: jax.Array, m: jax.Array, v: jax.Array, hp: AdamHyperparams) -> tuple[jax.Array, jax.Array]:
@@ -59,13 +64,41 @@ def _moments(g: jax.Array, m: jax.Array, v: jax.Array, hp: AdamHyperparams) -> t
     return optax.tree.update_moment(g, m, hp.b1, 1), optax.tree.update_moment_per_elem_norm(g, v, hp.b2, 2)
 
 
+def _log_beta(b: Any) -> float | None:
+    """``log(b)`` in double for a concrete ``b`` (``-inf`` for 0); ``None`` for a JAX array, perhaps traced."""
+    if isinstance(b, jax.Array):
+        return None
+    b = float(b)
+    return math.log(b) if b > 0 else -math.inf
+
+
+def _torch_corrections(hp: AdamHyperparams, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """torch's bias corrections ``1 - b1**t`` and ``1 - b2**t``, accurate to float32 rounding.
+
+    torch computes them in double from the betas as given. ``1 - b**t`` in
+    float32, from a ``b`` rounded to float32, is off by up to ``t`` ulps of
+    ``b`` relative to ``1 - b**t`` (about 1e-5 at ``b2 = 0.999``); instead,
+    ``-expm1(t log b)``, with ``log b`` taken in double at construction where
+    ``b`` is a number, and in float32 at run time where it is an array
+    (``inject_hyperparams``), is within a few float32 ulps of torch's value.
+    """
+    t = count.astype(jnp.float32)
+
+    def correction(b: Any, log_b: float | None) -> jax.Array:
+        log = jnp.log(jnp.asarray(b).astype(jnp.float32)) if log_b is None else log_b
+        return -jnp.expm1(t * log)
+
+    return correction(hp.b1, hp.log_b1), correction(hp.b2, hp.log_b2)
+
+
 def _step(m: jax.Array, v: jax.Array, count: jax.Array, hp: AdamHyperparams) -> jax.Array:
-    """Adam's step from the new moments, for either placement of ``eps``."""
+    """Adam's step from the new moments on sparse and ``lazy_dense`` leaves, for either placement of ``eps``."""
     if hp.eps_placement == "optax":
         m_hat = optax.tree.bias_correction(m, hp.b1, count)
         v_hat = optax.tree.bias_correction(v, hp.b2, count)
         return m_hat / (jnp.sqrt(v_hat + hp.eps_root) + hp.eps)
-    scale = jnp.sqrt(1 - hp.b2**count) / (1 - hp.b1**count)
+    bc1, bc2 = _torch_corrections(hp, count)
+    scale = jnp.sqrt(bc2) / bc1  # torch.optim.SparseAdam's step scale; kernel_scalars computes it alike
     return scale.astype(m.dtype) * m / (jnp.sqrt(v + hp.eps_root) + hp.eps)
 
 
@@ -96,6 +129,11 @@ def _lazy_rule(hp: AdamHyperparams, count: jax.Array) -> Rule:
     return rule
 
 
+def _as_dense_struct(x: Any) -> Any:
+    """A sparse leaf as the ``jax.ShapeDtypeStruct`` of its dense equivalent; anything else as it is."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if is_sparse(x) else x
+
+
 def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 0.0) -> jax.Array:
     """The kernels' scalar operand at step ``count``, each value rounded to float32 as the rule rounds it.
 
@@ -105,7 +143,10 @@ def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 0.0) -> 
     def f32(x: Any) -> jax.Array:
         return jnp.asarray(x).astype(jnp.float32)
 
-    bc1, bc2 = 1 - hp.b1**count, 1 - hp.b2**count  # as optax.tree.bias_correction computes them
+    if hp.eps_placement == "optax":
+        bc1, bc2 = 1 - hp.b1**count, 1 - hp.b2**count  # as optax.tree.bias_correction computes them
+    else:
+        bc1, bc2 = _torch_corrections(hp, count)  # as _step computes them
     values = (hp.b1, 1 - hp.b1, hp.b2, 1 - hp.b2, hp.eps, hp.eps_root, bc1, bc2, jnp.sqrt(bc2) / bc1, neg_lr)
     return jnp.stack([f32(x) for x in values])
 
@@ -136,7 +177,9 @@ def _dense_adam(grads: Any, mu: Any, nu: Any, state_count: jax.Array, hp: AdamHy
 
     With ``eps_placement="optax"`` this is :func:`optax.scale_by_adam` itself on
     the tree, so XLA sees the graph it sees for :func:`optax.adam`, with the
-    same jit boundaries, and the numbers are identical, jitted or not.
+    same jit boundaries, and the numbers are identical, jitted or not. With
+    ``"torch"`` it is ``torch.optim.Adam``'s rule, which places ``eps`` as
+    optax does, with torch's bias corrections (:func:`_torch_corrections`).
     """
     if hp.maximize:
         grads = jax.tree.map(lambda g: -g, grads)
@@ -147,8 +190,13 @@ def _dense_adam(grads: Any, mu: Any, nu: Any, state_count: jax.Array, hp: AdamHy
     else:
         new_mu = optax.tree.update_moment(grads, mu, hp.b1, 1)
         new_nu = optax.tree.update_moment_per_elem_norm(grads, nu, hp.b2, 2)
-        count = optax.safe_increment(state_count)
-        updates = jax.tree.map(lambda m, v: _step(m, v, count, hp), new_mu, new_nu)
+        bc1, bc2 = _torch_corrections(hp, optax.safe_increment(state_count))
+
+        def step(m: jax.Array, v: jax.Array) -> jax.Array:
+            m_hat, v_hat = m / bc1.astype(m.dtype), v / bc2.astype(v.dtype)
+            return m_hat / (jnp.sqrt(v_hat + hp.eps_root) + hp.eps)
+
+        updates = jax.tree.map(step, new_mu, new_nu)
     cast = lambda new, old: jax.tree.map(lambda x, y: x.astype(y.dtype), new, old)  # noqa: E731
     return cast(updates, grads), cast(new_mu, mu), cast(new_nu, nu)
 
@@ -189,10 +237,27 @@ def scale_by_sparse_adam(
 
     Outside :math:`S`, ``mu`` and ``nu`` are bitwise unchanged and the update is
     a sparse leaf of the same type holding exactly the touched entries. The
-    step count :math:`t` advances on every call. A dense gradient leaf gets
-    plain Adam (:func:`optax.scale_by_adam`'s expressions) unless
-    ``lazy_dense`` selects it, in which case a row counts as touched when any of
-    its entries is nonzero. A ``None`` leaf is skipped.
+    step count :math:`t` advances on every call. A dense gradient leaf that
+    ``lazy_dense`` selects takes the same rule, a row counting as touched when
+    any of its entries is nonzero. Any other dense gradient leaf gets plain
+    Adam on every entry, with ``eps`` placed as optax places it,
+
+    .. math::
+
+      u = \frac{m / (1 - \beta_1^t)}{\sqrt{v / (1 - \beta_2^t) + \epsilon_{root}} + \epsilon},
+
+    whatever ``eps_placement`` is: with ``"optax"`` it is
+    :func:`optax.scale_by_adam` itself; with ``"torch"`` it is
+    ``torch.optim.Adam``'s rule, so that one optimizer reproduces torch's usual
+    pair, ``SparseAdam`` for the sparse tables and ``Adam`` for the rest. With
+    ``"torch"`` the bias corrections :math:`1 - \beta^t` (of both rules) are
+    torch's, which computes them in double precision: they are computed as
+    :math:`-\operatorname{expm1}(t \log \beta)`, with :math:`\log \beta` taken
+    in double where :math:`\beta` is a number, and are within float32 rounding
+    of torch's (optax computes :math:`1 - \beta^t` in float32, off by up to
+    ~1e-5 relative at :math:`\beta_2 = 0.999`). Where ``inject_hyperparams``
+    makes :math:`\beta` a float32 array, :math:`\log \beta` is taken in
+    float32 from the rounded :math:`\beta`. A ``None`` leaf is skipped.
 
     Args:
       b1: Decay rate of the first moment.
@@ -201,7 +266,9 @@ def scale_by_sparse_adam(
       eps_root: Term added inside the square root.
       mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
       maximize: Whether to ascend rather than descend (negates the gradient).
-      eps_placement: ``"optax"`` or ``"torch"``; see above.
+      eps_placement: ``"optax"`` or ``"torch"`` (sparse and ``lazy_dense``
+        leaves as ``torch.optim.SparseAdam``, other dense leaves as
+        ``torch.optim.Adam``); see above.
       lazy_dense: Which dense gradient leaves to treat lazily: a bool, a tree
         of bools (a prefix of the parameters), or a function of the parameters
         returning one, as in optax's ``mask`` arguments.
@@ -227,13 +294,14 @@ def scale_by_sparse_adam(
     References:
       Kingma and Ba, `Adam: A Method for Stochastic Optimization
       <https://arxiv.org/abs/1412.6980>`_, 2014; PyTorch's
-      ``torch.optim.SparseAdam``.
+      ``torch.optim.SparseAdam`` and ``torch.optim.Adam``.
     """
     hp = _hyperparams(b1, b2, eps, eps_root, maximize, eps_placement)
     mu_dtype = check_dtype(mu_dtype, "mu_dtype")
     check_mask("lazy_dense", lazy_dense)
 
     def init_fn(params: optax.Params) -> optax.ScaleByAdamState:
+        check_params(params, _WHERE)
         mask_tree(lazy_dense, params, "lazy_dense", _WHERE)  # a mask that does not fit the parameters fails here
         return optax.ScaleByAdamState(
             count=jnp.zeros([], jnp.int32),
@@ -250,7 +318,9 @@ def scale_by_sparse_adam(
         del extra_args
         check_state(state, optax.ScaleByAdamState, _WHERE)
         count = optax.safe_increment(state.count)
-        lazy = mask_tree(lazy_dense, params if params is not None else updates, "lazy_dense", _WHERE)
+        # Without params, a mask function sees the gradients with each sparse leaf as the array it stands for.
+        like = params if params is not None else jax.tree.map(_as_dense_struct, updates, is_leaf=is_leaf)
+        lazy = mask_tree(lazy_dense, like, "lazy_dense", _WHERE)
         trees = [(state.mu, "optimizer state's mu"), (state.nu, "optimizer state's nu"), (lazy, "lazy_dense mask")]
 
         def plain(path: Any, g: Any, m: Any, v: Any, lazy: bool, *p: Any) -> tuple[Any, Any, Any]:
@@ -304,8 +374,9 @@ def sparse_adam(
 
     Sparse gradient leaves (:class:`IndexedRows`, BCOO) update only the rows
     they touch, in parameters and in both moments, so a step costs
-    O(touched rows). Dense leaves get exactly :func:`optax.adam`, or the lazy
-    rule where ``lazy_dense`` selects them.
+    O(touched rows). Dense leaves get exactly :func:`optax.adam` (with
+    ``eps_placement="torch"``, ``torch.optim.Adam``), or the lazy rule where
+    ``lazy_dense`` selects them.
 
     Let :math:`\alpha_t` represent the learning rate and :math:`\beta_1,
     \beta_2, \varepsilon, \bar{\varepsilon}` the arguments ``b1``, ``b2``,
@@ -327,10 +398,23 @@ def sparse_adam(
       \end{align*}
 
     and :math:`m, v, p` are unchanged outside :math:`S_t`. The step count
-    :math:`t` is global and advances on every call. With
-    ``eps_placement="torch"`` the last line is ``torch.optim.SparseAdam``'s,
-    :math:`p_t \leftarrow p_{t-1} - \alpha_t \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}
-    \, m_t / (\sqrt{v_t + \bar{\varepsilon}} + \varepsilon)`.
+    :math:`t` is global and advances on every call.
+
+    ``eps_placement="torch"`` reproduces torch's usual pair of optimizers,
+    ``torch.optim.SparseAdam`` for the sparse tables and ``torch.optim.Adam``
+    for the rest. On sparse leaves and ``lazy_dense`` leaves the last line is
+    ``SparseAdam``'s,
+
+    .. math::
+
+      p_t \leftarrow p_{t-1} - \alpha_t \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}
+        \, m_t / \left(\sqrt{v_t + \bar{\varepsilon}} + \varepsilon\right);
+
+    other dense leaves keep the lines above, which are ``Adam``'s. In both,
+    :math:`1 - \beta^t` is computed as torch computes it, in double precision
+    (to float32 rounding: :math:`-\operatorname{expm1}(t \log \beta)`, with
+    :math:`\log \beta` in double where :math:`\beta` is a number), not in
+    float32 as optax does; see :func:`scale_by_sparse_adam`.
 
     Args:
       learning_rate: A float or an optax schedule.
@@ -340,8 +424,9 @@ def sparse_adam(
       eps_root: Term added inside the square root.
       mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
       maximize: Whether to ascend rather than descend.
-      eps_placement: ``"optax"`` (as :func:`optax.adam`) or ``"torch"`` (as
-        ``torch.optim.SparseAdam``).
+      eps_placement: ``"optax"`` (as :func:`optax.adam`) or ``"torch"`` (sparse
+        and ``lazy_dense`` leaves as ``torch.optim.SparseAdam``, other dense
+        leaves as ``torch.optim.Adam``).
       lazy_dense: Which dense gradient leaves to treat lazily (a row is touched
         when any of its entries is nonzero): a bool, a tree of bools, or a
         function of the parameters returning one.
@@ -369,7 +454,8 @@ def sparse_adam(
 
     References:
       Kingma and Ba, `Adam: A Method for Stochastic Optimization
-      <https://arxiv.org/abs/1412.6980>`_, 2014.
+      <https://arxiv.org/abs/1412.6980>`_, 2014; PyTorch's
+      ``torch.optim.SparseAdam`` and ``torch.optim.Adam``.
     """
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
     tx = optax.chain(
@@ -398,7 +484,8 @@ def _hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any, maximize: Any, eps_p
     check_hparam("eps_root", eps_root, lower=0.0, lower_open=False)
     if eps_placement not in ("optax", "torch"):
         raise ValueError(f"Invalid eps_placement: {eps_placement!r}; it must be 'optax' or 'torch'")
-    return AdamHyperparams(b1, b2, eps, eps_root, check_bool("maximize", maximize), eps_placement)
+    maximize = check_bool("maximize", maximize)
+    return AdamHyperparams(b1, b2, eps, eps_root, maximize, eps_placement, _log_beta(b1), _log_beta(b2))
 
 
 class AdamFusion(NamedTuple):

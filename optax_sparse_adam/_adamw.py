@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._adam import EpsPlacement, scale_by_sparse_adam
-from optax_sparse_adam._checks import check_bool, check_hparam, check_state, mask_tree
+from optax_sparse_adam._checks import check_bool, check_hparam, check_params, check_state, mask_tree
 from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows
@@ -86,6 +86,7 @@ def lazy_decoupled_weight_decay(
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
 
     def init_fn(params: optax.Params) -> LazyWeightDecayState:
+        check_params(params, _WHERE)
         if mask is not None:
             mask_tree(mask, params, "mask", _WHERE)
         return LazyWeightDecayState(

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._checks import check_dtype, check_hparam, check_state
+from optax_sparse_adam._checks import check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._row_engine import apply_rule, map_rule
 from optax_sparse_adam._sparse_aware import sparse_aware
 
@@ -76,6 +76,7 @@ def scale_by_sparse_amsgrad(
     mu_dtype = check_dtype(mu_dtype, "mu_dtype")
 
     def init_fn(params: optax.Params) -> optax.ScaleByAmsgradState:
+        check_params(params, _WHERE)
         return optax.ScaleByAmsgradState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),

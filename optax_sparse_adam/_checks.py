@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._tree import is_leaf, param_error
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "check_dtype",
     "check_hparam",
     "check_mask",
+    "check_params",
     "check_state",
     "mask_tree",
 ]
@@ -34,9 +36,11 @@ def check_hparam(name: str, value: Any, *, lower: float, lower_open: bool, upper
     arr = np.asarray(value)
     if arr.dtype.kind not in "iuf":
         raise TypeError(f"Invalid {name}: {value!r}; it must be a real number")
-    if arr.size != 1:
-        raise ValueError(f"Invalid {name}: an array of shape {arr.shape}; it must be a scalar")
-    v = float(arr.reshape(()))
+    if arr.ndim != 0:  # a one-element array of another shape would break broadcasting at every use
+        raise ValueError(
+            f"Invalid {name}: an array of shape {arr.shape}; it must be a scalar (a Python float or a 0-d array)"
+        )
+    v = float(arr)
     ok = (v > lower if lower_open else v >= lower) and (v < upper) and math.isfinite(v)
     if not ok:
         lo = f"> {lower:g}" if lower_open else f">= {lower:g}"
@@ -92,6 +96,19 @@ def check_dense_gradient(path: Any, g: Any, shape: tuple[int, ...], where: str) 
             "or give this parameter a None gradient (or optax.set_to_zero) if it is not trained",
         )
     return g
+
+
+def check_params(params: Any, where: str) -> None:
+    """The parameters given to ``init`` are dense arrays: a sparse leaf is a gradient or update, not a parameter."""
+    for path, p in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_leaf):
+        if p is not None and is_sparse(p):
+            raise param_error(
+                TypeError,
+                where,
+                path,
+                f"the parameter is an {type(p).__name__}; parameters must be dense arrays (a sparse leaf is a "
+                "gradient or an update, not a parameter): pass the dense table, e.g. `leaf.todense()`",
+            )
 
 
 def check_state(state: Any, cls: type, where: str) -> None:

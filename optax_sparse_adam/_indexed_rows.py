@@ -111,7 +111,7 @@ def as_index_array(x: Any) -> jax.Array:
     if isinstance(x, jax.Array):
         return x
     arr = np.asarray(x)
-    if arr.dtype.kind in "iu" and arr.dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+    if arr.dtype.kind in "iu" and arr.dtype.itemsize > 4 and not jax.config.read("jax_enable_x64"):
         arr = np.where((arr >= 0) & (arr <= np.iinfo(np.int32).max), arr, -1).astype(np.int32)
     return jnp.asarray(arr)
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_state
+from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._row_engine import apply_rule, map_rule, row_mean_square, row_shape
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows, param_error
@@ -131,6 +131,7 @@ def scale_by_rowwise_adam(
     where = "scale_by_rowwise_adam"
 
     def init_fn(params: optax.Params) -> ScaleByRowwiseAdamState:
+        check_params(params, where)
         nu = jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), _row_dtype(p)), params)
         row_count: Any = optax.EmptyState()
         if per_row_bias_correction:
@@ -283,6 +284,7 @@ def scale_by_rowwise_adagrad(
     where = "scale_by_rowwise_adagrad"
 
     def init_fn(params: optax.Params) -> ScaleByRowwiseAdagradState:
+        check_params(params, where)
         return ScaleByRowwiseAdagradState(
             sum_of_squares=jax.tree.map(
                 lambda p: jnp.full(row_shape(jnp.shape(p)), initial_accumulator_value, _row_dtype(p)), params

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -254,3 +255,55 @@ def test_an_error_under_donation_leaves_params_and_state_alive():
     new_params, _ = step(params, state, good)
     assert params["emb"].is_deleted()  # the check above can fail: a good step does consume the buffers
     assert not np.array_equal(new_params["emb"][1], row_1)
+
+
+# --------------------------------------------------------------------------- one-element hparams, sparse params
+
+
+@pytest.mark.parametrize("factory", [osa.sparse_adam, osa.sparse_adamw, osa.sparse_rowwise_adagrad])
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_a_one_element_array_learning_rate_is_refused_at_construction(factory, shape):
+    """A learning rate of shape (1, 1) used to pass and then crash ``update`` with a JAX-internal error."""
+    msg = rf"Invalid learning_rate: an array of shape {re.escape(str(shape))}; it must be a scalar"
+    with pytest.raises(ValueError, match=msg):
+        factory(np.full(shape, 0.1, np.float32))
+    factory(np.float32(0.1))  # 0-d arrays and NumPy scalars are scalars
+    factory(jnp.asarray(0.1, jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        osa.IndexedRows(IDX, ROWS, 6),
+        jsparse.BCOO.fromdense(jnp.ones((6, 3), jnp.float32)),
+    ],
+)
+def test_sparse_parameters_are_refused_at_init_naming_the_path(table):
+    params = {"enc": {"table": table, "scale": jnp.ones((), jnp.float32)}}
+    name = type(table).__name__
+    msg = (
+        rf"scale_by_sparse_adam: parameter \['enc'\]\['table'\]: the parameter is an? {name}; parameters must be dense"
+    )
+    with pytest.raises(TypeError, match=msg):
+        osa.sparse_adam(0.1).init(params)
+    with pytest.raises(TypeError, match="a sparse leaf is a gradient or an update, not a parameter"):
+        osa.scale_by_sparse_adam().init(table)
+    for tx in (
+        osa.sparse_adamw(0.1, catch_up=True),
+        osa.sparse_amsgrad(0.1),
+        osa.sparse_rowwise_adam(0.1),
+        osa.sparse_rowwise_adagrad(0.1),
+    ):
+        with pytest.raises(TypeError, match=r"parameter \['enc'\]\['table'\]: the parameter is an? "):
+            tx.init(params)
+
+
+def test_a_lazy_dense_function_sees_sparse_gradients_as_arrays_without_params():
+    """``lazy_dense=fn`` with ``tx.update(grads, state)``: ``fn`` gets each sparse leaf as its dense shape."""
+    params = {"emb": jnp.ones((8, 2), jnp.float32), "w": jnp.ones((2,), jnp.float32)}
+    tx = osa.sparse_adam(0.1, lazy_dense=lambda p: jax.tree.map(lambda x: x.ndim == 2, p))
+    grads = {"emb": osa.IndexedRows(jnp.array([1], jnp.int32), jnp.ones((1, 2), jnp.float32), 8), "w": jnp.ones(2)}
+    without, _ = tx.update(grads, tx.init(params))
+    with_params, _ = tx.update(grads, tx.init(params), params)
+    for a, b in zip(jax.tree.leaves(without), jax.tree.leaves(with_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -60,7 +60,7 @@ def test_is_a_pytree_with_static_num_rows_and_flag():
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64])
 def test_numpy_ids_too_wide_for_jax_are_padding_not_wrapped(dtype, kernel_path):
     """With x64 off, ``2**32 + 5`` would wrap to row 5 in a cast to int32; it is padding in its own dtype."""
-    assert not jax.config.jax_enable_x64
+    assert not jax.config.read("jax_enable_x64")
     ids = np.array([2**32 + 5, 1, 2**31], dtype)
     g = osa.IndexedRows(ids, np.ones((3, 2), np.float32), 8)
     want = np.zeros((8, 2), np.float32)
