@@ -40,9 +40,16 @@ def update_and_apply(
 
       p_S \leftarrow p_S - \alpha_t \, u_S
 
-    with :math:`u_S` the step of :func:`scale_by_sparse_adam`. ``mu`` and ``nu``
-    are bitwise those of the two calls, and the parameters too; on other
-    platforms and for other leaves the two calls run. Use it under
+    with :math:`u_S` the step of :func:`scale_by_sparse_adam`. It checks
+    what the two calls check (int8 or uint8 indices too narrow to mark a
+    table's padding are refused on every path). Its numbers are those of the
+    kernels (see :mod:`._kernel_path`): from the same state, ``nu`` bitwise
+    that of the two calls on the XLA path, ``mu`` within one ulp of the larger
+    of its old and new values, the parameters within two ulps of themselves
+    plus one of the largest update, because XLA:CPU chooses by shape which
+    multiply-adds it fuses (and where ``maximize`` negates the gradient). On
+    other platforms, for other leaves, under differentiation and in
+    :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
 
     Args:
@@ -142,7 +149,7 @@ def _fusable_leaves(grads: Any, state: Any, params: Any) -> dict[int, SparseLeaf
             continue
         if not p.shape == m.shape == v.shape:
             continue
-        sp = to_sparse_leaf(g, p.shape, path, "scale_by_sparse_adam")
+        sp = to_sparse_leaf(g, p.shape, path, "scale_by_sparse_adam", emits=True)
         if _kernel_path.supports(p.shape, sp.n_sparse, p, m, v, sp.values):
             fused[i] = sp
     return fused

@@ -6,14 +6,25 @@ step; :mod:`._ffi` calls them. This module loads the library and registers
 each handler once, at import, under a versioned name; holds the user's choice
 (:func:`use_kernels`, part of jit's cache key); and decides, in one place,
 where a kernel runs: :func:`supports` says whether the kernels handle a leaf,
-and :func:`select` lowers the kernel on the CPU and the XLA path on every other
-platform (``jax.lax.platform_dependent``). Without the library, or inside
-``use_kernels(False)``, the XLA path runs everywhere.
+and :func:`select` stages both out as one :data:`select_p`, whose lowering
+keeps the kernel when lowering for the CPU alone and the XLA path for every
+other platform and for :func:`jax.export`; differentiated, the XLA path runs.
+Without the library, or inside ``use_kernels(False)``, the XLA path runs
+everywhere.
 
 The kernels cover float32 tables, moments and values with one sparse axis
 (``IndexedRows``, BCOO with ``n_sparse == 1``) and fewer than 2**31 rows; the
-XLA path handles everything else. Their moments are bitwise those of the XLA
-path, and so is the step.
+XLA path handles everything else. They are not bitwise the XLA path: they
+compute its expressions in its order and with the multiply-adds fused as
+XLA:CPU usually fuses them, but XLA:CPU chooses its fusions (and so which
+multiply-adds it contracts, and where ``maximize`` negates the gradient) by
+shape. One step from the same state, measured over widths 1 to 513: ``nu``
+bitwise; ``mu`` within one ulp of the larger of its old and new values (seen
+with ``maximize`` on one-wide tables); the step, the update and the
+parameters within two ulps of themselves plus one of the largest update
+(XLA may compute the step from a moment rounded apart from the one it
+stores, which where the moment nearly cancels is many ulps of the step).
+``tests/test_kernels.py`` holds the fuzz test of these bounds.
 
 Environment: ``OPTAX_SPARSE_ADAM_KERNELS=0`` makes the XLA path the default;
 ``OPTAX_SPARSE_ADAM_THREADS=n`` (default: the CPUs this process may run on,
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.machinery
 import os
 import pathlib
@@ -34,6 +46,7 @@ from typing import Any, Literal
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+from jax.interpreters import batching, mlir
 
 from optax_sparse_adam._row_ops import explicit_sharding
 
@@ -103,7 +116,14 @@ def kernel_path() -> Literal["native-cpu", "xla"]:
     axis; other leaves take the XLA path); ``"xla"``: the portable XLA path,
     because the kernels were not built (no C++ compiler at install time),
     ``OPTAX_SPARSE_ADAM_KERNELS=0`` is set, or inside ``use_kernels(False)``.
-    On GPU and TPU the XLA path always runs.
+    On GPU and TPU the XLA path always runs, and so it does wherever the
+    step is differentiated (:func:`jax.grad`, :func:`jax.jvp`, hypergradients
+    through ``optax.inject_hyperparams``: the derivatives, and the values
+    computed with them, are the XLA path's) and in what
+    :func:`jax.export.export` exports: an exported artifact must run where
+    this library and its custom calls are not (a server, another machine),
+    so it holds the XLA path only, on every platform it is exported for. The
+    same jitted step, called as usual, still runs the kernels.
 
     Returns:
       ``"native-cpu"`` or ``"xla"``.
@@ -123,7 +143,9 @@ def use_kernels(enabled: bool = True, *, threads: int | None = None) -> Iterator
 
     The choice is part of :func:`jax.jit`'s cache key, so a jitted function is
     traced anew when it changes. Without compiled kernels, ``enabled=True``
-    changes nothing.
+    changes nothing. Nothing is needed for :func:`jax.export`: exported steps
+    hold the XLA path alone, so that they carry no custom call of this library
+    (see :func:`kernel_path`).
 
     Args:
       enabled: Whether to use the kernels on the CPU.
@@ -158,16 +180,116 @@ def threads() -> int:
     return int(_CONFIG.value[1])
 
 
-def select(native: Callable[[], Any], xla: Callable[[], Any]) -> Any:
-    """The one place that picks an implementation: ``native()`` on the CPU, ``xla()`` elsewhere.
+def select(native: Callable[..., Any], xla: Callable[..., Any], *operands: Any) -> Any:
+    """The one place that picks an implementation: ``native(*operands)`` on the CPU, ``xla(*operands)`` elsewhere.
 
-    Both are traced; the lowering keeps the branch of the platform it lowers
-    for. Without kernels (or inside ``use_kernels(False)``) only ``xla`` is
-    traced.
+    Both are traced to jaxprs, every array they close over (traced or not)
+    made an explicit operand, and staged out as one :data:`select_p` whose
+    lowering keeps the kernel only when lowering for the CPU alone and not
+    for :func:`jax.export` (see :func:`kernel_path`). The choice is wrapped in
+    a :func:`jax.custom_jvp` whose rule is ``xla``'s own JVP: undifferentiated,
+    the kernel runs; differentiated (forward, and reverse by JAX's
+    transposition of that JVP; hypergradients through closed-over
+    hyperparameters included), the XLA path runs, primal and tangents, as it
+    would inside ``use_kernels(False)``. (A kernel may pack a sparse result's
+    rows in another order, and a tangent must sit in its primal's slot.)
+    Without kernels (or inside ``use_kernels(False)``) only ``xla`` is traced,
+    and called as it is.
     """
     if not enabled():
-        return xla()
-    return jax.lax.platform_dependent(cpu=native, default=xla)
+        return xla(*operands)
+    n_jaxpr, n_consts, out_tree = _to_jaxpr(native, operands)
+    x_jaxpr, x_consts, x_tree = _to_jaxpr(xla, operands)
+    if out_tree != x_tree or [_aval_key(a) for a in n_jaxpr.out_avals] != [_aval_key(a) for a in x_jaxpr.out_avals]:
+        raise TypeError(f"select: the kernel returns {n_jaxpr.out_avals}, the XLA path {x_jaxpr.out_avals}")
+    flat = jax.tree.leaves(operands)
+    # Both jaxprs take (native's consts, xla's consts, operands); each ignores the other's consts.
+    args = (*n_consts, *x_consts, *flat)
+    native_all = _retrace(n_jaxpr, args, skip=(len(n_consts), len(n_consts) + len(x_consts)))
+    xla_all = _retrace(x_jaxpr, args, skip=(0, len(n_consts)))
+    return jax.tree.unflatten(out_tree, _choose(native_all, xla_all, *args))
+
+
+def _aval_key(aval: Any) -> tuple[Any, ...]:
+    return (aval.shape, aval.dtype)
+
+
+def _to_jaxpr(fn: Callable[..., Any], operands: tuple[Any, ...]) -> tuple[jex.ClosedJaxpr, list[Any], Any]:
+    """``fn`` traced on ``operands``' leaves: its jaxpr, the values it closes over, and its output tree."""
+    flat, in_tree = jax.tree.flatten(operands)
+    out_tree: list[Any] = []
+
+    def flat_fn(*leaves: Any) -> list[Any]:
+        out, tree = jax.tree.flatten(fn(*jax.tree.unflatten(in_tree, leaves)))
+        out_tree.append(tree)
+        return out
+
+    closed = jax.make_jaxpr(flat_fn)(*flat)
+    return closed, list(closed.consts), out_tree[0]
+
+
+def _retrace(closed: jex.ClosedJaxpr, args: tuple[Any, ...], skip: tuple[int, int]) -> jex.ClosedJaxpr:
+    """``closed`` as a jaxpr of ``args`` (its consts, then values in ``args[skip[0]:skip[1]]`` it ignores, then
+    its operands), closing over nothing traced."""
+    n_consts = len(closed.consts)
+
+    def fn(*all_args: Any) -> list[Any]:
+        rest = all_args[: skip[0]] + all_args[skip[1] :]
+        return jex.jaxpr_as_fun(jex.ClosedJaxpr(closed.jaxpr, rest[:n_consts]))(*rest[n_consts:])
+
+    return jax.make_jaxpr(fn)(*args)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _choose(native: jex.ClosedJaxpr, xla: jex.ClosedJaxpr, *args: Any) -> list[Any]:
+    return select_p.bind(*args, native=native, xla=xla)
+
+
+@_choose.defjvp
+def _choose_jvp(
+    native: jex.ClosedJaxpr, xla: jex.ClosedJaxpr, primals: tuple[Any, ...], tangents: tuple[Any, ...]
+) -> tuple[list[Any], list[Any]]:
+    # The XLA path's primal too: a kernel may pack a sparse result's rows in another order than the XLA
+    # path, and a tangent must sit in its primal's slot (float0 tangents for integer operands and results).
+    return jax.jvp(jex.jaxpr_as_fun(xla), primals, tangents)
+
+
+def _lowers_native(ctx: mlir.LoweringRuleContext) -> bool:
+    """The kernel is lowered for the CPU alone, and never into a :func:`jax.export` artifact."""
+    platforms = tuple(ctx.platforms or ctx.module_context.platforms)
+    return platforms == ("cpu",) and not ctx.module_context.lowering_parameters.for_export
+
+
+def _select_lowering(ctx: mlir.LoweringRuleContext, *args: Any, native: Any, xla: Any) -> Any:
+    chosen = native if _lowers_native(ctx) else xla
+    return mlir.lower_fun(jex.jaxpr_as_fun(chosen), multiple_results=True)(ctx, *args)
+
+
+def _select_impl(*args: Any, native: Any, xla: Any) -> Any:
+    """Eagerly: the kernel where the operands live on the CPU (as ``platform_dependent`` would choose)."""
+    devices = {d for a in args if isinstance(a, jax.Array) for d in a.devices()}
+    on_cpu = all(d.platform == "cpu" for d in devices) if devices else jax.default_backend() == "cpu"
+    return jex.jaxpr_as_fun(native if on_cpu else xla)(*args)
+
+
+def _select_batch(args: Any, dims: Any, *, native: Any, xla: Any) -> tuple[Any, list[int]]:
+    """Under vmap, each branch vmapped (the kernel's own rule runs it once per batch element)."""
+    in_axes = tuple(dims)  # None where an operand is not batched
+
+    def batched(closed: jex.ClosedJaxpr) -> jex.ClosedJaxpr:
+        return jax.make_jaxpr(jax.vmap(jex.jaxpr_as_fun(closed), in_axes=in_axes))(*args)
+
+    outs = select_p.bind(*args, native=batched(native), xla=batched(xla))
+    return outs, [0] * len(outs)
+
+
+# native-or-xla(*args): a branch per implementation, kept at lowering (see _lowers_native).
+select_p = jex.Primitive("optax_sparse_adam_select")
+select_p.multiple_results = True
+select_p.def_impl(_select_impl)
+select_p.def_abstract_eval(lambda *args, native, xla: xla.out_avals)
+mlir.register_lowering(select_p, _select_lowering)
+batching.primitive_batchers[select_p] = _select_batch
 
 
 def supports(shape: tuple[int, ...], n_sparse: int, *arrays: Any) -> bool:
