@@ -211,29 +211,3 @@ def test_a_table_of_zero_rows_takes_all_padding(name, kernel_path):
     fused, fused_state = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(params, state, grads)
     np.testing.assert_array_equal(np.asarray(fused["w"]), np.asarray(new["w"]))
     assert jax.tree.structure(fused_state) == jax.tree.structure(new_state)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_broken_unique_promise_is_deterministic_on_the_kernels(fused):
-    """Repeated keys under ``unique_indices=True``: each row written by one thread, so 1 and 4 threads agree."""
-    if osa.kernel_path() != "native-cpu":
-        pytest.skip("the native kernels were not built")
-    rng = np.random.default_rng(7)
-    ids = jnp.asarray(rng.integers(0, 6, 4096), jnp.int32)  # 6 rows, each repeated ~680 times
-    values = jnp.asarray(rng.normal(size=(4096, 8)), jnp.float32)
-    tx = osa.sparse_adam(0.01)
-
-    def step(p, s):
-        g = osa.IndexedRows(ids, values, 64, unique_indices=True)
-        if fused:
-            return osa.update_and_apply(tx, g, s, p)
-        u, s = tx.update(g, s, p)
-        return osa.apply_updates(p, u), s
-
-    results = []
-    for threads in (1, 4):
-        with osa.use_kernels(True, threads=threads):
-            p = jnp.ones((64, 8), jnp.float32)
-            results.append(jax.jit(step)(p, tx.init(p)))
-    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

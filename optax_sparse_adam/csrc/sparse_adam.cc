@@ -106,21 +106,21 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
   }
 }
 
-// The entries `entries[0..n)` of a batch whose in-range keys are declared distinct, all of rows this
-// shard owns. A part holds every entry of its keys, so a broken promise (a repeated key) is a row
-// updated once per entry, in entry order, by one thread: a defined result, never a data race.
+// The entries [lo, hi) of a batch whose in-range keys are distinct.
 template <bool kTorch, bool kMaximize, bool kApply>
-OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const int32_t* entries, int64_t n,
-                                  const Shard& shard, const float* values, float* m, float* v, float* out,
-                                  int64_t width) {
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + kPrefetchDistance < n) {
-      const int64_t r = shard.Local(keys[entries[j + kPrefetchDistance]]);
+OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const Shard& shard, const float* values,
+                                  float* m, float* v, float* out, int64_t width, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) {
+    if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
+      const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
       PrefetchRow(m + r * width, width);
       PrefetchRow(v + r * width, width);
       if constexpr (kApply) PrefetchRow(out + r * width, width);
     }
-    const int64_t i = entries[j];
+    if (!shard.Owns(keys[i])) {
+      if constexpr (!kApply) std::memset(out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
+      continue;
+    }
     const int64_t r = shard.Local(keys[i]);
     float* dst = kApply ? out + r * width : out + i * width;
     UpdateRow<kTorch, kMaximize, kApply>(s, values + i * width, m + r * width, v + r * width, dst, width);
@@ -135,14 +135,8 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
     if (out_keys != nullptr) {
       for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
     }
-    if constexpr (!kApply) {  // the step of an entry this shard does not own (padding, or another shard's row)
-      for (int64_t i = 0; i < k; ++i) {
-        if (!shard.Owns(keys[i])) std::memset(out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
-      }
-    }
-    // Split by key, as scatter_add is: each row is written by one thread whatever the keys hold.
-    ForEachKeyPart(pool, keys, k, shard, o.threads, [&](const int32_t* entries, int64_t n) {
-      UniqueRows<kTorch, kMaximize, kApply>(s, keys, entries, n, shard, values, m, v, out, width);
+    ParallelFor(pool, k, std::min<int64_t>(o.threads, k / 32 + 1), [&](int64_t lo, int64_t hi) {
+      UniqueRows<kTorch, kMaximize, kApply>(s, keys, shard, values, m, v, out, width, lo, hi);
     });
     return;
   }
