@@ -288,7 +288,7 @@ def test_fast_path_accepts_indexing_rows_with_the_ids(name):
     "ids", [np.array([2**32 + 5, 3, -(2**32) + 3], np.int64), np.array([2**32 + 5, 3, 2**63 + 5], np.uint64)]
 )
 def test_wide_numpy_ids_without_x64_are_padding(ids):
-    assert not jax.config.jax_enable_x64
+    assert not jax.config.read("jax_enable_x64")
     table = jnp.arange(20, dtype=jnp.float32).reshape(10, 2)
     lk = osa.lookup(table, ids)  # jnp.asarray would wrap 2**32 + 5 onto row 5
     np.testing.assert_array_equal(lk.rows[lk.inverse], np.array([[0, 0], [6, 7], [0, 0]], np.float32))

@@ -623,3 +623,34 @@ def _process_main(process_id: int, num_processes: int, port: int, devices: int, 
 
 if __name__ == "__main__":
     _process_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+
+
+ROUTINGS = [
+    {},
+    {"batch_axis": "x", "routing": "all_gather"},
+    {"batch_axis": "x", "routing": "all_to_all"},
+]
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x64-off", "x64-on"])
+@pytest.mark.parametrize("routing", ROUTINGS, ids=["replicated", "all_gather", "all_to_all"])
+def test_wide_ids_are_padding_on_every_routing(routing, x64):
+    """``2**32 + 5`` and ``-(2**32) + 3`` are padding, as in ``osa.value_and_row_grad``, not rows 5 and 3."""
+    rs = osa.RowSharding(_mesh(), "x", tables=lambda p: p["emb"], **routing)
+    table = np.arange(N * D, dtype=np.float32).reshape(N, D)
+    wide = np.tile(np.array([2**32 + 5, -(2**32) + 3, 7, 9], np.int64), 8)  # 4 ids per device
+
+    def loss(p, ids):
+        return jnp.sum(p["emb"][ids] @ p["w"])
+
+    with jax.enable_x64(x64):
+        params = rs.shard({"emb": jnp.asarray(table), "w": jnp.ones((D,), jnp.float32)})
+        ids = wide if not x64 else jnp.asarray(wide, jnp.int64)
+        value, grads, _ = rs.value_and_row_grad(loss)(params, ids)
+        want_value, want = osa.value_and_row_grad(loss, lambda p: p["emb"])(
+            {"emb": jnp.asarray(table), "w": jnp.ones((D,), jnp.float32)}, ids
+        )
+        dense = np.asarray(grads["emb"].todense())
+    np.testing.assert_allclose(float(value), float(want_value) / (8 if routing else 1), rtol=1e-6)
+    np.testing.assert_array_equal(dense[[3, 5]], 0.0)  # never rows 5 and 3
+    np.testing.assert_array_equal(dense, np.asarray(want["emb"].todense()) / (8 if routing else 1))
