@@ -445,3 +445,54 @@ def test_sparse_mu_dtype_matches_the_reference_with_rounded_moments():
     assert state[0].mu.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(state[0].mu, np.float32), ref.m, rtol=1e-2, atol=1e-3)
     np.testing.assert_allclose(params, ref.p, rtol=1e-2, atol=2e-3)
+
+
+# --------------------------------------------------------------------------- ported: TF Addons' LazyAdam tests
+
+
+def _lazy_adam_update_numpy(param, indices, g_t, t, m, v, alpha=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8):
+    """TF Addons' ``adam_update_numpy`` applied to the rows ``indices`` only (its lazy reference)."""
+    m, v, param = m.copy(), v.copy(), param.copy()
+    alpha_t = alpha * np.sqrt(1 - beta2**t) / (1 - beta1**t)
+    m[indices] = beta1 * m[indices] + (1 - beta1) * g_t
+    v[indices] = beta2 * v[indices] + (1 - beta2) * g_t * g_t
+    param[indices] = param[indices] - alpha_t * m[indices] / (np.sqrt(v[indices]) + epsilon)
+    return param, m, v
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_lazy_adam_sparse_as_tf_addons(kernel_path, dtype):
+    """TF Addons' ``test_sparse``: two variables with sparse gradients, 3 steps, against its NumPy reference."""
+    var0, var1 = np.array([1.0, 1.0, 2.0], dtype), np.array([3.0, 3.0, 4.0], dtype)
+    g0, g1 = np.array([0.1, 0.1], dtype), np.array([0.01, 0.01], dtype)
+    idx = np.array([0, 2], np.int32)
+    tx = osa.sparse_adam(0.001, eps_placement="torch")  # LazyAdam's step: alpha sqrt(1 - b2^t) / (1 - b1^t)
+    params = {"var0": jnp.asarray(var0), "var1": jnp.asarray(var1)}
+    state = tx.init(params)
+    grads = {"var0": osa.IndexedRows(idx, jnp.asarray(g0), 3), "var1": osa.IndexedRows(idx, jnp.asarray(g1), 3)}
+    step = jax.jit(lambda p, s: osa.update_and_apply(tx, grads, s, p))
+    m0 = v0 = m1 = v1 = np.zeros(3)
+    ref0, ref1 = var0.astype(np.float64), var1.astype(np.float64)
+    for t in range(1, 4):
+        params, state = step(params, state)
+        ref0, m0, v0 = _lazy_adam_update_numpy(ref0, idx, g0.astype(np.float64), t, m0, v0)
+        ref1, m1, v1 = _lazy_adam_update_numpy(ref1, idx, g1.astype(np.float64), t, m1, v1)
+        tol = 1e-3 if dtype == np.float16 else 1e-6  # TF's assertAllCloseAccordingToType
+        np.testing.assert_allclose(np.asarray(params["var0"], np.float64), ref0, rtol=tol, atol=tol)
+        np.testing.assert_allclose(np.asarray(params["var1"], np.float64), ref1, rtol=tol, atol=tol)
+    assert params["var0"][1] == 1.0 and params["var1"][1] == 3.0  # the untouched row never moves
+
+
+def test_lazy_adam_repeated_indices_as_tf_addons(kernel_path):
+    """TF Addons' ``test_sparse_repeated_indices``: ``[1, 1]`` with 0.1 each equals ``[1]`` with 0.2, bitwise."""
+    tx = osa.sparse_adam(0.001, eps_placement="torch")
+    repeated = osa.IndexedRows(jnp.array([1, 1], jnp.int32), jnp.array([[0.1], [0.1]], jnp.float32), 2)
+    summed = osa.IndexedRows(jnp.array([1], jnp.int32), jnp.array([[0.2]], jnp.float32), 2)
+    results = []
+    for g in (repeated, summed):
+        p = jnp.array([[1.0], [2.0]], jnp.float32)
+        s = tx.init(p)
+        for _ in range(3):
+            p, s = jax.jit(osa.update_and_apply, static_argnums=0)(tx, g, s, p)
+        results.append((p, s))
+    assert_trees_equal(results[0], results[1])
