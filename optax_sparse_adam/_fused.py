@@ -77,7 +77,7 @@ def update_and_apply(
     """
     fusion = getattr(tx.update, "fusion", None)
     fused = _fusable_leaves(grads, state, params) if isinstance(fusion, AdamFusion) and _kernel_path.enabled() else {}
-    if fusion is None or not fused:
+    if not isinstance(fusion, AdamFusion) or not fused:
         updates, state = tx.update(grads, state, params)
         return apply_updates(params, updates), state
 
@@ -87,11 +87,11 @@ def update_and_apply(
     updates, new_state = tx.update(rest, state, params)
     new_params = apply_updates(params, updates)
 
-    adam = _adam_state(state)
+    adam, new_adam = _adam_state(state), _adam_state(new_state)
     lr = fusion.learning_rate
     if callable(lr):
         lr = lr(optax.tree.get(state, "ScaleByScheduleState").count)
-    scalars = kernel_scalars(fusion.hp, _adam_state(new_state).count, -1 * lr)
+    scalars = kernel_scalars(fusion.hp, new_adam.count, -1 * lr)
     p_leaves = treedef.flatten_up_to(params)
     m_leaves = treedef.flatten_up_to(adam.mu)
     v_leaves = treedef.flatten_up_to(adam.nu)
@@ -108,13 +108,14 @@ def update_and_apply(
         only = treedef.unflatten([g if i in fused else None for i, (_, g) in enumerate(grad_leaves)])
         updates, s = tx.update(only, state, params)
         p = treedef.flatten_up_to(apply_updates(params, updates))
-        m, v = treedef.flatten_up_to(_adam_state(s).mu), treedef.flatten_up_to(_adam_state(s).nu)
+        adam_s = _adam_state(s)
+        m, v = treedef.flatten_up_to(adam_s.mu), treedef.flatten_up_to(adam_s.nu)
         return [(p[i], m[i], v[i]) for i in fused]
 
     results = dict(zip(fused, _kernel_path.select(native, xla), strict=True))
     out_p = treedef.flatten_up_to(new_params)
-    out_m = treedef.flatten_up_to(_adam_state(new_state).mu)
-    out_v = treedef.flatten_up_to(_adam_state(new_state).nu)
+    out_m = treedef.flatten_up_to(new_adam.mu)
+    out_v = treedef.flatten_up_to(new_adam.nu)
     for i, (p, m, v) in results.items():
         out_p[i], out_m[i], out_v[i] = p, m, v
     new_state = optax.tree.set(new_state, mu=treedef.unflatten(out_m), nu=treedef.unflatten(out_v))
@@ -138,9 +139,10 @@ def _fusable_leaves(grads: Any, state: Any, params: Any) -> dict[int, SparseLeaf
     """
     grad_leaves, treedef = _flatten(grads)
     try:
+        adam = _adam_state(state)
         p_leaves = treedef.flatten_up_to(params)
-        m_leaves = treedef.flatten_up_to(_adam_state(state).mu)
-        v_leaves = treedef.flatten_up_to(_adam_state(state).nu)
+        m_leaves = treedef.flatten_up_to(adam.mu)
+        v_leaves = treedef.flatten_up_to(adam.nu)
     except (ValueError, TypeError, AttributeError, IndexError, KeyError):
         return {}
     fused = {}

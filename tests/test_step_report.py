@@ -18,10 +18,16 @@ def _args(tx):
     return p, tx.init(p), ids
 
 
-def _step(tx, loss):
+def _step(tx, loss, fused=True):
+    """A fast-path step: ``update_and_apply``, or ``tx.update`` then ``apply_updates``."""
+
     def step(params, state, ids):
         value, grads = osa.value_and_row_grad(loss, lambda p: p["emb"])(params, ids)
-        params, state = osa.update_and_apply(tx, grads, state, params)
+        if fused:
+            params, state = osa.update_and_apply(tx, grads, state, params)
+        else:
+            updates, state = tx.update(grads, state, params)
+            params = osa.apply_updates(params, updates)
         return params, state, value
 
     return step
@@ -34,17 +40,7 @@ def _nonlinear(p, ids):
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_donated_step_is_in_place_on_both_kernel_paths(kernel_path, fused):
     tx = osa.sparse_adam(0.1)
-
-    def step(params, state, ids):
-        value, grads = osa.value_and_row_grad(_nonlinear, lambda p: p["emb"])(params, ids)
-        if fused:
-            params, state = osa.update_and_apply(tx, grads, state, params)
-        else:
-            updates, state = tx.update(grads, state, params)
-            params = osa.apply_updates(params, updates)
-        return params, state, value
-
-    report = osa.step_report(jax.jit(step, donate_argnums=(0, 1)), *_args(tx))
+    report = osa.step_report(jax.jit(_step(tx, _nonlinear, fused), donate_argnums=(0, 1)), *_args(tx))
     assert report.in_place, str(report)
     assert report.kernel_path == kernel_path
     assert (report.kernel_calls > 0) == (kernel_path == "native-cpu")
@@ -83,16 +79,7 @@ def test_a_loss_linear_in_the_rows_updates_the_table_in_place(kernel_path, fused
     def linear(p, ids):
         return (p["emb"][ids] @ p["w"]).sum()
 
-    def step(params, state, ids):
-        value, grads = osa.value_and_row_grad(linear, lambda p: p["emb"])(params, ids)
-        if fused:
-            params, state = osa.update_and_apply(tx, grads, state, params)
-        else:
-            updates, state = tx.update(grads, state, params)
-            params = osa.apply_updates(params, updates)
-        return params, state, value
-
-    report = osa.step_report(jax.jit(step, donate_argnums=(0, 1)), *_args(tx))
+    report = osa.step_report(jax.jit(_step(tx, linear, fused), donate_argnums=(0, 1)), *_args(tx))
     assert report.in_place, str(report)
 
 
