@@ -6,9 +6,11 @@ from optax_sparse_adam._adam import scale_by_sparse_adam, sparse_adam
 from optax_sparse_adam._adamw import LazyWeightDecayState, lazy_decoupled_weight_decay, sparse_adamw
 from optax_sparse_adam._amsgrad import scale_by_sparse_amsgrad, sparse_amsgrad
 from optax_sparse_adam._apply import apply_updates
+from optax_sparse_adam._collection import EmbeddingCollection, FeatureSpec, TableSpec
 from optax_sparse_adam._fused import update_and_apply
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._kernel_path import kernel_path, use_kernels
+from optax_sparse_adam._pooled import Bags, bags, pool
 from optax_sparse_adam._routing import RoutingInfo, all_gather_rows
 from optax_sparse_adam._row_grad import RowLookup, lookup, value_and_row_grad
 from optax_sparse_adam._row_sharding import RowSharding
@@ -30,6 +32,9 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "Bags",
+    "EmbeddingCollection",
+    "FeatureSpec",
     "IndexedRows",
     "LazyWeightDecayState",
     "RoutingInfo",
@@ -38,13 +43,16 @@ __all__ = [
     "ScaleByRowwiseAdagradState",
     "ScaleByRowwiseAdamState",
     "StepReport",
+    "TableSpec",
     "all_gather_rows",
     "apply_updates",
     "apply_updates_stochastic",
+    "bags",
     "is_sparse",
     "kernel_path",
     "lazy_decoupled_weight_decay",
     "lookup",
+    "pool",
     "scale_by_rowwise_adagrad",
     "scale_by_rowwise_adam",
     "scale_by_sparse_adam",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -167,9 +167,18 @@ def _kernel(hp: AdamHyperparams, count: jax.Array) -> Kernel:
     return Kernel(supports, run)
 
 
-def kernel_flags(hp: AdamHyperparams, leaf: SparseLeaf) -> dict[str, bool]:
+class KernelFlags(TypedDict):
+    """The kernels' static flags; ``unique``: 0 none, 1 the user's promise (checked), 2 known distinct."""
+
+    torch_eps: bool
+    maximize: bool
+    unique: int
+
+
+def kernel_flags(hp: AdamHyperparams, leaf: SparseLeaf) -> KernelFlags:
     """The kernels' static flags for a leaf."""
-    return {"torch_eps": hp.eps_placement == "torch", "maximize": hp.maximize, "unique": leaf.distinct}
+    unique = (1 if leaf.promised else 2) if leaf.distinct else 0
+    return {"torch_eps": hp.eps_placement == "torch", "maximize": hp.maximize, "unique": unique}
 
 
 def _dense_adam(grads: Any, mu: Any, nu: Any, state_count: jax.Array, hp: AdamHyperparams) -> tuple[Any, Any, Any]:

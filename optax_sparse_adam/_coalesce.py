@@ -93,4 +93,4 @@ def coalesce(leaf: SparseLeaf) -> SparseLeaf:
         return leaf
     target, keys = pack_distinct(leaf.keys, leaf.valid(), padding_key(leaf.shape, leaf.n_sparse))
     values = jnp.zeros_like(leaf.values).at[target].add(leaf.values, mode="drop")
-    return leaf._replace(keys=keys, values=values, distinct=True, sorted=False)
+    return leaf._replace(keys=keys, values=values, distinct=True, sorted=False, promised=False)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from optax_sparse_adam._kernel_path import PREFIX, threads
 
 
-def _attrs(num_rows: int, **flags: bool) -> dict[str, np.int64]:
+def _attrs(num_rows: int, **flags: bool | int) -> dict[str, np.int64]:
     attrs = {"num_rows": np.int64(num_rows), **{k: np.int64(v) for k, v in flags.items()}}
     attrs["threads"] = np.int64(threads())
     return attrs
@@ -111,14 +111,15 @@ def sparse_adam_rows(
     *,
     torch_eps: bool,
     maximize: bool,
-    unique: bool,
+    unique: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The sparse leaf rule on the CPU: ``(m, v, keys, step)``, moments updated in place.
 
     ``keys`` are ``(k,)`` int32 row indices (out of range: padding); the step
     rows come back packed as :func:`coalesce` packs them (each distinct key
     once, first, then padding keys ``num_rows`` with zero rows), or with
-    ``unique`` in the entries' own slots.
+    ``unique`` (1: the user's promise, checked; 2: keys the library made
+    distinct) in the entries' own slots.
     """
     attrs = _attrs(m.shape[0], torch_eps=torch_eps, maximize=maximize, unique=unique)
     shape = values.shape
@@ -148,7 +149,7 @@ def sparse_adam_apply(
     *,
     torch_eps: bool,
     maximize: bool,
-    unique: bool,
+    unique: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The sparse leaf rule and ``p += neg_lr * step`` in one pass over each touched row: ``(p, m, v)``."""
     attrs = _attrs(p.shape[0], torch_eps=torch_eps, maximize=maximize, unique=unique)

@@ -35,9 +35,9 @@ class IndexedRows:
         duplicates. Set it only where the promise holds, as in the gradients
         :meth:`RowLookup.grad` builds; an update keeps its gradient's flag.
         Where it does not hold, the duplicated rows get unspecified values
-        (as with jax's own ``unique_indices``); on the native CPU kernels,
-        with more than one thread, two threads may then write one row at
-        once.
+        on the XLA path (as with jax's own ``unique_indices``); the native
+        CPU kernels check the promise (one hash pass over the indices) and
+        sum a broken one's duplicates as without it.
 
     Adding an ``IndexedRows`` to a dense array (``table + rows``) adds its
     values to their rows with one scatter, so :func:`optax.apply_updates`, and

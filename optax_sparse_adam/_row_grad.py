@@ -28,8 +28,9 @@ import numpy as np
 
 from optax_sparse_adam._coalesce import pack_distinct
 from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, normalise_keys
+from optax_sparse_adam._pooled import Bags
 from optax_sparse_adam._row_ops import replicate, take_rows
-from optax_sparse_adam._sparse_leaf import padding_key
+from optax_sparse_adam._sparse_leaf import mark_distinct, padding_key
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, path_str
 
 __all__ = [
@@ -83,7 +84,7 @@ class RowLookup:
             raise ValueError(f"RowLookup.grad: d_rows has shape {d_rows.shape}, expected {self.rows.shape}")
         valid = (self.indices < self.num_rows) & _read(self.rows)
         values = jnp.where(broadcast_rows(valid, d_rows.ndim), d_rows, jnp.zeros((), d_rows.dtype))
-        return IndexedRows(self.indices, values, self.num_rows, unique_indices=True)
+        return mark_distinct(IndexedRows(self.indices, values, self.num_rows, unique_indices=True))
 
 
 def _read(rows: jax.Array) -> jax.Array:
@@ -613,20 +614,57 @@ def select_tables(params: Any, tables: Callable[[Any], Any], where: str) -> Sele
     return Selection(leaves, paths, [s.i for s in selected], treedef)
 
 
-def check_ids(ids: Any, selection: Selection, where: str) -> tuple[list[jax.Array], Any]:
-    """``ids``'s leaves, one integer array per selected table, and its treedef."""
+class Ids(NamedTuple):
+    """The ids a caller gave, one entry per selected table: an integer array, or the ids of a :class:`Bags`."""
+
+    leaves: list[jax.Array]  # the ids to look up
+    bags: list[Bags | None]  # the Bags each came from, if any
+    treedef: Any  # of the ids tree, a Bags as one leaf
+
+    def with_positions(self, positions: list[Any], rest: list[Any] | None = None) -> Any:
+        """The ids tree with each array of ids replaced by its positions (a Bags keeps its weights).
+
+        ``rest`` replaces the Bags' other fields (``(bag, weights)`` per Bags), as :meth:`rest` lists them.
+        """
+        rest = self.rest() if rest is None else rest
+        out = [
+            p if b is None else dataclasses.replace(b, ids=p, bag=r[0], weights=r[1])
+            for p, b, r in zip(positions, self.bags, rest, strict=True)
+        ]
+        return self.treedef.unflatten(out)
+
+    def rest(self) -> list[Any]:
+        """Each Bags' fields other than its ids (``None`` for plain ids), as :meth:`with_positions` takes them."""
+        return [None if b is None else (b.bag, b.weights) for b in self.bags]
+
+
+def check_ids(ids: Any, selection: Selection, where: str, *, bags_ok: bool = True) -> Ids:
+    """``ids``'s leaves, one integer array (or :class:`Bags`) per selected table."""
     id_treedef: Any
-    id_leaves, id_treedef = jax.tree.flatten(ids)
+    id_leaves, id_treedef = jax.tree.flatten(ids, is_leaf=lambda x: isinstance(x, Bags))
     chosen, paths = selection.chosen, selection.paths
     if len(id_leaves) != len(chosen):
         raise ValueError(
             f"{where}: `tables` selected {len(chosen)} table(s) ({', '.join(paths[i] for i in chosen)}) "
             f"but `ids` holds {len(id_leaves)} array(s); give one array of ids per selected table"
         )
-    id_leaves = [as_index_array(x) for x in id_leaves]
-    for i, x in zip(chosen, id_leaves, strict=True):
-        _check_ids_dtype(where, f"table {paths[i]}", x.dtype)
-    return id_leaves, id_treedef
+    found: list[Bags | None] = [x if isinstance(x, Bags) else None for x in id_leaves]
+    arrays = []
+    for i, x, b in zip(chosen, id_leaves, found, strict=True):
+        if b is None:
+            arrays.append(as_index_array(x))
+            _check_ids_dtype(where, f"table {paths[i]}", arrays[-1].dtype)
+            continue
+        if not bags_ok:
+            raise TypeError(f"{where}: the ids for table {paths[i]} are Bags, which this function does not take")
+        rows = int(jnp.shape(selection.leaves[i])[0])
+        if b.num_rows != rows:
+            raise ValueError(
+                f"{where}: the Bags for table {paths[i]} were built for {b.num_rows} rows, but the table has "
+                f"{rows}; build them with osa.bags(ids, {rows}, ...)"
+            )
+        arrays.append(b.ids)
+    return Ids(arrays, found, id_treedef)
 
 
 def _check_table(where: str, name: str, shape: tuple[int, ...]) -> None:
@@ -715,7 +753,8 @@ def value_and_row_grad(
 
     def wrapped(params: Any, ids: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         leaves, paths, chosen, treedef = sel = select_tables(params, tables, "value_and_row_grad")
-        id_leaves, id_treedef = check_ids(ids, sel, "value_and_row_grad")
+        given = check_ids(ids, sel, "value_and_row_grad")
+        id_leaves = given.leaves
         by_table: dict[int, list[int]] = {}
         for j, i in enumerate(chosen):
             by_table.setdefault(i, []).append(j)
@@ -729,17 +768,17 @@ def value_and_row_grad(
             for j, f in zip(js, flat, strict=True):
                 positions[j] = lk.inverse[start : start + f.shape[0]].reshape(id_leaves[j].shape)
                 start += f.shape[0]
-        positions_tree = id_treedef.unflatten(positions)
+        positions_tree = given.with_positions(positions)
 
         def inner(diff: list[Any]) -> Any:
             return fun(treedef.unflatten(diff), positions_tree, *args, **kwargs)
 
         diff = [lookups[i].rows if i in lookups else leaf for i, leaf in enumerate(leaves)]
-        check_reads_rows_only(
-            lambda d, pos, _: fun(treedef.unflatten(d), pos, *args, **kwargs),
+        check_reads_rows_only(  # a Bags' bag and weights are ordinary values, not positions
+            lambda d, pos, rest: fun(treedef.unflatten(d), given.with_positions(pos, rest), *args, **kwargs),
             diff,
-            positions_tree,
-            (),
+            positions,
+            given.rest(),
             {i: paths[i] for i in lookups},
             selection=sel,
         )

@@ -403,7 +403,8 @@ class RowSharding:
         def wrapped(params: Any, ids: Any, *args: Any) -> tuple[Any, Any, RoutingInfo]:
             sel = self._selected(params, where)
             leaves, paths, chosen, treedef = sel
-            id_leaves, id_treedef = check_ids(ids, sel, where)
+            given = check_ids(ids, sel, where, bags_ok=False)
+            id_leaves, id_treedef = given.leaves, given.treedef
             ids = id_treedef.unflatten(id_leaves)  # NumPy ids too wide for JAX made padding, not wrapped
             tables = sorted(set(chosen))
             by_table = {i: [j for j, c in enumerate(chosen) if c == i] for i in tables}

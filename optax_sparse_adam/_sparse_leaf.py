@@ -48,6 +48,7 @@ class Known(NamedTuple):
     shape: tuple[int, ...]
     distinct: bool
     sorted: bool
+    promised: bool = False  # distinct only by the user's unique_indices, unchecked
 
 
 class SparseLeaf(NamedTuple):
@@ -59,6 +60,7 @@ class SparseLeaf(NamedTuple):
     declared: Declared
     distinct: bool  # keys known distinct, and padding values zero
     sorted: bool  # keys known in lexicographic order (padding last)
+    promised: bool = False  # `distinct` rests on the user's unique_indices only; the kernels check it
 
     @property
     def n_sparse(self) -> int:
@@ -97,7 +99,7 @@ class SparseLeaf(NamedTuple):
             rows = IndexedRows(
                 self.keys[:, 0].astype(declared.index_dtype), self.values, self.shape[0], unique_indices=declared.unique
             )
-            object.__setattr__(rows, _KNOWN_ATTR, Known(self.shape, self.distinct, self.sorted))
+            object.__setattr__(rows, _KNOWN_ATTR, Known(self.shape, self.distinct, self.sorted, self.promised))
             return rows
         leaf = self
         if declared.sorted and not self.sorted:
@@ -112,8 +114,14 @@ class SparseLeaf(NamedTuple):
             indices_sorted=declared.sorted,
             unique_indices=declared.unique,
         )
-        setattr(bcoo, _KNOWN_ATTR, Known(self.shape, self.distinct, leaf.sorted))
+        setattr(bcoo, _KNOWN_ATTR, Known(self.shape, self.distinct, leaf.sorted, self.promised))
         return bcoo
+
+
+def mark_distinct(rows: IndexedRows) -> IndexedRows:
+    """Marks ``rows`` the library built with distinct keys (padding ``num_rows``, zero values) as known distinct."""
+    object.__setattr__(rows, _KNOWN_ATTR, Known(rows.shape, True, False))
+    return rows
 
 
 def padding_key(shape: tuple[int, ...], n_sparse: int) -> jax.Array:
@@ -143,7 +151,9 @@ def to_sparse_leaf(
         else:
             index, values = leaf.indices, leaf.data
             declared = Declared(True, index.dtype, bool(leaf.unique_indices), bool(leaf.indices_sorted))
-        return SparseLeaf(index.astype(jnp.int32), values, param_shape, declared, known.distinct, known.sorted)
+        return SparseLeaf(
+            index.astype(jnp.int32), values, param_shape, declared, known.distinct, known.sorted, known.promised
+        )
     if not param_shape:
         raise param_error(
             ValueError, where, path, f"a sparse gradient ({type(leaf).__name__}) cannot address a 0-d parameter"
@@ -217,7 +227,7 @@ def to_sparse_leaf(
             "keeps the gradient's index dtype and marks padding with the axis sizes); use int32 indices",
         )
     keys, values = replicate(normalise_keys(index, dims)), replicate(values)
-    return SparseLeaf(keys, values, param_shape, declared, declared.unique, declared.sorted)
+    return SparseLeaf(keys, values, param_shape, declared, declared.unique, declared.sorted, declared.unique)
 
 
 def _chunk_size(k: int) -> int:

@@ -212,6 +212,18 @@ def test_threads_give_the_same_numbers():
 
 
 @needs_kernels
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_broken_unique_promise_is_summed_like_no_promise(fused):
+    """The kernels check a user's ``unique_indices=True``: duplicates are summed, never raced over threads."""
+    steps = _steps("dups", 4096, n=2, seed=8)
+    tx = osa.sparse_adam(0.1)
+    with osa.use_kernels(True, threads=4):
+        promised = _run(tx, steps, fused=fused, unique=True)
+        plain = _run(tx, steps, fused=fused, unique=False)
+    assert_trees_equal(promised[:2], plain[:2])
+
+
+@needs_kernels
 def test_apply_updates_sums_duplicates_in_entry_order_on_any_thread_count():
     """Rows split over threads by key: each row's duplicates still summed in entry order, as XLA does."""
     rng = np.random.default_rng(7)

@@ -79,6 +79,25 @@ inline uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
   return x ^ (x >> 16);
 }
 
+// Whether two of the keys in [0, num_rows) are equal: the check behind a
+// `unique` promise, so that a broken one is summed like any batch instead of
+// racing. Open addressing over at least 2k slots: O(k) expected.
+inline bool HasDuplicate(const int32_t* keys, int64_t k, int64_t num_rows) {
+  int log_t = 4;
+  while ((int64_t{1} << log_t) < 2 * k) ++log_t;
+  const uint32_t mask = (uint32_t{1} << log_t) - 1;
+  std::vector<int32_t> slot(size_t{1} << log_t, -1);
+  for (int64_t i = 0; i < k; ++i) {
+    const int32_t key = keys[i];
+    if (!InRange(key, num_rows)) continue;
+    uint32_t h = Mix(static_cast<uint32_t>(key)) & mask;
+    while (slot[h] >= 0 && slot[h] != key) h = (h + 1) & mask;
+    if (slot[h] == key) return true;
+    slot[h] = key;
+  }
+  return false;
+}
+
 // The keys in [lo, hi) are coalesced, the others skipped. Open addressing over
 // a table of at least 2k slots: O(k) expected.
 inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coalesced& out) {

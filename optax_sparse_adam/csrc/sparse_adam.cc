@@ -42,7 +42,8 @@ constexpr int64_t kNumScalars = 10;
 constexpr int kPrefetchDistance = 4;
 
 struct Options {
-  bool torch_eps, maximize, unique;
+  bool torch_eps, maximize;
+  int64_t unique;  // 0: keys may repeat; 1: distinct by the user's promise, checked; 2: known distinct
   int64_t threads;
 };
 
@@ -131,7 +132,10 @@ template <bool kTorch, bool kMaximize, bool kApply>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k, const Shard& shard,
          const float* values, float* m, float* v, float* out, int32_t* out_keys, int64_t width) {
   const auto pad = static_cast<int32_t>(shard.num_rows);
-  if (o.unique) {
+  // A broken promise (a key twice) takes the coalescing path: its rows are
+  // summed as without it, and no two threads ever write one row. Keys the
+  // library made distinct itself skip the check.
+  if (o.unique == 2 || (o.unique == 1 && !HasDuplicate(keys, k, shard.num_rows))) {
     if (out_keys != nullptr) {
       for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
     }
@@ -212,7 +216,7 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<
   float* v = nu_out->typed_data();
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
-  const Options o{torch_eps != 0, maximize != 0, unique != 0, threads};
+  const Options o{torch_eps != 0, maximize != 0, unique, threads};
   Dispatch<false>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard, values.typed_data(), m, v,
                   step_out->typed_data(), keys_out->typed_data(), width);
   return ffi::Error::Success();
@@ -237,7 +241,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   CopyIfNotAliased(q, p.typed_data(), p.element_count());
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
-  const Options o{torch_eps != 0, maximize != 0, unique != 0, threads};
+  const Options o{torch_eps != 0, maximize != 0, unique, threads};
   Dispatch<true>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr,
                  width);
   return ffi::Error::Success();

@@ -1,0 +1,260 @@
+"""Many tables and features in one pass: :class:`EmbeddingCollection`.
+
+A recommender reads dozens of tables, some through several features. Looked
+up one by one, every table pays its own deduplication, its own optimizer
+call and, sharded, its own exchange. The collection stacks the tables of one
+width and dtype into one parameter (as FBGEMM's table-batched embeddings and
+jax-tpu-embedding's stacked tables do) and shifts each feature's ids by its
+table's first row, so a step over all of them does one lookup, one
+deduplication and one optimizer pass per stack. The stacks are ordinary
+arrays: every optimizer, :func:`update_and_apply`, :class:`RowSharding` and
+checkpointing take them as they take one table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_sparse_adam._pooled import Bags, Combiner, bags, pool
+
+__all__ = ["EmbeddingCollection", "FeatureSpec", "TableSpec"]
+
+Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """One embedding table.
+
+    Attributes:
+      num_rows: Its vocabulary size.
+      width: Its embedding width.
+      dtype: Its dtype.
+      initializer: ``init(key, shape, dtype)``; by default that of
+        ``flax.nnx.Embed`` (variance scaling 1, fan-in over the width).
+    """
+
+    num_rows: int
+    width: int
+    dtype: Any = jnp.float32
+    initializer: Initializer | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_rows", "width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < (name == "width"):
+                raise ValueError(f"TableSpec: {name} must be a non-negative int (width positive), got {value!r}")
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise TypeError(f"TableSpec: dtype must be floating point, got {self.dtype}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+    """One feature: the table it reads, and how it combines a bag's rows (see :func:`bags`)."""
+
+    table: str
+    combiner: Combiner = "sum"
+
+
+_DEFAULT_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EmbeddingCollection:
+    """Tables and the features that read them, stacked by width and dtype.
+
+    The parameters are a dict with one ``(rows, width)`` array per stack,
+    named ``f"{dtype}_{width}"`` (``"float32_16"``); a table is a block of its
+    stack's rows (:meth:`table`). A step builds the batch's bags with
+    :meth:`bags` and pools them with :meth:`pool`, inside a loss given to
+    :func:`value_and_row_grad` with the stacks as its tables and the bags as
+    their ids:
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> coll = osa.EmbeddingCollection(
+      ...     tables={"user": osa.TableSpec(1000, 8), "item": osa.TableSpec(500, 8)},
+      ...     features={"user": osa.FeatureSpec("user"), "history": osa.FeatureSpec("item", "mean"),
+      ...               "candidate": osa.FeatureSpec("item")},
+      ... )
+      >>> params = {"emb": coll.init(jax.random.key(0)), "w": jnp.ones((8,), jnp.float32)}
+      >>> {k: v.shape for k, v in params["emb"].items()}
+      {'float32_8': (1500, 8)}
+      >>> batch = coll.bags({"user": jnp.array([3, 7]), "history": jnp.array([[1, 2, -1], [4, -1, -1]]),
+      ...                    "candidate": jnp.array([9, 2])})
+      >>> def loss(p, batch):
+      ...   f = coll.pool(p["emb"], batch)
+      ...   return jnp.sum((f["user"] + f["history"]) * f["candidate"] @ p["w"])
+      >>> value, grads = osa.value_and_row_grad(loss, lambda p: p["emb"])(params, batch)
+      >>> g = grads["emb"]["float32_8"]  # row gradients of the one stack: an osa.IndexedRows
+      >>> int(jnp.sum(jnp.any(g.todense() != 0, axis=1)))  # rows touched: 3, 7 of user; 1, 2, 4, 9 of item
+      6
+
+    Attributes:
+      tables: Name to :class:`TableSpec`.
+      features: Name to :class:`FeatureSpec`; by default one ``"sum"``
+        feature per table, of the table's name.
+    """
+
+    tables: Mapping[str, TableSpec]
+    features: Mapping[str, FeatureSpec] | None = None
+
+    def __post_init__(self) -> None:
+        tables = dict(self.tables)
+        for name, t in tables.items():
+            if not isinstance(t, TableSpec):
+                raise TypeError(f"EmbeddingCollection: table {name!r} must be a TableSpec, got {type(t).__name__}")
+        features = {n: FeatureSpec(n) for n in tables} if self.features is None else dict(self.features)
+        for name, f in features.items():
+            if not isinstance(f, FeatureSpec):
+                raise TypeError(f"EmbeddingCollection: feature {name!r} must be a FeatureSpec, got {type(f).__name__}")
+            if f.table not in tables:
+                raise ValueError(
+                    f"EmbeddingCollection: feature {name!r} reads table {f.table!r}, which is not among the "
+                    f"tables {sorted(tables)}"
+                )
+        stacks: dict[str, list[str]] = {}
+        for name, t in tables.items():
+            stacks.setdefault(f"{jnp.dtype(t.dtype).name}_{t.width}", []).append(name)
+        offsets, rows = {}, {}
+        for key, names in stacks.items():
+            start = 0
+            for n in names:
+                offsets[n] = start
+                start += tables[n].num_rows
+            if start >= 2**31:
+                raise ValueError(
+                    f"EmbeddingCollection: the tables of stack {key} ({', '.join(names)}) hold {start} rows; "
+                    "a stack holds at most 2**31 - 1: split the tables over two collections"
+                )
+            rows[key] = start
+        object.__setattr__(self, "tables", tables)
+        object.__setattr__(self, "features", features)
+        object.__setattr__(self, "_stacks", stacks)
+        object.__setattr__(self, "_offsets", offsets)
+        object.__setattr__(self, "_rows", rows)
+
+    def _stack_of(self, table: str) -> str:
+        t = self.tables[table]
+        return f"{jnp.dtype(t.dtype).name}_{t.width}"
+
+    @property
+    def stacks(self) -> dict[str, tuple[str, ...]]:
+        """Each stack's name and its tables, in order."""
+        return {k: tuple(v) for k, v in self._stacks.items()}  # type: ignore[attr-defined]
+
+    def init(self, key: jax.Array) -> dict[str, jax.Array]:
+        """The stacked tables, each table initialized by its own initializer from its own key."""
+        keys = dict(zip(self.tables, jax.random.split(key, len(self.tables)), strict=True))
+        out = {}
+        for stack, names in self.stacks.items():
+            parts = []
+            for n in names:
+                t = self.tables[n]
+                init = t.initializer or _DEFAULT_INIT
+                parts.append(jnp.asarray(init(keys[n], (t.num_rows, t.width), t.dtype), t.dtype))
+            out[stack] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return out
+
+    def table(self, params: Mapping[str, jax.Array], name: str) -> jax.Array:
+        """Table ``name``'s rows in ``params`` (a slice of its stack), for evaluation or export."""
+        if name not in self.tables:
+            raise KeyError(f"EmbeddingCollection.table: no table {name!r} among {sorted(self.tables)}")
+        start = self._offsets[name]  # type: ignore[attr-defined]
+        return params[self._stack_of(name)][start : start + self.tables[name].num_rows]
+
+    def bags(
+        self,
+        inputs: Mapping[str, Any],
+        weights: Mapping[str, jax.typing.ArrayLike] | None = None,
+    ) -> dict[str, Bags]:
+        """The bags of a batch, one :class:`Bags` per stack, for :meth:`pool`.
+
+        Args:
+          inputs: Feature name to its ids: a ``(batch, max_len)`` padded
+            array (``-1`` pads), a ``(batch,)`` array (one id each), or a
+            :class:`Bags` built with :func:`bags` for its table's rows (the
+            offsets and lengths forms). Every feature, one batch size.
+          weights: Feature name to per-id weights of its ids' shape, for
+            the features that have them.
+
+        Returns:
+          Stack name to the bags of all its features, their ids shifted to
+          their tables' rows in the stack.
+        """
+        features = self.features
+        assert features is not None
+        weights = dict(weights or {})
+        missing, extra = set(features) - set(inputs), set(inputs) - set(features)
+        unknown_w = set(weights) - set(features)
+        if missing or extra or unknown_w:
+            raise ValueError(
+                f"EmbeddingCollection.bags: inputs must name every feature once; missing {sorted(missing)}, "
+                f"unknown {sorted(extra | unknown_w)}"
+            )
+        per_feature: dict[str, Bags] = {}
+        for name, spec in features.items():
+            rows = self.tables[spec.table].num_rows
+            x = inputs[name]
+            if isinstance(x, Bags):
+                if name in weights:
+                    raise ValueError(
+                        f"EmbeddingCollection.bags: feature {name!r} is a Bags; give its weights to bags()"
+                    )
+                if x.num_rows != rows:
+                    raise ValueError(
+                        f"EmbeddingCollection.bags: the Bags of feature {name!r} were built for {x.num_rows} rows; "
+                        f"its table {spec.table!r} has {rows}"
+                    )
+                per_feature[name] = x
+            else:
+                per_feature[name] = bags(x, rows, weights=weights.get(name), combiner=spec.combiner)
+        sizes = {b.num_bags for b in per_feature.values()}
+        if len(sizes) > 1:
+            raise ValueError(
+                "EmbeddingCollection.bags: every feature needs the batch size; got "
+                + ", ".join(f"{n}: {b.num_bags}" for n, b in per_feature.items())
+            )
+        batch = sizes.pop() if sizes else 0
+        out = {}
+        for stack in self.stacks:
+            names = [n for n, f in features.items() if self._stack_of(f.table) == stack]
+            total, n_bags = self._rows[stack], len(names) * batch  # type: ignore[attr-defined]
+            ids, bag, w = [], [], []
+            for j, n in enumerate(names):
+                b, start = per_feature[n], self._offsets[features[n].table]  # type: ignore[attr-defined]
+                valid = b.ids < b.num_rows
+                ids.append(jnp.where(valid, b.ids + start, total))
+                bag.append(jnp.where(b.bag < b.num_bags, b.bag + j * batch, n_bags))
+                w.append(b.weights)
+            if not names:  # tables no feature reads: nothing to look up
+                ids, bag, w = [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,))]
+            out[stack] = Bags(jnp.concatenate(ids), jnp.concatenate(bag), jnp.concatenate(w), n_bags, total)
+        return out
+
+    def pool(self, params: Mapping[str, jax.Array], bags: Mapping[str, Bags]) -> dict[str, jax.Array]:
+        """Each feature's pooled vectors, ``(batch, width)``: one gather and one sum per stack.
+
+        ``params`` are the stacks (or, inside :func:`value_and_row_grad`, their
+        gathered rows) and ``bags`` what :meth:`bags` built for them.
+        """
+        features = self.features
+        assert features is not None
+        out: dict[str, jax.Array] = {}
+        for stack in self.stacks:
+            names = [n for n, f in features.items() if self._stack_of(f.table) == stack]
+            if not names:
+                continue
+            b = bags[stack]
+            pooled = pool(params[stack], b)
+            batch = b.num_bags // len(names)
+            for j, n in enumerate(names):
+                out[n] = pooled[j * batch : (j + 1) * batch]
+        return {n: out[n] for n in features}

@@ -1,0 +1,193 @@
+"""``EmbeddingCollection``: stacked tables against the same model on one array per table."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_sparse_adam as osa
+from tests.helpers import assert_trees_equal
+
+TABLES = {
+    "user": osa.TableSpec(50, 4),
+    "item": osa.TableSpec(30, 4),
+    "tag": osa.TableSpec(20, 2),
+    "city": osa.TableSpec(10, 4, jnp.bfloat16),
+}
+FEATURES = {
+    "user": osa.FeatureSpec("user"),
+    "history": osa.FeatureSpec("item", "mean"),
+    "candidate": osa.FeatureSpec("item"),
+    "tags": osa.FeatureSpec("tag", "sqrtn"),
+    "city": osa.FeatureSpec("city"),
+}
+BATCH = 6
+
+
+def _collection() -> osa.EmbeddingCollection:
+    return osa.EmbeddingCollection(TABLES, FEATURES)
+
+
+def _inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    def ids(rows: int, shape: tuple[int, ...]) -> np.ndarray:
+        return rng.integers(-2, rows + 2, size=shape).astype(np.int32)  # padding both ways
+
+    return {
+        "user": ids(50, (BATCH,)),
+        "history": ids(30, (BATCH, 5)),
+        "candidate": ids(30, (BATCH,)),
+        "tags": ids(20, (BATCH, 3)),
+        "city": ids(10, (BATCH,)),
+    }
+
+
+def _per_table_model(tables: dict[str, jax.Array], inputs: dict[str, np.ndarray], weights: dict[str, np.ndarray]):
+    """The pooled features from one array per table, with a bags per feature: the reference."""
+    out = {}
+    for name, spec in FEATURES.items():
+        table = tables[spec.table]
+        b = osa.bags(inputs[name], table.shape[0], weights=weights.get(name), combiner=spec.combiner)
+        out[name] = osa.pool(table, b)
+    return out
+
+
+def _head(pooled: dict[str, jax.Array], w: jax.Array) -> jax.Array:
+    x = jnp.concatenate(
+        [pooled["user"] * pooled["candidate"], pooled["history"], pooled["city"].astype(jnp.float32)], 1
+    )
+    return jnp.sum(jnp.tanh(x @ w)) + jnp.sum(pooled["tags"] ** 2)
+
+
+def test_stacks_by_width_and_dtype_and_tables_are_blocks_of_them():
+    coll = _collection()
+    assert coll.stacks == {"float32_4": ("user", "item"), "float32_2": ("tag",), "bfloat16_4": ("city",)}
+    params = coll.init(jax.random.key(0))
+    assert {k: (v.shape, v.dtype) for k, v in params.items()} == {
+        "float32_4": ((80, 4), jnp.float32),
+        "float32_2": ((20, 2), jnp.float32),
+        "bfloat16_4": ((10, 4), jnp.bfloat16),
+    }
+    assert_trees_equal(coll.table(params, "item"), params["float32_4"][50:80])
+    # Each table is drawn from its own key: a table's values do not depend on the others.
+    alone = osa.EmbeddingCollection({"item": TABLES["item"]}).init(jax.random.key(0))
+    assert alone["float32_4"].shape == (30, 4)
+    std = float(jnp.std(coll.table(params, "user")))
+    assert 0.3 < std < 0.7  # variance scaling over the width: 1/sqrt(4)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pool_and_row_gradients_equal_one_array_per_table(weighted, kernel_path):
+    rng = np.random.default_rng(weighted)
+    coll = _collection()
+    params = {"emb": coll.init(jax.random.key(1)), "w": jnp.asarray(rng.standard_normal((12, 1)), jnp.float32)}
+    tables = {name: coll.table(params["emb"], name) for name in TABLES}
+    inputs = _inputs(rng)
+    weights = {"history": rng.uniform(0.1, 2.0, (BATCH, 5)).astype(np.float32)} if weighted else {}
+    batch = coll.bags(inputs, weights)
+    got = coll.pool(params["emb"], batch)
+    want = _per_table_model(tables, inputs, weights)
+    assert list(got) == list(FEATURES)
+    for name in FEATURES:
+        assert got[name].shape == (BATCH, TABLES[FEATURES[name].table].width), name
+        assert_trees_equal(got[name], want[name], rtol=1e-6, atol=1e-7)
+
+    def loss(p, batch):
+        return _head(coll.pool(p["emb"], batch), p["w"])
+
+    def reference(p):
+        return _head(_per_table_model(p["tables"], inputs, weights), p["w"])
+
+    value, grads = jax.jit(osa.value_and_row_grad(loss, lambda p: p["emb"]))(params, batch)
+    want_value, want_grads = jax.value_and_grad(reference)({"tables": tables, "w": params["w"]})
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], want_grads["w"], rtol=1e-5, atol=1e-6)
+    for name in TABLES:
+        stack = grads["emb"][coll._stack_of(name)]
+        assert isinstance(stack, osa.IndexedRows)
+        dense = coll.table({k: v.todense() for k, v in grads["emb"].items()}, name)
+        np.testing.assert_allclose(
+            np.asarray(dense, np.float32), np.asarray(want_grads["tables"][name], np.float32), rtol=1e-5, atol=1e-6
+        )
+
+    # One jitted, donated step for every table at once; a step the table of which holds bf16 runs too.
+    tx = osa.sparse_adam(1e-2)
+    state = tx.init(params)
+    step = jax.jit(osa.update_and_apply, static_argnums=0, donate_argnums=(2, 3))
+    new_params, _ = step(tx, grads, state, params)
+    untouched = np.setdiff1d(np.arange(50), inputs["user"])
+    assert_trees_equal(coll.table(new_params["emb"], "user")[untouched], tables["user"][untouched])
+
+
+def test_one_lookup_per_stack():
+    """A step over the five features of three stacks does three deduplications, not five."""
+    coll = _collection()
+    params = {"emb": coll.init(jax.random.key(1))}
+    batch = coll.bags(_inputs(np.random.default_rng(0)))
+    assert {k: b.num_bags for k, b in batch.items()} == {
+        "float32_4": 3 * BATCH,
+        "float32_2": BATCH,
+        "bfloat16_4": BATCH,
+    }
+    calls = []
+    real = osa._row_grad.lookup
+
+    def counting(table, ids):
+        calls.append(table.shape)
+        return real(table, ids)
+
+    osa._row_grad.lookup = counting
+    try:
+        osa.value_and_row_grad(lambda p, b: sum(x.sum() for x in coll.pool(p["emb"], b).values()), lambda p: p["emb"])(
+            params, batch
+        )
+    finally:
+        osa._row_grad.lookup = real
+    assert sorted(calls) == sorted([(80, 4), (20, 2), (10, 4)])
+
+
+def test_prebuilt_bags_take_the_offsets_form():
+    coll = osa.EmbeddingCollection({"item": osa.TableSpec(30, 4)}, {"h": osa.FeatureSpec("item", "mean")})
+    params = coll.init(jax.random.key(2))
+    b = osa.bags(jnp.array([1, 2, 3, 9], jnp.int32), 30, offsets=jnp.array([0, 3, 3, 4]), combiner="mean")
+    got = coll.pool(params, coll.bags({"h": b}))["h"]
+    t = coll.table(params, "item")
+    assert_trees_equal(got, jnp.stack([(t[1] + t[2] + t[3]) / 3, jnp.zeros(4), t[9]]), rtol=1e-6)
+
+
+def test_checkpoints_as_plain_arrays(tmp_path):
+    from flax import serialization
+
+    coll = _collection()
+    params = coll.init(jax.random.key(3))
+    tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(1e-3))
+    state = tx.init(params)
+    restored = serialization.from_bytes((params, state), serialization.to_bytes((params, state)))
+    assert_trees_equal(restored, (params, state))
+
+
+def test_bad_specs_and_inputs_raise():
+    with pytest.raises(ValueError, match="reads table 'nope'"):
+        osa.EmbeddingCollection(TABLES, {"f": osa.FeatureSpec("nope")})
+    with pytest.raises(TypeError, match="TableSpec"):
+        osa.EmbeddingCollection({"t": (10, 4)})
+    with pytest.raises(ValueError, match="num_rows"):
+        osa.TableSpec(-1, 4)
+    with pytest.raises(ValueError, match="width"):
+        osa.TableSpec(10, 0)
+    with pytest.raises(TypeError, match="floating"):
+        osa.TableSpec(10, 4, jnp.int32)
+    coll = _collection()
+    inputs = _inputs(np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"missing \['user'\]"):
+        coll.bags({k: v for k, v in inputs.items() if k != "user"})
+    with pytest.raises(ValueError, match=r"unknown \['nope'\]"):
+        coll.bags({**inputs, "nope": inputs["user"]})
+    with pytest.raises(ValueError, match="batch size"):
+        coll.bags({**inputs, "user": inputs["user"][:3]})
+    with pytest.raises(ValueError, match="built for 31 rows"):
+        coll.bags({**inputs, "history": osa.bags(inputs["history"], 31)})
+    with pytest.raises(KeyError, match="no table"):
+        coll.table(coll.init(jax.random.key(0)), "nope")
