@@ -10,6 +10,7 @@ from optax_sparse_adam._collection import EmbeddingCollection, FeatureSpec, Tabl
 from optax_sparse_adam._fused import update_and_apply
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._kernel_path import kernel_path, use_kernels
+from optax_sparse_adam._partition import partition_tables
 from optax_sparse_adam._pooled import Bags, bags, pool
 from optax_sparse_adam._routing import RoutingInfo, all_gather_rows
 from optax_sparse_adam._row_grad import RowLookup, lookup, value_and_row_grad
@@ -52,6 +53,7 @@ __all__ = [
     "kernel_path",
     "lazy_decoupled_weight_decay",
     "lookup",
+    "partition_tables",
     "pool",
     "scale_by_rowwise_adagrad",
     "scale_by_rowwise_adam",

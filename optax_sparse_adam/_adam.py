@@ -509,7 +509,7 @@ class FusableUpdate:
     """An optimizer's ``update`` function that also carries how to fuse it with the parameters' update."""
 
     update: optax.TransformUpdateExtraArgsFn
-    fusion: AdamFusion
+    fusion: Any  # an AdamFusion, or a _partition.PartitionFusion
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[optax.Updates, optax.OptState]:
         return self.update(*args, **kwargs)

@@ -11,6 +11,7 @@ from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._partition import PartitionFusion, masked, merge
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._tree import is_leaf
 
@@ -76,6 +77,8 @@ def update_and_apply(
              [1. , 1. ]], dtype=float32)
     """
     fusion = getattr(tx.update, "fusion", None)
+    if isinstance(fusion, PartitionFusion) and isinstance(state, optax.PartitionState):
+        return _partitioned(fusion, grads, state, params)
     fused = _fusable_leaves(grads, state, params) if isinstance(fusion, AdamFusion) and _kernel_path.enabled() else {}
     if not isinstance(fusion, AdamFusion) or not fused:
         updates, state = tx.update(grads, state, params)
@@ -120,6 +123,21 @@ def update_and_apply(
         out_p[i], out_m[i], out_v[i] = p, m, v
     new_state = optax.tree.set(new_state, mu=treedef.unflatten(out_m), nu=treedef.unflatten(out_v))
     return treedef.unflatten(out_p), new_state
+
+
+def _partitioned(
+    fusion: PartitionFusion, grads: Any, state: optax.PartitionState, params: Any
+) -> tuple[Any, optax.PartitionState]:
+    """A :func:`partition_tables` step: each part's own :func:`update_and_apply` on its masked trees."""
+    labels = fusion.labels(params)
+    parts, inner_states = {}, {}
+    for group, tx in fusion.transforms.items():
+        inner = state.inner_states[group]
+        parts[group], new = update_and_apply(
+            tx, masked(grads, labels, group), inner.inner_state, masked(params, labels, group)
+        )
+        inner_states[group] = inner._replace(inner_state=new)
+    return merge(labels, parts), state._replace(inner_states=inner_states)
 
 
 def _adam_state(state: Any) -> optax.ScaleByAdamState:

@@ -1,0 +1,69 @@
+"""``optax_sparse_adam.nnx.EmbeddingBags`` against ``nnx.grad`` of the same model on whole tables."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import optax_sparse_adam as osa
+from optax_sparse_adam.nnx import EmbeddingBags
+from tests.helpers import assert_trees_equal
+
+COLL = osa.EmbeddingCollection(
+    {"user": osa.TableSpec(300, 8), "item": osa.TableSpec(200, 8), "tag": osa.TableSpec(50, 4)},
+    {
+        "user": osa.FeatureSpec("user"),
+        "history": osa.FeatureSpec("item", "mean"),
+        "candidate": osa.FeatureSpec("item"),
+        "tags": osa.FeatureSpec("tag", "sqrtn"),
+    },
+)
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.emb = EmbeddingBags(COLL, rngs=rngs)
+        self.out = nnx.Linear(8 + 8 + 4, 1, rngs=rngs)
+
+    def __call__(self, bags):
+        f = self.emb(bags)
+        x = jnp.concatenate([f["user"] * f["candidate"], f["history"], f["tags"]], axis=1)
+        return self.out(x)[:, 0]
+
+
+def _batch(rng: np.random.Generator, n: int = 16):
+    return COLL.bags(
+        {
+            "user": rng.integers(0, 300, n).astype(np.int32),
+            "history": rng.integers(-1, 200, (n, 10)).astype(np.int32),
+            "candidate": rng.integers(0, 200, n).astype(np.int32),
+            "tags": rng.integers(-1, 50, (n, 3)).astype(np.int32),
+        }
+    )
+
+
+def _loss(model, bags, labels):
+    return jnp.mean((model(bags) - labels) ** 2)
+
+
+def test_row_gradients_and_a_step_equal_the_dense_model(kernel_path):
+    rng = np.random.default_rng(0)
+    model = Model(nnx.Rngs(0))
+    batch, labels = _batch(rng), jnp.asarray(rng.standard_normal(16), jnp.float32)
+    graphdef, params = nnx.split(model, nnx.Param)
+    value, grads = osa.value_and_row_grad(
+        lambda p, b: _loss(nnx.merge(graphdef, p), b, labels), lambda p: p["emb"]["stacks"]
+    )(params, batch)
+    want_value, want = nnx.value_and_grad(_loss)(model, batch, labels)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    dense = jax.tree.map(lambda g: g.todense() if isinstance(g, osa.IndexedRows) else g, grads, is_leaf=osa.is_sparse)
+    assert_trees_equal(nnx.state(dense), nnx.state(want), rtol=1e-5, atol=1e-7)
+
+    # nnx.Optimizer takes the row gradients as they are; rows no bag read do not move.
+    before = {name: model.emb.table(name) for name in ("user", "item", "tag")}
+    optimizer = nnx.Optimizer(model, osa.sparse_adam(1e-2), wrt=nnx.Param)
+    optimizer.update(model, grads)
+    moved = np.flatnonzero(np.any(np.asarray(model.emb.table("user") != before["user"]), axis=1))
+    assert set(moved) == set(np.asarray(batch["float32_8"].ids[:16]).tolist())
