@@ -236,7 +236,12 @@ class EmbeddingCollection:
                 w.append(b.weights)
             if not names:  # tables no feature reads: nothing to look up
                 ids, bag, w = [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,))]
-            out[stack] = Bags(jnp.concatenate(ids), jnp.concatenate(bag), jnp.concatenate(w), n_bags, total)
+            blocks: tuple[tuple[int, int], ...] | None = ()
+            for n in names:  # regular blocks stay regular; one ragged feature makes the stack ragged
+                b = per_feature[n].blocks
+                blocks = None if b is None or blocks is None else blocks + b
+            merged = blocks or None
+            out[stack] = Bags(jnp.concatenate(ids), jnp.concatenate(bag), jnp.concatenate(w), n_bags, total, merged)
         return out
 
     def pool(self, params: Mapping[str, jax.Array], bags: Mapping[str, Bags]) -> dict[str, jax.Array]:

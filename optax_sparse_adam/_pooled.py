@@ -40,6 +40,10 @@ class Bags:
         combiner folded in; ``0`` for padding.
       num_bags: Number of bags (static): the batch size.
       num_rows: Number of rows of the table (static).
+      blocks: Static ``((bags, size), ...)`` when the entries are blocks of
+        bags of one size each, laid out bag after bag (the padded and
+        one-id forms), so that pooling is a reshape and a sum, not a
+        scatter; ``None`` for ragged bags.
     """
 
     ids: jax.Array
@@ -47,9 +51,12 @@ class Bags:
     weights: jax.Array
     num_bags: int
     num_rows: int
+    blocks: tuple[tuple[int, int], ...] | None = None
 
 
-jax.tree_util.register_dataclass(Bags, data_fields=["ids", "bag", "weights"], meta_fields=["num_bags", "num_rows"])
+jax.tree_util.register_dataclass(
+    Bags, data_fields=["ids", "bag", "weights"], meta_fields=["num_bags", "num_rows", "blocks"]
+)
 
 
 def bags(
@@ -125,12 +132,14 @@ def bags(
         if not jnp.issubdtype(w.dtype, jnp.floating):
             raise TypeError(f"bags: weights must be floating point, got dtype {w.dtype}")
         w = w.reshape(-1).astype(jnp.float32)
+    blocks: tuple[tuple[int, int], ...] | None = None
     if ids.ndim == 2 and offsets is None and lengths is None:
-        num_bags = ids.shape[0]
+        num_bags, blocks = ids.shape[0], ((ids.shape[0], ids.shape[1]),)
         bag = jnp.repeat(jnp.arange(num_bags, dtype=jnp.int32), ids.shape[1], total_repeat_length=ids.size)
     elif ids.ndim == 1:
         if offsets is None and lengths is None:
-            num_bags, bag = ids.shape[0], jnp.arange(ids.shape[0], dtype=jnp.int32)
+            num_bags, blocks = ids.shape[0], ((ids.shape[0], 1),)
+            bag = jnp.arange(ids.shape[0], dtype=jnp.int32)
         else:
             if lengths is not None:
                 lengths = _integers("lengths", lengths)
@@ -156,9 +165,8 @@ def bags(
         total = jax.ops.segment_sum(norm, seg, num_segments=num_bags + 1)[seg]
         total = total if combiner == "mean" else jnp.sqrt(total)
         w = jnp.where(total != 0, w / jnp.where(total != 0, total, 1.0), 0.0)
-    return Bags(
-        jnp.where(valid, keys, num_rows), jnp.where(valid, bag, num_bags).astype(jnp.int32), w, num_bags, num_rows
-    )
+    ids, bag = jnp.where(valid, keys, num_rows), jnp.where(valid, bag, num_bags).astype(jnp.int32)
+    return Bags(ids, bag, w, num_bags, num_rows, blocks)
 
 
 def _integers(name: str, x: Any) -> jax.Array:
@@ -190,4 +198,12 @@ def pool(table: jax.Array, bags: Bags) -> jax.Array:
     acc = jnp.promote_types(table.dtype, jnp.float32)
     rows = take_rows(table, bags.ids).astype(acc)
     weighted = rows * bags.weights.astype(acc).reshape(-1, *([1] * (table.ndim - 1)))
-    return jax.ops.segment_sum(weighted, bags.bag, num_segments=bags.num_bags).astype(table.dtype)
+    if bags.blocks is None:
+        return jax.ops.segment_sum(weighted, bags.bag, num_segments=bags.num_bags).astype(table.dtype)
+    # Bags of one size, bag after bag: a sum over each block's second axis (its gradient a broadcast, not a gather).
+    parts, start = [], 0
+    for n, size in bags.blocks:
+        block = weighted[start : start + n * size]
+        parts.append(block.reshape(n, size, *block.shape[1:]).sum(1) if size != 1 else block)
+        start += n * size
+    return (jnp.concatenate(parts) if len(parts) != 1 else parts[0]).astype(table.dtype)

@@ -191,3 +191,23 @@ def test_bad_specs_and_inputs_raise():
         coll.bags({**inputs, "history": osa.bags(inputs["history"], 31)})
     with pytest.raises(KeyError, match="no table"):
         coll.table(coll.init(jax.random.key(0)), "nope")
+
+
+def test_a_ragged_feature_among_padded_ones_pools_alike():
+    """Padded and one-id features pool by reshape; one ragged feature makes its stack take the segment sum."""
+    rng = np.random.default_rng(4)
+    coll = _collection()
+    params = coll.init(jax.random.key(5))
+    inputs = _inputs(rng)
+    regular = coll.bags(inputs)
+    assert regular["float32_4"].blocks == ((BATCH, 1), (BATCH, 5), (BATCH, 1))
+    lengths = np.array([2, 0, 5, 1, 3, 4], np.int32)
+    flat = rng.integers(-1, 30, size=int(lengths.sum()) + 3).astype(np.int32)
+    ragged = coll.bags({**inputs, "history": osa.bags(flat, 30, lengths=lengths, combiner="mean")})
+    assert ragged["float32_4"].blocks is None and ragged["float32_2"].blocks == ((BATCH, 3),)
+    got = coll.pool(params, ragged)
+    tables = {name: coll.table(params, name) for name in TABLES}
+    want = osa.pool(tables["item"], osa.bags(flat, 30, lengths=lengths, combiner="mean"))
+    assert_trees_equal(got["history"], want, rtol=1e-6, atol=1e-7)
+    for name in ("user", "candidate", "tags", "city"):
+        assert_trees_equal(got[name], coll.pool(params, regular)[name])
