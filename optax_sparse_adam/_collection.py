@@ -238,8 +238,8 @@ class EmbeddingCollection:
                 ids, bag, w = [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,))]
             blocks: tuple[tuple[int, int], ...] | None = ()
             for n in names:  # regular blocks stay regular; one ragged feature makes the stack ragged
-                b = per_feature[n].blocks
-                blocks = None if b is None or blocks is None else blocks + b
+                fb = per_feature[n].blocks
+                blocks = None if fb is None or blocks is None else blocks + fb
             merged = blocks or None
             out[stack] = Bags(jnp.concatenate(ids), jnp.concatenate(bag), jnp.concatenate(w), n_bags, total, merged)
         return out
