@@ -638,8 +638,11 @@ class Ids(NamedTuple):
         return [None if b is None else (b.bag, b.weights) for b in self.bags]
 
 
-def check_ids(ids: Any, selection: Selection, where: str, *, bags_ok: bool = True) -> Ids:
-    """``ids``'s leaves, one integer array (or :class:`Bags`) per selected table."""
+def check_ids(ids: Any, selection: Selection, where: str, *, no_bags: str = "") -> Ids:
+    """``ids``'s leaves, one integer array (or :class:`Bags`) per selected table.
+
+    ``no_bags``: why a :class:`Bags` cannot be taken here, if it cannot.
+    """
     id_treedef: Any
     id_leaves, id_treedef = jax.tree.flatten(ids, is_leaf=lambda x: isinstance(x, Bags))
     chosen, paths = selection.chosen, selection.paths
@@ -655,8 +658,8 @@ def check_ids(ids: Any, selection: Selection, where: str, *, bags_ok: bool = Tru
             arrays.append(as_index_array(x))
             _check_ids_dtype(where, f"table {paths[i]}", arrays[-1].dtype)
             continue
-        if not bags_ok:
-            raise TypeError(f"{where}: the ids for table {paths[i]} are Bags, which this function does not take")
+        if no_bags:
+            raise TypeError(f"{where}: the ids for table {paths[i]} are Bags, which {no_bags}")
         rows = int(jnp.shape(selection.leaves[i])[0])
         if b.num_rows != rows:
             raise ValueError(

@@ -403,9 +403,15 @@ class RowSharding:
         def wrapped(params: Any, ids: Any, *args: Any) -> tuple[Any, Any, RoutingInfo]:
             sel = self._selected(params, where)
             leaves, paths, chosen, treedef = sel
-            given = check_ids(ids, sel, where, bags_ok=False)
-            id_leaves, id_treedef = given.leaves, given.treedef
-            ids = id_treedef.unflatten(id_leaves)  # NumPy ids too wide for JAX made padding, not wrapped
+            no_bags = (
+                "a data-parallel step (batch_axis) does not take: its devices would split bags; give each "
+                "device's ids as arrays and pool by hand, or replicate the ids (batch_axis=None)"
+                if self.batch_axis is not None
+                else ""
+            )
+            given = check_ids(ids, sel, where, no_bags=no_bags)
+            id_leaves = ids = given.leaves  # NumPy ids too wide for JAX made padding, not wrapped
+            rest = given.rest()  # a Bags' bags and weights: replicated, like its ids
             tables = sorted(set(chosen))
             by_table = {i: [j for j, c in enumerate(chosen) if c == i] for i in tables}
             shapes = {i: tuple(jnp.shape(leaves[i])) for i in tables}
@@ -420,10 +426,10 @@ class RowSharding:
             id_shapes = [per_device(x) for x in id_leaves]
             k = {i: sum(math.prod(id_shapes[j]) for j in by_table[i]) for i in tables}
             check_reads_rows_only(
-                lambda d, pos, a: fun(treedef.unflatten(d), pos, *a),
+                lambda d, pos, a: fun(treedef.unflatten(d), given.with_positions(pos, a[1]), *a[0]),
                 [_abstract(x, (k[i], *shapes[i][1:]) if i in tables else None) for i, x in enumerate(leaves)],
-                id_treedef.unflatten([jax.ShapeDtypeStruct(s, jnp.int32) for s in id_shapes]),
-                jax.tree.map(lambda x: _abstract(x, per_device(x)), args),
+                [jax.ShapeDtypeStruct(s, jnp.int32) for s in id_shapes],
+                (jax.tree.map(lambda x: _abstract(x, per_device(x)), args), jax.tree.map(_abstract, rest)),
                 {i: paths[i] for i in tables},
                 axis_env=list(self.mesh.shape.items()),
                 selection=sel,
@@ -446,9 +452,9 @@ class RowSharding:
             stacked = has_aux and self.batch_axis is not None
             value_spec = (_P(), _P(axis)) if stacked else _P()
 
-            def body(params: Any, ids: Any, args: Any) -> Any:
+            def body(params: Any, ids: Any, args: Any, rest: Any) -> Any:
                 local = _flatten_up_to(treedef, params, where)
-                flat_ids = jax.tree.leaves(ids)
+                flat_ids = ids
                 exchanges: dict[int, Any] = {}
                 wanted: dict[int, jax.Array] = {}
                 positions: list[Any] = [None] * len(flat_ids)
@@ -466,7 +472,7 @@ class RowSharding:
                         positions[j] = pos[start : start + x.size].reshape(jnp.shape(x))
                         start += x.size
                 rows = {i: take_rows(local[i], wanted[i]) for i in tables}
-                pos_tree = id_treedef.unflatten(positions)
+                pos_tree = given.with_positions(positions, rest)
 
                 def inner(diff: list[Any]) -> Any:
                     full = [exchanges[i](diff[i]) if i in tables else diff[i] for i in range(len(diff))]
@@ -496,6 +502,7 @@ class RowSharding:
                 return value, treedef.unflatten(out), RoutingInfo(overflow, fallback)
 
             out_specs = (value_spec, g_specs, _ROUTING_INFO_SPECS)
-            return self._map(body, (p_specs, id_specs, arg_specs), out_specs, params, ids, args)
+            rest_specs = jax.tree.map(lambda _: _P(), rest)
+            return self._map(body, (p_specs, id_specs, arg_specs, rest_specs), out_specs, params, ids, args, rest)
 
         return wrapped
