@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.experimental import sparse as jsparse
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -165,6 +166,43 @@ class RowSharding:
             raise ValueError(f"RowSharding: routing must be 'all_gather' or 'all_to_all', got {self.routing!r}")
         if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
             raise ValueError(f"RowSharding: capacity must be a positive int or None, got {self.capacity!r}")
+
+    def suggest_capacity(self, params: Any, batches: Iterable[Any], *, margin: float = 1.25) -> int:
+        """A ``capacity`` for the ``"all_to_all"`` route, learned from recorded batches of ids.
+
+        For each batch, each device's share of each table's ids (split over
+        ``batch_axis`` as :meth:`value_and_row_grad` splits them) is
+        deduplicated and bucketed by owner, as the routing does; the result is
+        the largest bucket seen, times ``margin``, rounded up. Record a few
+        hundred batches of the real id stream (or of the same distribution):
+        ids concentrated on a few owners need far more than the default.
+
+        Args:
+          params: The parameters (or ``jax.ShapeDtypeStruct`` placeholders),
+            for the tables' sizes.
+          batches: Trees of ids, each as :meth:`value_and_row_grad` takes them
+            (NumPy or jax arrays; their global form).
+          margin: Headroom over the largest bucket seen (at least 1).
+
+        Returns:
+          The suggested ``capacity``, for ``dataclasses.replace(rs, capacity=...)``.
+        """
+        if not margin >= 1:
+            raise ValueError(f"RowSharding.suggest_capacity: margin must be at least 1, got {margin!r}")
+        sel = self._selected(params, "RowSharding.suggest_capacity")
+        n = self.num_shards
+        shares = n if self.batch_axis is not None else 1
+        largest = 0
+        for ids in batches:
+            leaves = [np.asarray(x) for x in check_ids(ids, sel, "RowSharding.suggest_capacity").leaves]
+            for i in sorted(set(sel.chosen)):
+                rows = int(np.shape(sel.leaves[i])[0])
+                mine = [x for j, x in zip(sel.chosen, leaves, strict=True) if j == i]
+                for d in range(shares):
+                    share = np.concatenate([np.array_split(x, shares)[d].reshape(-1) for x in mine])
+                    share = np.unique(share[(share >= 0) & (share < rows)])
+                    largest = max(largest, int(np.bincount(share // (rows // n), minlength=n).max(initial=0)))
+        return max(1, math.ceil(largest * margin))
 
     # ---------------------------------------------------------------- layout
 

@@ -11,6 +11,7 @@ Run as a script, this file is one process of the multi-process test
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pathlib
@@ -240,6 +241,36 @@ def test_overflow_count_is_exact_and_no_id_is_dropped():
     _, ref = osa.value_and_row_grad(loss_fn, lambda p: p["emb"])(jax.tree.map(jnp.asarray, _params()), ids, y)
     np.testing.assert_allclose(g["emb"].todense(), ref["emb"].todense(), rtol=1e-6)
     assert np.count_nonzero(np.abs(np.asarray(g["emb"].todense())).sum(1)) == 6
+
+
+def test_suggested_capacity_is_the_largest_bucket_and_stops_zipf_overflow():
+    """Zipf ids on contiguous row blocks crowd device 0's bucket: the default overflows, the suggestion does not."""
+    mesh = _mesh()
+    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"], batch_axis="x", routing="all_to_all")
+    recorded = [ids for ids, _ in _batches(20, seed=11, zipf=True)]
+    exact = rs.suggest_capacity(_params(), recorded, margin=1.0)
+    # The largest bucket, by a loop over devices and owners.
+    largest = 0
+    for ids in recorded:
+        for share in np.array_split(ids, 8):
+            u = np.unique(share[(share >= 0) & (share < N)])
+            largest = max(largest, max(np.sum(u // (N // 8) == o) for o in range(8)))
+    assert exact == largest
+    assert rs.suggest_capacity(_params(), recorded) == int(np.ceil(1.25 * largest))
+
+    def overflow(rs: osa.RowSharding, ids: np.ndarray, y: np.ndarray) -> int:
+        batch = NamedSharding(mesh, P("x"))
+        _, _, info = jax.jit(rs.value_and_row_grad(loss_fn))(
+            rs.shard(_params()), jax.device_put(ids, batch), jax.device_put(y, batch)
+        )
+        return int(info.overflow)
+
+    fresh = _batches(5, seed=12, zipf=True)
+    assert max(overflow(rs, ids, y) for ids, y in fresh) > 0  # the default capacity assumes spread ids
+    tuned = dataclasses.replace(rs, capacity=rs.suggest_capacity(_params(), recorded))
+    assert all(overflow(tuned, ids, y) == 0 for ids, y in fresh)
+    with pytest.raises(ValueError, match="margin"):
+        rs.suggest_capacity(_params(), recorded, margin=0.5)
 
 
 def test_owner_aligned_gradients_also_work_with_plain_update_and_apply():
