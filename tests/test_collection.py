@@ -211,3 +211,31 @@ def test_a_ragged_feature_among_padded_ones_pools_alike():
     assert_trees_equal(got["history"], want, rtol=1e-6, atol=1e-7)
     for name in ("user", "candidate", "tags", "city"):
         assert_trees_equal(got[name], coll.pool(params, regular)[name])
+
+
+@pytest.mark.parametrize("tables_tx", ["adam", "rowwise_adagrad"])
+def test_collection_step_is_in_place_and_its_temporaries_do_not_grow_with_the_tables(tables_tx, kernel_path):
+    """The quick start's step, with 26 one-hot and multi-hot features: same temporaries at two table sizes."""
+
+    def report(rows: int) -> osa.StepReport:
+        coll = osa.EmbeddingCollection(
+            {f"t{i}": osa.TableSpec(rows, 16) for i in range(4)},
+            {f"f{i}": osa.FeatureSpec(f"t{i % 4}", "mean" if i % 2 else "sum") for i in range(26)},
+        )
+        params = {"emb": coll.init(jax.random.key(0)), "w": jnp.ones((16,), jnp.float32)}
+        rule = osa.sparse_adam(1e-3) if tables_tx == "adam" else osa.sparse_rowwise_adagrad(1e-2)
+        tx = osa.partition_tables(rule, optax.adam(1e-3), lambda p: p["emb"])
+
+        def loss(p, bags):
+            return sum(jnp.sum(v @ p["w"]) for v in coll.pool(p["emb"], bags).values())
+
+        def step(p, s, ids):
+            _, g = osa.value_and_row_grad(loss, lambda q: q["emb"])(p, coll.bags(ids))
+            return osa.update_and_apply(tx, g, s, p)
+
+        ids = {f"f{i}": jnp.zeros((64, 1 + i % 3), jnp.int32) for i in range(26)}
+        return osa.step_report(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), ids)
+
+    small, large = report(50_000), report(100_000)
+    assert small.in_place and large.in_place, str(large)
+    assert small.temp_bytes == large.temp_bytes
