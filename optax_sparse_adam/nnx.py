@@ -3,14 +3,54 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 from flax import nnx
 
 from optax_sparse_adam._collection import EmbeddingCollection
+from optax_sparse_adam._fused import update_and_apply
 from optax_sparse_adam._pooled import Bags
 
-__all__ = ["EmbeddingBags"]
+__all__ = ["EmbeddingBags", "Optimizer"]
+
+
+class Optimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` whose :meth:`update` is one :func:`~optax_sparse_adam.update_and_apply` step.
+
+    A drop-in for ``nnx.Optimizer``: same constructor, same state, same
+    checkpoints. ``update(model, grads)`` runs ``update_and_apply(tx, grads,
+    state, params)`` on the ``wrt`` parameters, so a :func:`sparse_adam`
+    (alone or in :func:`partition_tables`) updates each touched row of a
+    table and its moments in one native pass, where ``nnx.Optimizer`` takes
+    the two calls (``tx.update``, then ``optax.apply_updates``). It returns
+    ``None``: the fused step never builds the updates. With keyword
+    arguments for ``tx.update`` it takes the two calls, as ``nnx.Optimizer``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import optax_sparse_adam as osa
+      >>> from optax_sparse_adam import nnx as osa_nnx
+      >>> model = nnx.Embed(1000, 4, rngs=nnx.Rngs(0))
+      >>> optimizer = osa_nnx.Optimizer(model, osa.sparse_adam(0.1), wrt=nnx.Param)
+      >>> grads = nnx.State({"embedding": nnx.Param(osa.IndexedRows(jnp.array([5]), jnp.ones((1, 4)), 1000))})
+      >>> before = model.embedding[...]
+      >>> optimizer.update(model, grads)
+      >>> jnp.flatnonzero(jnp.any(model.embedding[...] != before, axis=1))
+      Array([5], dtype=int32)
+    """
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:  # type: ignore[override]
+        if kwargs:
+            super().update(model, grads, **kwargs)
+            return
+        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        new_params, new_state = update_and_apply(self.tx, grad_arrays, nnx.as_pure(self.opt_state), params)
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))
+        self.step[...] += 1
 
 
 class EmbeddingBags(nnx.Module):

@@ -67,3 +67,34 @@ def test_row_gradients_and_a_step_equal_the_dense_model(kernel_path):
     optimizer.update(model, grads)
     moved = np.flatnonzero(np.any(np.asarray(model.emb.table("user") != before["user"]), axis=1))
     assert set(moved) == set(np.asarray(batch["float32_8"].ids[:16]).tolist())
+
+
+def test_fused_optimizer_equals_nnx_optimizer_and_runs_the_kernel(kernel_path):
+    from optax_sparse_adam import nnx as osa_nnx
+
+    rng = np.random.default_rng(1)
+    models = [Model(nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [
+        nnx.Optimizer(models[0], osa.sparse_adam(1e-2), wrt=nnx.Param),
+        osa_nnx.Optimizer(models[1], osa.sparse_adam(1e-2), wrt=nnx.Param),
+    ]
+
+    @nnx.jit
+    def step(model, optimizer, bags, labels):
+        graphdef, params = nnx.split(model, nnx.Param)
+        _, grads = osa.value_and_row_grad(
+            lambda p, b: _loss(nnx.merge(graphdef, p), b, labels), lambda p: p["emb"]["stacks"]
+        )(params, bags)
+        optimizer.update(model, grads)
+
+    for _ in range(3):
+        batch, labels = _batch(rng), jnp.asarray(rng.standard_normal(16), jnp.float32)
+        for model, optimizer in zip(models, optimizers, strict=True):
+            step(model, optimizer, batch, labels)
+    # update_and_apply's documented tolerance against the two calls (its docstring).
+    assert_trees_equal(nnx.state(models[1]), nnx.state(models[0]), rtol=1e-6, atol=1e-7)
+    assert_trees_equal(nnx.state(optimizers[1]), nnx.state(optimizers[0]), rtol=1e-6, atol=1e-7)
+    assert int(optimizers[1].step[...]) == 3
+
+    hlo = nnx.jit(step).lower(models[1], optimizers[1], _batch(rng), jnp.zeros(16, jnp.float32)).as_text()
+    assert ("sparse_adam_apply" in hlo) == (kernel_path == "native-cpu")
