@@ -106,7 +106,7 @@ def check_params(params: Any, where: str) -> None:
                 TypeError,
                 where,
                 path,
-                f"the parameter is an {type(p).__name__}; parameters must be dense arrays (a sparse leaf is a "
+                f"the parameter is a sparse {type(p).__name__}; parameters must be dense arrays (a sparse leaf is a "
                 "gradient or an update, not a parameter): pass the dense table, e.g. `leaf.todense()`",
             )
 
