@@ -1,6 +1,6 @@
 """Lazy (sparse) Adam for JAX and optax: update only the rows a gradient touches."""
 
-from importlib.metadata import PackageNotFoundError, version
+import importlib.metadata as _metadata
 
 from optax_sparse_adam._adam import scale_by_sparse_adam, sparse_adam
 from optax_sparse_adam._adamw import LazyWeightDecayState, lazy_decoupled_weight_decay, sparse_adamw
@@ -28,9 +28,10 @@ from optax_sparse_adam._step_report import StepReport, step_report
 from optax_sparse_adam._stochastic_rounding import apply_updates_stochastic, stochastic_round
 
 try:
-    __version__ = version("optax_sparse_adam")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = _metadata.version("optax_sparse_adam")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
+del _metadata
 
 __all__ = [
     "Bags",

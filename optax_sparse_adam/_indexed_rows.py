@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import sparse as jsparse
 
 from optax_sparse_adam._row_ops import replicate, scatter_rows
+
+if TYPE_CHECKING:
+    from jax.experimental import sparse as jsparse
 
 __all__ = ["IndexedRows", "is_sparse"]
 
@@ -134,4 +137,13 @@ def normalise_keys(index: jax.Array, dims: tuple[int, ...]) -> jax.Array:
 
 def is_sparse(x: Any) -> bool:
     """Whether ``x`` is a sparse leaf this library understands (``IndexedRows`` or BCOO)."""
-    return isinstance(x, IndexedRows | jsparse.BCOO)
+    return isinstance(x, IndexedRows) or is_bcoo(x)
+
+
+def is_bcoo(x: Any) -> TypeGuard[jsparse.BCOO]:
+    """Whether ``x`` is a ``jax.experimental.sparse.BCOO``.
+
+    Without importing that module (and scipy with it) when nobody has: then no BCOO exists.
+    """
+    module = sys.modules.get("jax.experimental.sparse")
+    return module is not None and isinstance(x, module.BCOO)

@@ -28,10 +28,9 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import sparse as jsparse
 
 from optax_sparse_adam._coalesce import coalesce
-from optax_sparse_adam._indexed_rows import IndexedRows
+from optax_sparse_adam._indexed_rows import IndexedRows, is_bcoo
 from optax_sparse_adam._row_grad import distinct_ids
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import to_sparse_leaf
@@ -143,7 +142,7 @@ def all_gather_rows(tree: Any, axis_name: str) -> Any:
                 return leaf
             ids, values = _vary(leaf.indices, axis_name), _vary(leaf.values, axis_name)
             return IndexedRows(gather(ids), gather(values), leaf.num_rows)
-        if isinstance(leaf, jsparse.BCOO):
+        if is_bcoo(leaf):
             if leaf.n_batch:
                 raise ValueError(
                     f"all_gather_rows: BCOO with batch dimensions is not supported (n_batch={leaf.n_batch})"
@@ -151,7 +150,7 @@ def all_gather_rows(tree: Any, axis_name: str) -> Any:
             if not (_varies(leaf.indices, axis_name) or _varies(leaf.data, axis_name)):
                 return leaf
             data, indices = _vary(leaf.data, axis_name), _vary(leaf.indices, axis_name)
-            return jsparse.BCOO((gather(data), gather(indices)), shape=leaf.shape)
+            return type(leaf)((gather(data), gather(indices)), shape=leaf.shape)
         x = jnp.asarray(leaf)
         return jax.lax.psum(x, axis_name) if _varies(x, axis_name) else x
 
@@ -178,7 +177,7 @@ def rebuild(template: Any, keys: jax.Array, values: jax.Array, shape: tuple[int,
     if isinstance(template, IndexedRows):
         ids = jnp.where(keys[:, 0] < shape[0], keys[:, 0], -1)
         return IndexedRows(ids, values, shape[0], unique_indices=template.unique_indices)
-    return jsparse.BCOO((values, keys), shape=shape, unique_indices=template.unique_indices)
+    return type(template)((values, keys), shape=shape, unique_indices=template.unique_indices)
 
 
 def _with_first_key(keys: jax.Array, first: jax.Array) -> jax.Array:

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import sparse as jsparse
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from optax_sparse_adam import _routing
@@ -385,7 +384,7 @@ class RowSharding:
             (
                 IndexedRows(flat[i].indices, flat[i].values, flat[i].num_rows)
                 if isinstance(flat[i], IndexedRows)
-                else jsparse.BCOO((flat[i].data, flat[i].indices), shape=flat[i].shape)
+                else type(flat[i])((flat[i].data, flat[i].indices), shape=flat[i].shape)
             )
             if i in sparse
             else flat[i]

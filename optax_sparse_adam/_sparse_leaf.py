@@ -19,14 +19,16 @@ leaf drops the record, and the leaf is then checked in full.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import sparse as jsparse
 
-from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, normalise_keys
+from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, is_bcoo, normalise_keys
+
+if TYPE_CHECKING:
+    from jax.experimental import sparse as jsparse
 from optax_sparse_adam._row_ops import replicate, scatter_rows
 from optax_sparse_adam._tree import broadcast_rows, param_error
 
@@ -108,6 +110,8 @@ class SparseLeaf(NamedTuple):
                 (*(self.keys[:, j] for j in range(n_sparse)), jnp.arange(k, dtype=jnp.int32)), num_keys=n_sparse
             )
             leaf = self._replace(keys=jnp.stack(keys, axis=1), values=self.values[perm], sorted=True)
+        from jax.experimental import sparse as jsparse  # loaded: the leaf came from a BCOO
+
         bcoo = jsparse.BCOO(
             (leaf.values, leaf.keys.astype(declared.index_dtype)),
             shape=self.shape,
@@ -158,7 +162,7 @@ def to_sparse_leaf(
         raise param_error(
             ValueError, where, path, f"a sparse gradient ({type(leaf).__name__}) cannot address a 0-d parameter"
         )
-    if isinstance(leaf, jsparse.BCOO):
+    if is_bcoo(leaf):
         if leaf.n_batch:
             raise param_error(
                 ValueError,
