@@ -40,6 +40,7 @@ __all__ = [
     "check_reads_rows_only",
     "distinct_ids",
     "lookup",
+    "rows_read",
     "select_tables",
     "value_and_row_grad",
 ]
@@ -82,12 +83,12 @@ class RowLookup:
         d_rows = jnp.asarray(d_rows)
         if d_rows.shape != self.rows.shape:
             raise ValueError(f"RowLookup.grad: d_rows has shape {d_rows.shape}, expected {self.rows.shape}")
-        valid = (self.indices < self.num_rows) & _read(self.rows)
+        valid = (self.indices < self.num_rows) & rows_read(self.rows)
         values = jnp.where(broadcast_rows(valid, d_rows.ndim), d_rows, jnp.zeros((), d_rows.dtype))
         return mark_distinct(IndexedRows(self.indices, values, self.num_rows, unique_indices=True))
 
 
-def _read(rows: jax.Array) -> jax.Array:
+def rows_read(rows: jax.Array) -> jax.Array:
     """``True`` for each row, computed from the row's first value (its bits OR 1 are never 0).
 
     The table's gradient goes through it, so it depends on the rows read: XLA

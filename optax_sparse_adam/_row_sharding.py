@@ -36,7 +36,7 @@ from optax_sparse_adam._apply import apply_updates as _apply_updates
 from optax_sparse_adam._fused import update_and_apply as _update_and_apply
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._routing import Route, RoutingInfo
-from optax_sparse_adam._row_grad import Selection, check_ids, check_reads_rows_only, select_tables
+from optax_sparse_adam._row_grad import Selection, check_ids, check_reads_rows_only, rows_read, select_tables
 from optax_sparse_adam._row_ops import take_rows
 from optax_sparse_adam._tree import broadcast_rows, leaves_like
 
@@ -532,7 +532,10 @@ class RowSharding:
                         continue
                     shard, lo = _routing.block(shapes[i][0], axis, n)
                     owned = wanted[i] < shard
-                    values = jnp.where(broadcast_rows(owned, g.ndim), g, jnp.zeros((), g.dtype))
+                    # Through rows_read the gradient depends on the rows read, so the table is read before
+                    # its update in place (a linear loss's gradient does not, and XLA copied the table).
+                    keep = owned & rows_read(rows[i])
+                    values = jnp.where(broadcast_rows(keep, g.ndim), g, jnp.zeros((), g.dtype))
                     out.append(
                         IndexedRows(jnp.where(owned, wanted[i] + lo, -1), values, shapes[i][0], unique_indices=unique)
                     )

@@ -93,7 +93,8 @@ def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = No
         a plain function is jitted without donation.
       *args: Its arguments (arrays or ``jax.ShapeDtypeStruct``).
       min_bytes: What counts as table-sized; default: a quarter of the largest
-        array argument, and at least 1 MiB.
+        array argument's share on one device (the compiled program is one
+        device's), and at least 1 MiB.
       **kwargs: Its keyword arguments.
 
     Returns:
@@ -120,9 +121,16 @@ def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = No
     compiled = lowered.compile()
     infos = jax.tree_util.tree_leaves_with_path(lowered.args_info)
     sizes = [(jax.tree_util.keystr(p), _nbytes(info), bool(info.donated)) for p, info in infos]
-    largest = max((size for _, size, _ in sizes), default=0)
+    # The compiled program is one device's: a sharded argument's table-sized buffers are its block's size.
+    leaves = jax.tree.leaves((args, kwargs))
+    local = [_local_nbytes(x) for x in leaves] if len(leaves) == len(sizes) else [s for _, s, _ in sizes]
+    largest = max(local, default=0)
     threshold = min_bytes if min_bytes is not None else max(2**20, largest // 4)
-    not_donated = tuple((_arg_path(p), size) for p, size, donated in sizes if size >= threshold and not donated)
+    not_donated = tuple(
+        (_arg_path(p), size)
+        for (p, size, donated), mine in zip(sizes, local, strict=True)
+        if mine >= threshold and not donated
+    )
     hlo = compiled.as_text()
     copies = []
     for match in _COPY.finditer(hlo):
@@ -144,6 +152,15 @@ def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = No
 
 def _nbytes(info: Any) -> int:
     return math.prod(info.shape) * jax.numpy.dtype(info.dtype).itemsize
+
+
+def _local_nbytes(x: Any) -> int:
+    """The bytes of one device's shard of an argument (all of it when it carries no sharding)."""
+    shape = tuple(getattr(x, "shape", ()))
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and hasattr(sharding, "shard_shape"):
+        shape = tuple(sharding.shard_shape(shape))
+    return math.prod(shape) * jax.numpy.dtype(getattr(x, "dtype", "float32")).itemsize
 
 
 def _arg_path(keystr: str) -> str:

@@ -102,3 +102,24 @@ def test_dense_gradient_steps_show_table_sized_temporaries():
     report = osa.step_report(dense, *_args(tx))
     assert report.temp_bytes >= ROWS * WIDTH * 4
     assert not report.in_place
+
+
+def test_sharded_tables_are_judged_by_one_devices_block():
+    """On 8 devices each device holds an eighth of the table: its copies are an eighth's size, and still reported."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"])
+    params = rs.shard({"emb": jnp.ones((80_000, 32), jnp.float32), "w": jnp.ones((32,), jnp.float32)})
+    tx = osa.sparse_adam(0.1)
+    state = tx.init(params)
+
+    def step(params, state, ids):
+        _, grads, _ = rs.value_and_row_grad(lambda p, i: (p["emb"][i] @ p["w"]).sum())(params, ids)
+        updates, state = rs.update(tx, grads, state, params)
+        return rs.apply_updates(params, updates), state
+
+    ids = jnp.arange(256, dtype=jnp.int32)
+    donated = osa.step_report(jax.jit(step, donate_argnums=(0, 1)), params, state, ids)
+    assert donated.in_place, str(donated)
+    kept = osa.step_report(jax.jit(step), params, state, ids)
+    assert len(kept.copies) >= 3 and all(size == 10_000 * 32 * 4 for _, size in kept.copies), str(kept)
+    assert {p for p, _ in kept.not_donated} == {"args[0]['emb']", "args[1][0].mu['emb']", "args[1][0].nu['emb']"}
