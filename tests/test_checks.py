@@ -282,7 +282,8 @@ def test_sparse_parameters_are_refused_at_init_naming_the_path(table):
     params = {"enc": {"table": table, "scale": jnp.ones((), jnp.float32)}}
     name = type(table).__name__
     msg = (
-        rf"scale_by_sparse_adam: parameter \['enc'\]\['table'\]: the parameter is a sparse {name}; parameters must be dense"
+        rf"scale_by_sparse_adam: parameter \['enc'\]\['table'\]: the parameter is a sparse {name}; "
+        "parameters must be dense"
     )
     with pytest.raises(TypeError, match=msg):
         osa.sparse_adam(0.1).init(params)
