@@ -239,3 +239,23 @@ def test_collection_step_is_in_place_and_its_temporaries_do_not_grow_with_the_ta
     small, large = report(50_000), report(100_000)
     assert small.in_place and large.in_place, str(large)
     assert small.temp_bytes == large.temp_bytes
+
+
+def test_the_step_compiles_once_per_batch_shape():
+    from tests.helpers import jit_once
+
+    coll = _collection()
+    params = {"emb": coll.init(jax.random.key(0)), "w": jnp.ones((12, 1), jnp.float32)}
+    tx = osa.partition_tables(osa.sparse_rowwise_adagrad(1e-2), optax.adam(1e-3), lambda p: p["emb"])
+
+    def step(p, s, ids):
+        _, g = osa.value_and_row_grad(lambda q, b: _head(coll.pool(q["emb"], b), q["w"]), lambda q: q["emb"])(
+            p, coll.bags(ids)
+        )
+        return osa.update_and_apply(tx, g, s, p)
+
+    step = jit_once(step, donate_argnums=(0, 1))
+    state = tx.init(params)
+    rng = np.random.default_rng(9)
+    for _ in range(3):  # fresh ids each step, one shape
+        params, state = step(params, state, _inputs(rng))
