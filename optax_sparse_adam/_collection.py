@@ -257,9 +257,7 @@ class EmbeddingCollection:
             names = [n for n, f in features.items() if self._stack_of(f.table) == stack]
             if not names:
                 continue
-            b = bags[stack]
-            pooled = pool(params[stack], b)
-            batch = b.num_bags // len(names)
-            for j, n in enumerate(names):
-                out[n] = pooled[j * batch : (j + 1) * batch]
+            # One split, not a slice per feature: a slice's gradient is a stack-sized pad, one per feature.
+            parts = jnp.split(pool(params[stack], bags[stack]), len(names))
+            out.update(zip(names, parts, strict=True))
         return {n: out[n] for n in features}
