@@ -200,10 +200,13 @@ def pool(table: jax.Array, bags: Bags) -> jax.Array:
     weighted = rows * bags.weights.astype(acc).reshape(-1, *([1] * (table.ndim - 1)))
     if bags.blocks is None:
         return jax.ops.segment_sum(weighted, bags.bag, num_segments=bags.num_bags).astype(table.dtype)
-    # Bags of one size, bag after bag: a sum over each block's second axis (its gradient a broadcast, not a gather).
-    parts, start = [], 0
-    for n, size in bags.blocks:
-        block = weighted[start : start + n * size]
-        parts.append(block.reshape(n, size, *block.shape[1:]).sum(1) if size != 1 else block)
-        start += n * size
+    # Bags of one size, bag after bag: a sum over each block's second axis (its gradient a broadcast, not a
+    # gather). The blocks are cut by one split, whose gradient is one concatenation (a slice's is a pad to the
+    # whole: one per block).
+    ends = np.cumsum([n * size for n, size in bags.blocks])[:-1].tolist()
+    blocks = jnp.split(weighted, ends) if ends else [weighted]
+    parts = [
+        b.reshape(n, size, *b.shape[1:]).sum(1) if size != 1 else b
+        for b, (n, size) in zip(blocks, bags.blocks, strict=True)
+    ]
     return (jnp.concatenate(parts) if len(parts) != 1 else parts[0]).astype(table.dtype)

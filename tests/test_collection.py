@@ -259,3 +259,18 @@ def test_the_step_compiles_once_per_batch_shape():
     rng = np.random.default_rng(9)
     for _ in range(3):  # fresh ids each step, one shape
         params, state = step(params, state, _inputs(rng))
+
+
+def test_the_gradient_of_pooling_builds_no_stack_sized_pads():
+    """Cutting a stack into 26 features (and its blocks into bags) by slices made the gradient 26 stack-sized pads
+    summed (3.5 of a 5.5 ms step at 2,048 examples); one split's gradient is one concatenation."""
+    coll = osa.EmbeddingCollection({f"t{i}": osa.TableSpec(1000, 16) for i in range(26)})
+    params = coll.init(jax.random.key(0))
+    batch = coll.bags({f"t{i}": jnp.zeros((256, 1 + i % 3), jnp.int32) for i in range(26)})
+
+    def loss(p, b):
+        return sum(jnp.sum(v) for v in coll.pool(p, b).values())
+
+    hlo = jax.jit(osa.value_and_row_grad(loss, lambda p: p)).lower(params, batch).compile().as_text()
+    entries = batch["float32_16"].ids.shape[0]
+    assert not [line for line in hlo.splitlines() if " pad(" in line and f"[{entries}," in line]
