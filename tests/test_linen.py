@@ -47,3 +47,46 @@ def test_fused_apply_gradients_equals_the_stock_one(kernel_path):
     assert_trees_equal(fused.opt_state, stock.opt_state, rtol=1e-6, atol=1e-7)
     hlo = step.lower(fused, ids, y).as_text()
     assert ("sparse_adam_apply" in hlo) == (kernel_path == "native-cpu")
+
+
+def test_embedding_bags_row_gradients_equal_the_dense_models(kernel_path):
+    from optax_sparse_adam.linen import EmbeddingBags
+
+    coll = osa.EmbeddingCollection(
+        {"user": osa.TableSpec(300, 8), "item": osa.TableSpec(200, 8), "tag": osa.TableSpec(50, 4)},
+        {
+            "user": osa.FeatureSpec("user"),
+            "hist": osa.FeatureSpec("item", "mean"),
+            "tags": osa.FeatureSpec("tag", "sqrtn"),
+        },
+    )
+
+    class Tower(nn.Module):
+        @nn.compact
+        def __call__(self, bags):
+            f = EmbeddingBags(coll)(bags)
+            return nn.Dense(1)(jnp.concatenate([f["user"] * f["hist"], f["tags"]], axis=1))[:, 0]
+
+    rng = np.random.default_rng(2)
+    batch = coll.bags(
+        {
+            "user": rng.integers(0, 300, 16).astype(np.int32),
+            "hist": rng.integers(-1, 200, (16, 6)).astype(np.int32),
+            "tags": rng.integers(-1, 50, (16, 3)).astype(np.int32),
+        }
+    )
+    y = jnp.asarray(rng.standard_normal(16), jnp.float32)
+    model = Tower()
+    params = model.init(jax.random.key(0), batch)
+
+    def loss(p, b):
+        return jnp.mean((model.apply(p, b) - y) ** 2)
+
+    value, grads = osa.value_and_row_grad(loss, lambda p: p["params"]["EmbeddingBags_0"]["stacks"])(params, batch)
+    want_value, want = jax.value_and_grad(loss)(params, batch)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    dense = jax.tree.map(lambda g: g.todense() if isinstance(g, osa.IndexedRows) else g, grads, is_leaf=osa.is_sparse)
+    assert_trees_equal(dense, want, rtol=1e-5, atol=1e-7)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=osa.sparse_adam(1e-2))
+    new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+    assert int(new.step) == 1
