@@ -34,6 +34,7 @@ def _rows2d(values: jax.Array) -> jax.Array:
 
 _ROWS = "osa_rows"  # mesh axes of the row blocks of a sharded table, and of their replicas
 _REPLICAS = "osa_replicas"
+_BY_ROWS = ("n w", "n")  # operands and results split by rows: tables, and per-row state
 
 
 def _row_blocks(sharding: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -60,8 +61,10 @@ def _by_row_shards(fn: Callable[..., tuple[jax.Array, ...]], rule: str, summed: 
     """``fn(row_begin, *tables, *rest)`` made to run on each row shard of its tables under SPMD partitioning.
 
     ``rule`` names the axes of the operands and results (Shardy's notation):
-    ``n w`` for a 2-D table, ``k`` for keys, ``k w`` for rows, ``s`` for
-    scalars. The tables come first among operands and results; the other operands
+    ``n w`` for a 2-D table, ``n`` for one scalar per row (sharded by rows as
+    the table is), ``k`` for keys, ``k w`` for rows, ``s`` for scalars. The
+    tables come first among operands and results (the first one's sharding
+    decides the row blocks); the other operands
     are replicated, and so are the other results: those listed in ``summed``
     are summed over the shards (each shard writes zeros where it holds no
     row), the others come out alike on every shard. On one device, or inside
@@ -88,15 +91,17 @@ def _by_row_shards(fn: Callable[..., tuple[jax.Array, ...]], rule: str, summed: 
             return tuple(out)
 
         ins, outs = (side.split(", ") for side in rule.split(" -> "))
-        arg_shardings = tuple(rows if f == "n w" else whole for f in ins)
-        out_shardings = tuple(rows if f == "n w" else whole for f in outs)
+        arg_shardings = tuple(rows if f in _BY_ROWS else whole for f in ins)
+        out_shardings = tuple(rows if f in _BY_ROWS else whole for f in outs)
         return mesh, lower, out_shardings, arg_shardings
 
+    # Factors in order of first appearance (Shardy wants them sorted so); all but the rows are replicated.
+    factors = dict.fromkeys(rule.replace(",", " ").replace("->", " ").split())
     call.def_partition(
         partition=partition,
         infer_sharding_from_operands=lambda mesh, args, result: partition(mesh, args, result)[2],
         sharding_rule=rule,
-        need_replication_factors=tuple(f for f in ("w", "k", "s") if f in rule.split()),
+        need_replication_factors=tuple(f for f in factors if f in ("w", "k", "s")),
     )
     # Under vmap (custom_partitioning has no batching rule), one call per batch element, in a loop.
     return jax.custom_batching.sequential_vmap(call)
@@ -185,3 +190,71 @@ def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Arr
 
     (out,) = _by_row_shards(fn, "n w, k, k w -> n w")(_rows2d(table), keys, _rows2d(values))
     return out.reshape(table.shape)
+
+
+def rowwise_adagrad_rows(
+    acc: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    p: jax.Array | None = None,
+    *,
+    unique: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The row-wise Adagrad leaf rule on the CPU: ``(acc, keys, step)``, the accumulators updated in place.
+
+    ``acc`` holds one accumulator per row; ``p``, the parameters, is given for
+    L2 weight decay only (read, not written). The keys and step rows come back
+    packed as in :func:`sparse_adam_rows`.
+    """
+    decays = p is not None
+    attrs = _attrs(acc.shape[0], decay=int(decays), unique=unique)
+    shape = values.shape
+
+    def fn(row_begin: jax.Array, *args: jax.Array):
+        # With decay the parameters come first (their sharding decides the row blocks); the handler takes them last.
+        p, (acc, keys, values, scalars) = (args[:1], args[1:]) if decays else ((), args)
+        results = (
+            jax.ShapeDtypeStruct(acc.shape, acc.dtype),
+            jax.ShapeDtypeStruct(keys.shape, jnp.int32),
+            jax.ShapeDtypeStruct(values.shape, values.dtype),
+        )
+        return jax.ffi.ffi_call(
+            PREFIX + "rowwise_adagrad_rows", results, input_output_aliases={0: 0}, vmap_method="sequential"
+        )(acc, keys, values, scalars, row_begin, *p, **attrs)
+
+    args: tuple[jax.Array, ...] = (acc, keys, _rows2d(values), scalars)
+    rule = "n, k, k w, s -> n, k, k w"
+    if p is not None:
+        args, rule = (_rows2d(p), *args), "n w, " + rule
+    acc2, keys, step = _by_row_shards(fn, rule, summed=(2,))(*args)
+    return acc2, keys, step.reshape(shape)
+
+
+def rowwise_adagrad_apply(
+    p: jax.Array,
+    acc: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    *,
+    decay: int,
+    unique: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The row-wise Adagrad leaf rule and ``p += neg_lr * step`` in one pass over each touched row: ``(p, acc)``.
+
+    ``decay``: 0 none, 1 L2 (folded into the gradient), 2 decoupled (added to the step).
+    """
+    attrs = _attrs(p.shape[0], decay=decay, unique=unique)
+
+    def fn(row_begin: jax.Array, p: jax.Array, acc: jax.Array, *rest: jax.Array):
+        return jax.ffi.ffi_call(
+            PREFIX + "rowwise_adagrad_apply",
+            (jax.ShapeDtypeStruct(p.shape, p.dtype), jax.ShapeDtypeStruct(acc.shape, acc.dtype)),
+            input_output_aliases={0: 0, 1: 1},
+            vmap_method="sequential",
+        )(p, acc, *rest, row_begin, **attrs)
+
+    rule = "n w, n, k, k w, s -> n w, n"
+    new_p, new_acc = _by_row_shards(fn, rule)(_rows2d(p), acc, keys, _rows2d(values), scalars)
+    return new_p.reshape(p.shape), new_acc

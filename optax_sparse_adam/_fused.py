@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -12,6 +13,8 @@ from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
+from optax_sparse_adam._row_engine import Arrays, row_shape
+from optax_sparse_adam._rowwise import RowwiseAdagradFusion, adagrad_scalars
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._tree import is_leaf
 
@@ -31,24 +34,29 @@ def update_and_apply(
       params = osa.apply_updates(params, updates)
 
     for any ``tx``. Where ``tx`` is an optimizer built by
-    :func:`~optax_sparse_adam.sparse_adam` (not wrapped or chained further) and
-    the native CPU kernels apply (:func:`kernel_path` is ``"native-cpu"``;
-    float32 tables with one sparse axis), each sparse leaf is done in one pass
-    per touched row that reads and writes its parameters and both moments
-    together, without materializing the update:
+    :func:`~optax_sparse_adam.sparse_adam` or
+    :func:`~optax_sparse_adam.sparse_rowwise_adagrad` (not wrapped or chained
+    further) and the native CPU kernels apply (:func:`kernel_path` is
+    ``"native-cpu"``; float32 tables with one sparse axis), each sparse leaf is
+    done in one pass per touched row that reads and writes its parameters and
+    its optimizer state together, without materializing the update:
 
     .. math::
 
       p_S \leftarrow p_S - \alpha_t \, u_S
 
-    with :math:`u_S` the step of :func:`scale_by_sparse_adam`. It checks
+    with :math:`u_S` the step of :func:`scale_by_sparse_adam` (of
+    :func:`scale_by_rowwise_adagrad`, plus :math:`\lambda p_S` with decoupled
+    weight decay). It checks
     what the two calls check (int8 or uint8 indices too narrow to mark a
     table's padding are refused on every path). Its numbers are those of the
     kernels (see :mod:`._kernel_path`): from the same state, ``nu`` bitwise
     that of the two calls on the XLA path, ``mu`` within one ulp of the larger
     of its old and new values, the parameters within two ulps of themselves
     plus one of the largest update, because XLA:CPU chooses by shape which
-    multiply-adds it fuses (and where ``maximize`` negates the gradient). On
+    multiply-adds it fuses (and where ``maximize`` negates the gradient). For
+    row-wise Adagrad see :func:`scale_by_rowwise_adagrad` for how its numbers
+    relate to the two calls'. On
     other platforms, for other leaves, under differentiation and in
     :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
@@ -79,8 +87,9 @@ def update_and_apply(
     fusion = getattr(tx.update, "fusion", None)
     if isinstance(fusion, PartitionFusion) and isinstance(state, optax.PartitionState):
         return _partitioned(fusion, grads, state, params)
-    fused = _fusable_leaves(grads, state, params) if isinstance(fusion, AdamFusion) and _kernel_path.enabled() else {}
-    if not isinstance(fusion, AdamFusion) or not fused:
+    fusable = _fusable(fusion)
+    fused = _fusable_leaves(fusable, grads, state, params) if fusable is not None and _kernel_path.enabled() else {}
+    if fusable is None or not fused:
         updates, state = tx.update(grads, state, params)
         return apply_updates(params, updates), state
 
@@ -90,20 +99,16 @@ def update_and_apply(
     updates, new_state = tx.update(rest, state, params)
     new_params = apply_updates(params, updates)
 
-    adam, new_adam = _adam_state(state), _adam_state(new_state)
-    lr = fusion.learning_rate
+    lr = fusable.learning_rate
     if callable(lr):
         lr = lr(optax.tree.get(state, "ScaleByScheduleState").count)
-    scalars = kernel_scalars(fusion.hp, new_adam.count, -1 * lr)
+    scalars = fusable.scalars(new_state, -1 * lr)
     p_leaves = treedef.flatten_up_to(params)
-    m_leaves = treedef.flatten_up_to(adam.mu)
-    v_leaves = treedef.flatten_up_to(adam.nu)
+    state_leaves = [treedef.flatten_up_to(tree) for tree in fusable.trees(state)]
 
     def native() -> list[tuple[jax.Array, ...]]:
         return [
-            _ffi.sparse_adam_apply(
-                p_leaves[i], m_leaves[i], v_leaves[i], sp.keys[:, 0], sp.values, scalars, **kernel_flags(fusion.hp, sp)
-            )
+            fusable.apply(p_leaves[i], tuple(leaves[i] for leaves in state_leaves), sp, scalars)
             for i, sp in fused.items()
         ]
 
@@ -111,18 +116,78 @@ def update_and_apply(
         only = treedef.unflatten([g if i in fused else None for i, (_, g) in enumerate(grad_leaves)])
         updates, s = tx.update(only, state, params)
         p = treedef.flatten_up_to(apply_updates(params, updates))
-        adam_s = _adam_state(s)
-        m, v = treedef.flatten_up_to(adam_s.mu), treedef.flatten_up_to(adam_s.nu)
-        return [(p[i], m[i], v[i]) for i in fused]
+        trees = [treedef.flatten_up_to(tree) for tree in fusable.trees(s)]
+        return [(p[i], *(leaves[i] for leaves in trees)) for i in fused]
 
     results = dict(zip(fused, _kernel_path.select(native, xla), strict=True))
     out_p = treedef.flatten_up_to(new_params)
-    out_m = treedef.flatten_up_to(new_adam.mu)
-    out_v = treedef.flatten_up_to(new_adam.nu)
-    for i, (p, m, v) in results.items():
-        out_p[i], out_m[i], out_v[i] = p, m, v
-    new_state = optax.tree.set(new_state, mu=treedef.unflatten(out_m), nu=treedef.unflatten(out_v))
-    return treedef.unflatten(out_p), new_state
+    out_state = [treedef.flatten_up_to(tree) for tree in fusable.trees(new_state)]
+    for i, (p, *new) in results.items():
+        out_p[i] = p
+        for leaves, x in zip(out_state, new, strict=True):
+            leaves[i] = x
+    trees = {name: treedef.unflatten(leaves) for name, leaves in zip(fusable.fields, out_state, strict=True)}
+    return treedef.unflatten(out_p), optax.tree.set(new_state, **trees)
+
+
+class _Fusable(NamedTuple):
+    """What differs between the optimizers :func:`update_and_apply` fuses; the fused step itself is shared.
+
+    Attributes:
+      learning_rate: The chain's learning rate (a schedule reads the chain's ``ScaleByScheduleState``).
+      where: The transformation whose rule the kernel runs, for errors.
+      owner: The name of the state class (in the chain's state) holding the trees the kernel updates.
+      fields: Their field names, one state leaf per parameter each.
+      fits: ``fits(p, state_leaves)``: whether the state leaves are the parameter's.
+      scalars: ``scalars(new_state, neg_lr)``: the kernel's scalar operand, from the chain's state after the step.
+      apply: ``apply(p, state_leaves, leaf, scalars) -> (p, *state_leaves)``: the fused kernel on one leaf.
+    """
+
+    learning_rate: optax.ScalarOrSchedule
+    where: str
+    owner: str
+    fields: tuple[str, ...]
+    fits: Callable[[jax.Array, Arrays], bool]
+    scalars: Callable[[Any, Any], jax.Array]
+    apply: Callable[[jax.Array, Arrays, SparseLeaf, jax.Array], tuple[jax.Array, ...]]
+
+    def trees(self, state: Any) -> tuple[Any, ...]:
+        """The state trees the kernel updates, found by name in the chain's state."""
+        found = optax.tree.get(state, self.owner)
+        return tuple(getattr(found, name) for name in self.fields)
+
+
+def _fusable(fusion: Any) -> _Fusable | None:
+    """How to fuse the optimizer that carries ``fusion``; ``None`` for one this module does not fuse."""
+    if isinstance(fusion, AdamFusion):
+        hp = fusion.hp
+        return _Fusable(
+            fusion.learning_rate,
+            "scale_by_sparse_adam",
+            "ScaleByAdamState",
+            ("mu", "nu"),
+            fits=lambda p, st: p.shape == st[0].shape == st[1].shape,
+            scalars=lambda new_state, neg_lr: kernel_scalars(
+                hp, optax.tree.get(new_state, "ScaleByAdamState").count, neg_lr
+            ),
+            apply=lambda p, st, sp, scalars: _ffi.sparse_adam_apply(
+                p, st[0], st[1], sp.keys[:, 0], sp.values, scalars, **kernel_flags(hp, sp)
+            ),
+        )
+    if isinstance(fusion, RowwiseAdagradFusion):
+        eps, weight_decay, decay = fusion.eps, fusion.weight_decay, fusion.decay
+        return _Fusable(
+            fusion.learning_rate,
+            "scale_by_rowwise_adagrad",
+            "ScaleByRowwiseAdagradState",
+            ("sum_of_squares",),
+            fits=lambda p, st: st[0].shape == row_shape(p.shape),
+            scalars=lambda new_state, neg_lr: adagrad_scalars(eps, weight_decay, neg_lr),
+            apply=lambda p, st, sp, scalars: _ffi.rowwise_adagrad_apply(
+                p, st[0], sp.keys[:, 0], sp.values, scalars, decay=decay, unique=_kernel_path.unique_flag(sp)
+            ),
+        )
+    return None
 
 
 def _partitioned(
@@ -140,36 +205,29 @@ def _partitioned(
     return merge(labels, parts), state._replace(inner_states=inner_states)
 
 
-def _adam_state(state: Any) -> optax.ScaleByAdamState:
-    """The :class:`optax.ScaleByAdamState` in a :func:`sparse_adam` chain's state, found by name."""
-    return optax.tree.get(state, "ScaleByAdamState")
-
-
 def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
     """``(path, leaf)`` pairs and the treedef, sparse leaves and ``None`` as leaves."""
     return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
 
 
-def _fusable_leaves(grads: Any, state: Any, params: Any) -> dict[int, SparseLeaf]:
+def _fusable_leaves(fusable: _Fusable, grads: Any, state: Any, params: Any) -> dict[int, SparseLeaf]:
     """The sparse gradient leaves the fused kernel handles, by position, validated.
 
     Trees that do not match, or a state of another shape, give none: the two plain calls then report them.
     """
     grad_leaves, treedef = _flatten(grads)
     try:
-        adam = _adam_state(state)
         p_leaves = treedef.flatten_up_to(params)
-        m_leaves = treedef.flatten_up_to(adam.mu)
-        v_leaves = treedef.flatten_up_to(adam.nu)
+        state_leaves = [treedef.flatten_up_to(tree) for tree in fusable.trees(state)]
     except (ValueError, TypeError, AttributeError, IndexError, KeyError):
         return {}
     fused = {}
-    for i, ((path, g), p, m, v) in enumerate(zip(grad_leaves, p_leaves, m_leaves, v_leaves, strict=True)):
-        if not (is_sparse(g) and all(isinstance(x, jax.Array) for x in (p, m, v))):
+    for i, ((path, g), p, *st) in enumerate(zip(grad_leaves, p_leaves, *state_leaves, strict=True)):
+        if not (is_sparse(g) and all(isinstance(x, jax.Array) for x in (p, *st))):
             continue
-        if not p.shape == m.shape == v.shape:
+        if not fusable.fits(p, tuple(st)):
             continue
-        sp = to_sparse_leaf(g, p.shape, path, "scale_by_sparse_adam", emits=True)
-        if _kernel_path.supports(p.shape, sp.n_sparse, p, m, v, sp.values):
+        sp = to_sparse_leaf(g, p.shape, path, fusable.where, emits=True)
+        if _kernel_path.supports(p.shape, sp.n_sparse, p, *st, sp.values):
             fused[i] = sp
     return fused

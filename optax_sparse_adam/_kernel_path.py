@@ -24,7 +24,10 @@ with ``maximize`` on one-wide tables); the step, the update and the
 parameters within two ulps of themselves plus one of the largest update
 (XLA may compute the step from a moment rounded apart from the one it
 stores, which where the moment nearly cancels is many ulps of the step).
-``tests/test_kernels.py`` holds the fuzz test of these bounds.
+``tests/test_kernels.py`` holds the fuzz test of these bounds. Row-wise
+Adagrad's kernels sum each row's squares in a fixed order of their own (XLA
+chooses its order by shape and CPU); :func:`scale_by_rowwise_adagrad` states
+what that changes, and ``tests/test_rowwise_kernels.py`` tests it.
 
 Environment: ``OPTAX_SPARSE_ADAM_KERNELS=0`` makes the XLA path the default;
 ``OPTAX_SPARSE_ADAM_THREADS=n`` (default: the CPUs this process may run on,
@@ -58,6 +61,8 @@ _SYMBOLS = {
     "sparse_adam_rows": "OptaxSparseAdamRows",
     "sparse_adam_apply": "OptaxSparseAdamApply",
     "scatter_add": "OptaxSparseAdamScatterAdd",
+    "rowwise_adagrad_rows": "OptaxSparseAdamRowwiseAdagradRows",
+    "rowwise_adagrad_apply": "OptaxSparseAdamRowwiseAdagradApply",
 }
 _MAX_ROWS = 2**31 - 1  # keys are int32, and the padding key num_rows must be one too
 
@@ -309,6 +314,12 @@ def supports(shape: tuple[int, ...], n_sparse: int, *arrays: Any) -> bool:
         and not any(explicit_sharding(a) is not None for a in arrays)
         and not _in_manual_axes()
     )
+
+
+def unique_flag(leaf: Any) -> int:
+    """The kernels' ``unique`` flag for a sparse leaf: 0 keys may repeat, 1 the user's promise (the kernel checks
+    it), 2 keys the library made distinct."""
+    return (1 if leaf.promised else 2) if leaf.distinct else 0
 
 
 def _in_manual_axes() -> bool:
