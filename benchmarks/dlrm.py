@@ -371,7 +371,7 @@ CONTENDERS = (
     Contender(
         "osa_rowwise_adagrad",
         "library row-wise Adagrad, stacked",
-        "as library Adam, with osa.sparse_rowwise_adagrad (tx.update + apply_updates: the XLA path)",
+        "as library Adam, with osa.sparse_rowwise_adagrad (update_and_apply: native kernels)",
         make_osa_rowwise_adagrad,
     ),
     Contender(

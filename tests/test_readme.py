@@ -29,3 +29,26 @@ def test_quick_start_runs_and_moves_only_the_rows_it_reads():
     item = np.asarray(coll.table(params["emb"], "item") != coll.table(fresh, "item")).any(axis=1)
     assert set(np.flatnonzero(user)) == {3, 7}
     assert set(np.flatnonzero(item)) == {1, 2, 4, 9}
+
+
+def test_dlrm_benchmark_block_is_generated_from_its_results():
+    """The README's DLRM figures are the results file's, rendered: a hand edit or a stale file fails here."""
+    import importlib.util
+    import json
+    import sys
+
+    root = README.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("dlrm_benchmark", root / "benchmarks" / "dlrm.py")
+        dlrm = importlib.util.module_from_spec(spec)
+        sys.modules["dlrm_benchmark"] = dlrm  # its dataclasses look their module up
+        spec.loader.exec_module(dlrm)
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+        sys.modules.pop("dlrm_benchmark", None)
+    doc = json.loads((root / "benchmarks" / "results" / "dlrm.json").read_text())
+    text = README.read_text()
+    block = text[text.index(dlrm.README_BEGIN) + len(dlrm.README_BEGIN) : text.index(dlrm.README_END)]
+    assert block.strip() == dlrm.readme_block(doc).strip()
+    assert not doc["quick"]
