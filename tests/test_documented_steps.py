@@ -12,7 +12,7 @@ for tables of two sizes (``ROWS``; abstract arrays: compiled, never allocated) a
 - ``dense``: a step the docs say costs what the tables cost (``optax.adam``, the ``lazy_dense`` path on dense
   gradients): its temporaries grow by at least one table's worth with the table, as documented;
 - ``not_donated``: a documented step that does not donate its tables: the report names them, as the README's
-  "Donation" section predicts; ``remedy`` is the same step donated, which is then in place.
+  "Donation" section predicts (the `step_report` docstring's own example).
 
 A documented step that does not do what its docs say is a strict ``xfail`` naming the problem (``known_issue``).
 ``test_rebuilt_from_the_documented_code`` checks that the lines each rebuild follows are still in its document, so a
@@ -75,7 +75,7 @@ class Example:
     where: str  # a file under the repository root, or ``osa.NAME`` for a docstring
     anchors: tuple[str, ...]  # lines of the documented code, verbatim
     build: Build  # rows -> (the jitted step, its abstract arguments)
-    expect: str  # "in_place", "dense", "not_donated", or "remedy" (an undocumented fix of a "not_donated" one)
+    expect: str  # "in_place", "dense" or "not_donated"
     not_donated: tuple[str, ...] = ()  # for "not_donated": the arguments the report names
     also: str = ""  # another document holding some of the anchors
     paths: tuple[str, ...] = ("default",)  # kernel paths compiled: "default" (native on the CPU if built), "xla"
@@ -1071,12 +1071,6 @@ def test_documented_step_without_donation_is_reported(name: str, path: str) -> N
         assert tuple(p for p, _ in report.not_donated) == EXAMPLES[name].not_donated, why
         assert not report.in_place, why
         assert "not donated" in str(report), why
-
-
-@pytest.mark.parametrize(("name", "path"), cases("remedy"))
-def test_an_undonated_documented_step_is_in_place_once_donated(name: str, path: str) -> None:
-    """The fix the README's "Donation" section gives (``donate_argnums``) makes the step above in place."""
-    assert_in_place(name, *reports(name, path))
 
 
 def test_every_kind_of_documented_step_is_covered() -> None:
