@@ -168,7 +168,7 @@ def _kernel(hp: AdamHyperparams, count: jax.Array) -> Kernel:
 
 
 class KernelFlags(TypedDict):
-    """The kernels' static flags; ``unique``: 0 none, 1 the user's promise (checked), 2 known distinct."""
+    """The kernels' static flags (``unique``: :func:`._kernel_path.unique_flag`)."""
 
     torch_eps: bool
     maximize: bool
@@ -177,7 +177,7 @@ class KernelFlags(TypedDict):
 
 def kernel_flags(hp: AdamHyperparams, leaf: SparseLeaf) -> KernelFlags:
     """The kernels' static flags for a leaf."""
-    unique = (1 if leaf.promised else 2) if leaf.distinct else 0
+    unique = _kernel_path.unique_flag(leaf)
     return {"torch_eps": hp.eps_placement == "torch", "maximize": hp.maximize, "unique": unique}
 
 
