@@ -6,6 +6,7 @@ from optax_sparse_adam._adam import scale_by_sparse_adam, sparse_adam
 from optax_sparse_adam._adamw import LazyWeightDecayState, lazy_decoupled_weight_decay, sparse_adamw
 from optax_sparse_adam._amsgrad import scale_by_sparse_amsgrad, sparse_amsgrad
 from optax_sparse_adam._apply import apply_updates
+from optax_sparse_adam._catch_up import CatchUpAdamState, catch_up
 from optax_sparse_adam._collection import EmbeddingCollection, FeatureSpec, TableSpec
 from optax_sparse_adam._fused import update_and_apply
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
@@ -35,6 +36,7 @@ del _metadata
 
 __all__ = [
     "Bags",
+    "CatchUpAdamState",
     "EmbeddingCollection",
     "FeatureSpec",
     "IndexedRows",
@@ -50,6 +52,7 @@ __all__ = [
     "apply_updates",
     "apply_updates_stochastic",
     "bags",
+    "catch_up",
     "is_sparse",
     "kernel_path",
     "lazy_decoupled_weight_decay",

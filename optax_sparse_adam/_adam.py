@@ -378,6 +378,7 @@ def sparse_adam(
     maximize: bool = False,
     eps_placement: EpsPlacement = "optax",
     lazy_dense: MaskOrFn = False,
+    catch_up: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Lazy Adam for sparse gradients: a drop-in for :func:`optax.adam`.
 
@@ -425,6 +426,43 @@ def sparse_adam(
     :math:`\log \beta` in double where :math:`\beta` is a number), not in
     float32 as optax does; see :func:`scale_by_sparse_adam`.
 
+    **Exact catch-up.** Lazy Adam is not Adam: after its last gradient, dense
+    Adam keeps moving a row for many steps (its momentum decays by
+    :math:`\beta_1` a step), lazy Adam stops it. With ``catch_up=True`` a row
+    that returns after :math:`s` idle steps, last moved at step :math:`t_0`,
+    first takes the steps dense Adam would have taken with a zero gradient,
+    each with its own learning rate and bias corrections,
+
+    .. math::
+
+      m \leftarrow \beta_1 m, \quad v \leftarrow \beta_2 v, \quad
+      p \leftarrow p - \alpha_{k} \, \hat m_k / (\sqrt{\hat v_k + \bar\varepsilon} + \varepsilon),
+      \qquad k = t_0 + 1, \dots, t_0 + s,
+
+    in dense Adam's float32 arithmetic, then step :math:`t`. The first
+    :math:`K` idle steps are replayed one by one; the steps after them only
+    decay the moments (by :math:`\beta^{s-K}`), since together they would
+    move the row by less than :math:`2^{-24}` times their largest learning
+    rate. With :math:`r = \beta_1 / \sqrt{\beta_2}`, idle step :math:`k`
+    moves a row by at most :math:`\alpha_k A r^k`, where
+    :math:`A = ((1 - \beta_2)(1 - \beta_1^2 / \beta_2))^{-1/2}`, and
+    :math:`K` is the smallest with :math:`A r^{K+1} / (1 - r) \le 2^{-24}`
+    (221 for the default betas, 2,798 for :math:`\beta_1 = 0.99`). Requires
+    :math:`\beta_1 < \sqrt{\beta_2}`.
+
+    The state (:class:`CatchUpAdamState`) keeps, per row, the step through
+    which the row is up to date, so ``update`` needs ``params``. For the loss
+    to read the rows dense Adam would read, build the gradient with
+    ``value_and_row_grad(loss, tables, catch_up=tx)`` and pass
+    ``opt_state=state`` to it; :func:`catch_up` brings every row up to date
+    (O(table), for evaluation, export or a final checkpoint). Sparse leaves
+    must address whole rows; dense leaves are :func:`optax.adam`.
+    :func:`update_and_apply` runs it as its two calls, on the XLA path: the
+    replay costs up to :math:`K` element-wise passes over the touched rows,
+    many times the plain fused step (``benchmarks/catch_up.py`` measures
+    both). Under ``inject_hyperparams`` the idle steps use the current
+    injected learning rate: past values are not kept.
+
     Args:
       learning_rate: A float or an optax schedule.
       b1: Decay rate of the first moment.
@@ -439,6 +477,8 @@ def sparse_adam(
       lazy_dense: Which dense gradient leaves to treat lazily (a row is touched
         when any of its entries is nonzero): a bool, a tree of bools, or a
         function of the parameters returning one.
+      catch_up: Whether a row the gradient touches first replays the steps it
+        sat out (see below); the state is then a :class:`CatchUpAdamState`.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`. Apply its updates with
@@ -467,6 +507,14 @@ def sparse_adam(
       ``torch.optim.SparseAdam`` and ``torch.optim.Adam``.
     """
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    if check_bool("catch_up", catch_up):
+        from optax_sparse_adam import _catch_up  # it builds on this module's rule
+
+        return _catch_up.catch_up_adam(
+            learning_rate,
+            _catch_up_hyperparams(b1, b2, eps, eps_root, maximize, eps_placement, lazy_dense),
+            check_dtype(mu_dtype, "mu_dtype"),
+        )
     tx = optax.chain(
         scale_by_sparse_adam(
             b1=b1,
@@ -495,6 +543,21 @@ def _hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any, maximize: Any, eps_p
         raise ValueError(f"Invalid eps_placement: {eps_placement!r}; it must be 'optax' or 'torch'")
     maximize = check_bool("maximize", maximize)
     return AdamHyperparams(b1, b2, eps, eps_root, maximize, eps_placement, _log_beta(b1), _log_beta(b2))
+
+
+def _catch_up_hyperparams(
+    b1: Any, b2: Any, eps: Any, eps_root: Any, maximize: Any, eps_placement: Any, lazy_dense: Any
+) -> AdamHyperparams:
+    """Adam's hyperparameters, checked for ``catch_up=True``."""
+    hp = _hyperparams(b1, b2, eps, eps_root, maximize, eps_placement)
+    if lazy_dense is not False:
+        raise ValueError("sparse_adam: catch_up=True does not take lazy_dense; give the tables sparse gradients")
+    if hp.log_b1 is not None and hp.log_b2 is not None and not 2 * hp.log_b1 < hp.log_b2:
+        raise ValueError(
+            f"sparse_adam: catch_up=True needs b1 < sqrt(b2), so that a row's idle steps move it by a convergent "
+            f"series; got b1={b1!r}, b2={b2!r}"
+        )
+    return hp
 
 
 class AdamFusion(NamedTuple):

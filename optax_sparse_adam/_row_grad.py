@@ -26,6 +26,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from optax_sparse_adam import _catch_up
 from optax_sparse_adam._coalesce import pack_distinct
 from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, normalise_keys
 from optax_sparse_adam._pooled import Bags
@@ -681,8 +682,28 @@ def _check_ids_dtype(where: str, name: str, dtype: Any) -> None:
         raise TypeError(f"{where}: the ids for {name} must be integers, got dtype {dtype}")
 
 
+def _caught_up(lookups: dict[int, RowLookup], tx: Any, opt_state: Any, treedef: Any) -> dict[int, RowLookup]:
+    """The lookups with each row's idle steps replayed, as ``tx`` (a catch-up optimizer) will replay them."""
+    where = "value_and_row_grad(..., catch_up=tx)"
+    if opt_state is None:
+        raise TypeError(f"{where}: pass the optimizer's state as the keyword argument opt_state")
+    replayer, state = _catch_up.find(tx, opt_state, where)
+    if jax.tree.structure(state.mu, is_leaf=is_leaf) != treedef:
+        raise ValueError(
+            f"{where}: the optimizer state's mu has structure {jax.tree.structure(state.mu)} but the parameters have "
+            f"{treedef}; pass the state built for these parameters"
+        )
+    mu, nu, last = (jax.tree.leaves(t, is_leaf=is_leaf) for t in (state.mu, state.nu, state.last_step))
+    out = {}
+    for i, lk in lookups.items():
+        m, v, t0 = (take_rows(x[i], lk.indices) for x in (mu, nu, last))
+        rows, _, _ = _catch_up.replay(lk.rows, m, v, t0, state.count, replayer)
+        out[i] = dataclasses.replace(lk, rows=rows)
+    return out
+
+
 def value_and_row_grad(
-    fun: Callable[..., Any], tables: Callable[[Any], Any], *, has_aux: bool = False
+    fun: Callable[..., Any], tables: Callable[[Any], Any], *, has_aux: bool = False, catch_up: Any = None
 ) -> Callable[..., tuple[Any, Any]]:
     """Like :func:`jax.value_and_grad`, with row gradients for the embedding tables.
 
@@ -730,6 +751,12 @@ def value_and_row_grad(
         e.g. ``lambda p: (p["user"], p["item"])``; it may only index into the
         tree. Each selected leaf, in order, is paired with one leaf of ``ids``.
       has_aux: Whether ``fun`` returns ``(value, aux)``.
+      catch_up: An optimizer built by ``osa.sparse_adam(..., catch_up=True)``:
+        the returned function then takes its state as the keyword argument
+        ``opt_state`` and hands ``fun`` each row as dense Adam would hold it,
+        with the steps the row sat out replayed (the optimizer's ``update``
+        replays them again and writes them back). Without it ``fun`` reads
+        the rows as they are stored, lagging by their idle steps.
 
     Returns:
       A function of ``(params, ids, *args, **kwargs)`` returning ``(value,
@@ -756,6 +783,7 @@ def value_and_row_grad(
     """
 
     def wrapped(params: Any, ids: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        opt_state = kwargs.pop("opt_state", None) if catch_up is not None else None
         leaves, paths, chosen, treedef = sel = select_tables(params, tables, "value_and_row_grad")
         given = check_ids(ids, sel, "value_and_row_grad")
         id_leaves = given.leaves
@@ -773,6 +801,8 @@ def value_and_row_grad(
                 positions[j] = lk.inverse[start : start + f.shape[0]].reshape(id_leaves[j].shape)
                 start += f.shape[0]
         positions_tree = given.with_positions(positions)
+        if catch_up is not None:
+            lookups = _caught_up(lookups, catch_up, opt_state, treedef)
 
         def inner(diff: list[Any]) -> Any:
             return fun(treedef.unflatten(diff), positions_tree, *args, **kwargs)

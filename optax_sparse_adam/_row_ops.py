@@ -74,6 +74,7 @@ def scatter_rows(
 
     ``unique`` promises that the in-range indices are distinct (padding may repeat: it is dropped).
     """
+    x = jnp.asarray(x)  # a NumPy array, as flax.serialization restores a checkpoint, has no .at
     idx = index if isinstance(index, tuple) else (index,)
     if any(n == 0 for n in x.shape[: len(idx)]):  # an empty axis: every index is padding, nothing is written
         return x

@@ -1,0 +1,308 @@
+"""The docs' generated pages and files, written from the repository's own files before each build (``conf.py``).
+
+None of them is committed:
+
+- ``docs/benchmarks/step.md`` and its plots: ``benchmarks/report.py`` (``markdown``, ``plots``) on
+  ``benchmarks/results/results.json``, the same functions that write ``results.md``;
+- ``docs/benchmarks/dlrm.md`` and ``dlrm.png``: ``benchmarks/dlrm.py`` (``readme_block``, ``plot``) on
+  ``benchmarks/results/dlrm.json``;
+- ``docs/benchmarks/sharding.md``: the tables of ``benchmarks/results/sharding.json``;
+- ``docs/_generated/costs.md``: the measured costs on the "Which path do I use" page, from ``results.json``;
+- ``docs/gallery/*.ipynb``: the notebooks of ``notebooks/``, copied with their stored outputs (the build does not
+  execute them);
+- ``docs/_generated/static/mathjax/tex-svg.js``: MathJax 3, from the ``django-static-mathjax`` package, so that the
+  site renders its math offline.
+
+A file is rewritten only when its content changes, and the benchmark pages only when their inputs change, so that
+Sphinx rebuilds only what changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import pathlib
+import shutil
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = BENCHMARKS / "results"
+DOCS = pathlib.Path(__file__).resolve().parent
+OUT = DOCS / "_generated"
+NOTEBOOKS = ("train_embeddings", "word_embeddings")
+PUBLIC_MODULES = ("optax_sparse_adam", "optax_sparse_adam.nnx", "optax_sparse_adam.linen")
+
+
+def public_api() -> list[str]:
+    """The full name of every public name: each module's ``__all__``, or else the public names it defines."""
+    names = []
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        public = getattr(module, "__all__", None)
+        if public is None:
+            public = [
+                k
+                for k, v in vars(module).items()
+                if not k.startswith("_") and getattr(v, "__module__", None) == module_name
+            ]
+        names += [f"{module_name}.{name}" for name in public]
+    return names
+
+
+def write_if_changed(path: pathlib.Path, data: str | bytes) -> None:
+    """Writes ``data`` to ``path`` unless it already holds exactly that (keeps its mtime for Sphinx)."""
+    raw = data.encode() if isinstance(data, str) else data
+    if path.exists() and path.read_bytes() == raw:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(raw)
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3f}" if x < 1 else f"{x:.2f}" if x < 100 else f"{x:.0f}"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+@contextlib.contextmanager
+def _benchmark_modules() -> Iterator[tuple[Any, Any]]:
+    """``benchmarks/report.py`` and ``benchmarks/dlrm.py``, imported as the benchmarks import each other."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import report
+
+        spec = importlib.util.spec_from_file_location("dlrm_benchmark", BENCHMARKS / "dlrm.py")
+        assert spec is not None and spec.loader is not None
+        dlrm = importlib.util.module_from_spec(spec)
+        sys.modules["dlrm_benchmark"] = dlrm  # its dataclasses look their module up
+        spec.loader.exec_module(dlrm)
+        yield report, dlrm
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("dlrm_benchmark", None)
+
+
+def _retitle(markdown: str, title: str) -> str:
+    """``markdown`` with its first line, a level-1 heading, replaced by ``title``."""
+    first, rest = markdown.split("\n", 1)
+    assert first.startswith("# "), first
+    return f"# {title}\n{rest}"
+
+
+def step_page(report: Any, doc: dict[str, Any], out: pathlib.Path) -> str:
+    """The one-step benchmark: ``report.markdown`` of ``results.json``, with the plots ``report.plots`` draws."""
+    report.plots(doc, out)
+    head = (
+        "This page is generated at build time from `benchmarks/results/results.json` by the functions of "
+        "`benchmarks/report.py` that write `benchmarks/results/results.md`. "
+        "`python benchmarks/run.py` (or `make bench`) runs the benchmark and rewrites the results; "
+        "`--sweeps headline` runs only the two headline configurations, `--threads n` sets the threads of every "
+        "contender, `--dense-gb` how large a dense contender may grow, and `--smoke` runs everything at tiny sizes."
+    )
+    page = _retitle(report.markdown(doc), "Benchmark: one optimizer step")
+    title, rest = page.split("\n", 1)
+    return f"{title}\n\n{head}\n{rest}"
+
+
+def dlrm_page(dlrm: Any, doc: dict[str, Any], out: pathlib.Path) -> str:
+    """The DLRM embedding benchmark: ``dlrm.readme_block`` of ``dlrm.json``, with ``dlrm.plot``."""
+    dlrm.plot(doc, out / "dlrm.png")
+    block = dlrm.readme_block(doc).replace("\n#### ", "\n## ")
+    return "\n".join(
+        [
+            "# Benchmark: the embedding part of a DLRM step",
+            "",
+            "`benchmarks/dlrm.py` times the embedding part of a DLRM training step (pooled lookup of 26 features, "
+            "backward of a fixed upstream gradient, optimizer update) on generated batches of the Criteo Kaggle "
+            "shape (26 tables capped at 1,000,000 rows, width 16, Zipf ids), fresh each step, the contenders taking "
+            "turns in one process: the library (one stacked collection, Adam through `update_and_apply`, row-wise "
+            "Adagrad; 26 separate tables), FBGEMM's CPU table-batched embedding with fused `EXACT_ROWWISE_ADAGRAD` "
+            "(FBGEMM has no Adam on the CPU), torch's `EmbeddingBag(sparse=True)` + `SparseAdam`, dense "
+            "`optax.adam`, and a floor (each touched row of p, m and v read and written once). Before timing, one "
+            "step on small tables checks that the library's row-wise Adagrad equals FBGEMM's and its Adam torch's.",
+            "",
+            "This page is generated at build time from `benchmarks/results/dlrm.json` by `benchmarks/dlrm.py`'s "
+            "own `readme_block` and `plot`.",
+            "",
+            block,
+            "",
+            "![DLRM embedding step](dlrm.png)",
+            "",
+        ]
+    )
+
+
+_ROUTES = {
+    "plain jit": "plain `jit`",
+    "replicated ids": "`batch_axis=None`",
+    "all-gather": '`"all_gather"`',
+    "all-to-all": '`"all_to_all"`',
+}
+
+
+def sharding_page(doc: dict[str, Any]) -> str:
+    """The row-sharding measurements of ``sharding.json``, one table per table size and id distribution."""
+    lines = [
+        "# Benchmark: row-sharded tables",
+        "",
+        "`python benchmarks/sharding.py --rows 1e6 1e8 --steps 25 --json benchmarks/results/sharding.json` on 8 "
+        "simulated CPU devices (`jax_num_cpu_devices=8`), a float32 table of width 64, 8,192 ids a step (Zipf(1.2) "
+        "ids through a fixed random permutation of the rows, or uniform), one step = `value_and_row_grad`, the "
+        "update and `apply_updates`, jitted with parameters and state donated. Bytes received per device are read "
+        "from the compiled HLO's collectives; temporaries from the compiled `memory_analysis`; tables of 1e8 rows "
+        "are compiled only. The step times come from 8 devices simulated on one machine: only a sanity check.",
+        "",
+        "This page is generated at build time from `benchmarks/results/sharding.json`. The routes are described "
+        "in [Sharded tables and many processes](../guides/sharding.md).",
+    ]
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in doc["measured"]:
+        groups.setdefault((r["rows"], r["ids"]), []).append(r)
+    for (rows, ids), records in groups.items():
+        executed = any("step_ms" in r for r in records)
+        lines += [
+            "",
+            f"## {rows:.0e} rows, {ids} ids".replace("e+0", "e") + ("" if executed else " (compiled only)"),
+            "",
+        ]
+        head = "| route | received per device (MB) | in a fallback step (MB) | per loop trip (MB) | temporaries (MB) |"
+        rule = "| --- | ---: | ---: | ---: | ---: |"
+        if executed:
+            head += " table vs one device, max abs diff | overflowed ids | step (ms), sanity check only |"
+            rule += " ---: | ---: | ---: |"
+        lines += [head, rule]
+        for r in records:
+            row = (
+                f"| {_ROUTES.get(r['variant'], r['variant'])} | {_mb(r['recv_bytes'])} | "
+                f"{_mb(r['recv_fallback_bytes']) if r['recv_fallback_bytes'] else '-'} | "
+                f"{_mb(r['recv_per_loop_trip_bytes']) if r['recv_per_loop_trip_bytes'] else '-'} | "
+                f"{_mb(r['temp_bytes'])} |"
+            )
+            if executed:
+                row += f" {r['max_abs_diff_table']:.0e} | {r['overflow_total']} | {_ms(r['step_ms'])} |"
+            lines.append(row)
+    lines += [
+        "",
+        "## On paper",
+        "",
+        "With 1,024 ids per device (the global batch grows with the devices), width 64, float32: bytes received "
+        "per device per step, from the routes' message sizes (`benchmarks/sharding.py`'s `on_paper`).",
+        "",
+        '| devices | `batch_axis=None` (MB) | `"all_gather"` (MB) | `"all_to_all"` (MB) | all-to-all capacity |',
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in doc["on_paper"]:
+        lines.append(
+            f"| {p['devices']} | {_mb(p['replicated ids'])} | {_mb(p['all-gather'])} | {_mb(p['all-to-all'])} | "
+            f"{p['all-to-all capacity']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def costs_page(doc: dict[str, Any]) -> str:
+    """The measured costs of the gradient forms and the apply forms, from ``results.json``."""
+    m = doc["machine"]
+    commit = m.get("optax_sparse_adam", {}).get("commit", "unknown")[:7]
+    source = (
+        f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}; "
+        "generated from `benchmarks/results/results.json`."
+    )
+    e = doc["end_to_end"]
+    grad_rows = {
+        "osa_sparse": "`jax.grad` with respect to the rows read, `IndexedRows(ids, d_rows)` built by hand",
+        "osa_row_grad": "`osa.value_and_row_grad`",
+        "optax_adam": "`jax.grad` with respect to the whole table, `optax.adam`",
+    }
+    lines = [
+        "Whole train step (forward, backward, optimizer) of one model: " + e["label"] + ". " + source,
+        "",
+        "| gradient form | median (ms) | fastest (ms) |",
+        "| --- | ---: | ---: |",
+    ]
+    for name, label in grad_rows.items():
+        res = e["results"].get(name, {})
+        if "median_ms" in res:
+            lines.append(f"| {label} | {_ms(res['median_ms'])} | {_ms(res['min_ms'])} |")
+    headline = next(r for r in doc["configs"] if "headline" in r["sweeps"])
+    apply_rows = {
+        "osa_fused": "`osa.update_and_apply` (native kernels)",
+        "osa_sparse": "`tx.update` + `osa.apply_updates` (native kernels)",
+        "osa_sparse_xla": "`tx.update` + `osa.apply_updates`, XLA path",
+        "osa_dense": "`sparse_adam(lazy_dense=True)` on the dense gradient",
+        "optax_adam": "`optax.adam` on the dense gradient",
+    }
+    lines += [
+        "",
+        f"One optimizer step alone, {headline['label']} ({headline['distinct']:,.0f} distinct rows a batch on "
+        "average). " + source,
+        "",
+        "| apply form | median (ms) | fastest (ms) |",
+        "| --- | ---: | ---: |",
+    ]
+    for name, label in apply_rows.items():
+        res = headline["results"].get(name, {})
+        if "median_ms" in res:
+            lines.append(f"| {label} | {_ms(res['median_ms'])} | {_ms(res['min_ms'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _digest(paths: list[pathlib.Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
+    """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
+    their renderers changed."""
+    inputs = [RESULTS / n for n in ("results.json", "dlrm.json", "sharding.json")]
+    inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py")] + [pathlib.Path(__file__)]
+    stamp = pages / ".inputs"
+    digest = _digest(inputs)
+    if stamp.exists() and stamp.read_text() == digest and (out / "costs.md").exists():
+        return
+    results = json.loads((RESULTS / "results.json").read_text())
+    with _benchmark_modules() as (report, dlrm):
+        write_if_changed(pages / "step.md", step_page(report, results, pages))
+        dlrm_doc = json.loads((RESULTS / "dlrm.json").read_text())
+        write_if_changed(pages / "dlrm.md", dlrm_page(dlrm, dlrm_doc, pages))
+    write_if_changed(out / "costs.md", costs_page(results))
+    sharding = json.loads((RESULTS / "sharding.json").read_text())
+    write_if_changed(pages / "sharding.md", sharding_page(sharding))
+    stamp.write_text(digest)
+
+
+def gallery(out: pathlib.Path) -> None:
+    """The notebooks, as they are stored (with their outputs), into ``out`` (``docs/gallery``)."""
+    for name in NOTEBOOKS:
+        write_if_changed(out / f"{name}.ipynb", (ROOT / "notebooks" / f"{name}.ipynb").read_bytes())
+
+
+def mathjax(out: pathlib.Path) -> str:
+    """Copies MathJax's single-file SVG build into the site's static files; returns its path there."""
+    spec = importlib.util.find_spec("mathjax")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("MathJax is missing: install the docs extra, pip install -e '.[docs]'")
+    source = pathlib.Path(spec.origin).parent / "static" / "mathjax" / "es5" / "tex-svg.js"
+    target = out / "static" / "mathjax" / "tex-svg.js"
+    if not target.exists() or target.stat().st_size != source.stat().st_size:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    return "mathjax/tex-svg.js"
+
+
+def generate(out: pathlib.Path = OUT) -> None:
+    """Everything above, into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    benchmarks(DOCS / "benchmarks", out)
+    gallery(DOCS / "gallery")
+    mathjax(out)

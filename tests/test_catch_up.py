@@ -1,0 +1,289 @@
+"""``sparse_adam(catch_up=True)``: sparse gradients, dense Adam's numbers.
+
+The reference is dense Adam in float64 NumPy fed the same gradients, zeros
+elsewhere. Float32 is the limit of any comparison with it: float32
+``optax.adam`` drifts from it too, so catch-up must stay within twice that
+drift, where lazy Adam is off by O(1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.serialization
+import jax
+import jax.experimental.sparse
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_sparse_adam as osa
+from optax_sparse_adam._catch_up import idle_cap
+from tests.helpers import assert_trees_equal, jit_once
+
+ROWS, WIDTH, BATCH, STEPS = 2000, 8, 64, 400
+
+
+def _batches(seed: int, steps: int = STEPS) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (((rng.zipf(1.3, BATCH) - 1) % ROWS).astype(np.int32), rng.normal(size=BATCH).astype(np.float32))
+        for _ in range(steps)
+    ]
+
+
+W = np.random.default_rng(7).normal(size=WIDTH).astype(np.float32)
+EMB0 = (0.1 * np.random.default_rng(8).normal(size=(ROWS, WIDTH))).astype(np.float32)
+
+
+def _loss(params: Any, ids: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((params["emb"][ids] @ jnp.asarray(W) - y) ** 2)
+
+
+def _dense_adam64(batches: list, lr: Any, b1: float, b2: float, eps: float, eps_root: float, torch: bool) -> dict:
+    """Dense Adam in float64: the losses and gradients it sees, its final parameters and moments."""
+    p = EMB0.astype(np.float64)
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    losses, grads = [], []
+    for t, (ids, y) in enumerate(batches, start=1):
+        r = p[ids] @ W - y
+        losses.append(np.mean(r**2))
+        g = np.zeros_like(p)
+        np.add.at(g, ids, (2 * r / len(y))[:, None] * W[None, :])
+        grads.append(g)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        a = float(lr(t - 1)) if callable(lr) else lr
+        if torch:
+            p = p - a * np.sqrt(bc2) / bc1 * m / (np.sqrt(v + eps_root) + eps)
+        else:
+            p = p - a * (m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)
+    return {"loss": np.array(losses), "grad": grads, "p": p, "m": m, "v": v}
+
+
+def _train(tx: optax.GradientTransformation, batches: list, how: str) -> dict:
+    """Trains the table with ``tx``; ``how``: "dense" gradients, the same as rows ("every row"), row
+    gradients ("rows"), or row gradients read caught up ("caught")."""
+    params = {"emb": jnp.asarray(EMB0)}
+    state = tx.init(params)
+    if how in ("dense", "every row"):
+        grad_fn = jax.value_and_grad(_loss)
+    else:
+        grad_fn = osa.value_and_row_grad(_loss, lambda p: p["emb"], catch_up=tx if how == "caught" else None)
+
+    @jax.jit
+    def step(params: Any, state: Any, ids: jax.Array, y: jax.Array) -> tuple[Any, Any, jax.Array, Any]:
+        extra = {"opt_state": state} if how == "caught" else {}
+        loss, grads = grad_fn(params, ids, y, **extra)
+        if how == "every row":
+            grads = {"emb": osa.IndexedRows(jnp.arange(ROWS, dtype=jnp.int32), grads["emb"], ROWS)}
+        params, state = osa.update_and_apply(tx, grads, state, params)
+        return params, state, loss, grads["emb"]
+
+    losses, grads = [], []
+    for ids, y in batches:
+        params, state, loss, g = step(params, state, jnp.asarray(ids), jnp.asarray(y))
+        losses.append(float(loss))
+        grads.append(np.asarray(g if how == "dense" else g.todense()))
+    if how == "caught":
+        params, state = jax.jit(lambda p, s: osa.catch_up(tx, p, s))(params, state)
+    adam_state = state if how == "caught" else state[0]
+    return {
+        "loss": np.array(losses),
+        "grad": grads,
+        "p": np.asarray(params["emb"]),
+        "m": np.asarray(adam_state.mu["emb"]),
+        "v": np.asarray(adam_state.nu["emb"]),
+    }
+
+
+def _errors(run: dict, ref: dict) -> dict[str, float]:
+    """Relative errors against the float64 reference, each over the whole run."""
+
+    def rel(a: Any, b: Any) -> float:
+        return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+    return {
+        "loss": float(np.max(np.abs(run["loss"] - ref["loss"]) / ref["loss"])),
+        "grad": max(rel(a, b) for a, b in zip(run["grad"], ref["grad"], strict=True)),
+        "p": rel(run["p"], ref["p"]),
+        "m": rel(run["m"], ref["m"]),
+        "v": rel(run["v"], ref["v"]),
+    }
+
+
+CASES = {
+    "b1=0.9": {},
+    "b1=0": {"b1": 0.0},
+    "b1=0.5": {"b1": 0.5},
+    "b1=0.99": {"b1": 0.99},
+    "eps_root": {"eps_root": 1e-8},
+    "schedule": {"learning_rate": optax.warmup_cosine_decay_schedule(0.0, 1e-2, 50, STEPS, 1e-3)},
+    "torch": {"eps_placement": "torch"},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_catch_up_equals_dense_adam_over_a_zipf_run(case: str) -> None:
+    kw = {"learning_rate": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0, **CASES[case]}
+    torch = kw.pop("eps_placement", "optax") == "torch"
+    batches = _batches(seed=len(case))
+    lr = kw["learning_rate"]
+    ref = _dense_adam64(batches, lr, kw["b1"], kw["b2"], kw["eps"], kw["eps_root"], torch)
+    opts = {"eps_placement": "torch" if torch else "optax"}
+    # Float32 dense Adam: optax.adam itself, or for torch's placement the lazy rule fed every row (zeros elsewhere).
+    if torch:
+        f32 = _train(osa.sparse_adam(**kw, **opts), batches, "every row")
+    else:
+        f32 = _train(optax.adam(**kw), batches, "dense")
+    caught = _train(osa.sparse_adam(**kw, **opts, catch_up=True), batches, "caught")
+    lazy = _train(osa.sparse_adam(**kw, **opts), batches, "rows")
+    e32, ecu, elazy = _errors(f32, ref), _errors(caught, ref), _errors(lazy, ref)
+    for key in e32:
+        assert ecu[key] <= 2 * e32[key] + 1e-6, (key, ecu, e32)
+    if kw["b1"] > 0:
+        assert elazy["p"] > 100 * max(ecu["p"], 1e-7), (elazy, ecu)  # what catch-up fixes
+
+
+def test_maximize_on_the_negated_loss_is_bitwise_the_minimization() -> None:
+    batches = _batches(seed=3, steps=100)
+    neg = lambda p, ids, y: -_loss(p, ids, y)  # noqa: E731
+
+    def run(loss: Any, maximize: bool) -> Any:
+        tx = osa.sparse_adam(1e-2, maximize=maximize, catch_up=True)
+        params = {"emb": jnp.asarray(EMB0)}
+        state = tx.init(params)
+        grad_fn = osa.value_and_row_grad(loss, lambda p: p["emb"], catch_up=tx)
+        for ids, y in batches:
+            _, grads = grad_fn(params, jnp.asarray(ids), jnp.asarray(y), opt_state=state)
+            params, state = osa.update_and_apply(tx, grads, state, params)
+        return osa.catch_up(tx, params, state)
+
+    ascended, descended = run(neg, True), run(_loss, False)
+    assert_trees_equal(ascended[0], descended[0])
+    assert_trees_equal(ascended[1], descended[1])  # mu holds the moments of the negated gradient
+
+
+def test_each_step_is_float32_dense_adam_within_two_ulps() -> None:
+    """Rows touched now and then, one step at a time, against float32 optax.adam fed the zeros."""
+    rng = np.random.default_rng(0)
+    rows = 40
+    p = jnp.asarray(rng.normal(size=(rows, 3)).astype(np.float32))
+    tx, dense_tx = osa.sparse_adam(0.05, catch_up=True), optax.adam(0.05)
+    state, dense_state, dense_p = tx.init(p), dense_tx.init(p), p
+    step = jit_once(lambda g, s, p: osa.update_and_apply(tx, g, s, p))
+    for t in range(60):
+        ids = rng.choice(rows, size=3 if t else rows, replace=False).astype(np.int32)
+        values = rng.normal(size=(ids.size, 3)).astype(np.float32)
+        slots = np.pad(ids, (0, rows - ids.size), constant_values=-1)  # one shape for every step: -1 pads
+        padded = np.pad(values, ((0, rows - ids.size), (0, 0)))
+        p, state = step(osa.IndexedRows(jnp.asarray(slots), jnp.asarray(padded), rows), state, p)
+        dense_g = np.zeros((rows, 3), np.float32)
+        dense_g[ids] = values
+        u, dense_state = dense_tx.update(jnp.asarray(dense_g), dense_state)
+        dense_p = optax.apply_updates(dense_p, u)
+        # The replayed steps move the row as dense Adam does; the update carries the move, p + (p_new - p): one more
+        # rounding than p_new; and a moment an ulp apart moves an entry near zero by an ulp of the row's scale.
+        scale = 2.0**-23 * np.abs(np.asarray(dense_p)[ids]).max()
+        np.testing.assert_allclose(np.asarray(p)[ids], np.asarray(dense_p)[ids], rtol=2.0**-22, atol=2 * scale)
+        for mine, dense in ((state.mu, dense_state[0].mu), (state.nu, dense_state[0].nu)):
+            # Within a few ulps of the moments' scale: jitted, (1 - b1) g + b1 m may fuse into a multiply-add.
+            want = np.asarray(dense)[ids]
+            np.testing.assert_allclose(np.asarray(mine)[ids], want, rtol=0, atol=2.0**-21 * np.abs(want).max())
+    caught_p, caught = osa.catch_up(tx, p, state)
+    scale = 2.0**-23 * np.abs(np.asarray(dense_p)).max()
+    np.testing.assert_allclose(np.asarray(caught_p), np.asarray(dense_p), rtol=2.0**-22, atol=2 * scale)
+    for mine, dense in ((caught.mu, dense_state[0].mu), (caught.nu, dense_state[0].nu)):
+        want = np.asarray(dense)
+        np.testing.assert_allclose(np.asarray(mine), want, rtol=2e-6, atol=2.0**-21 * np.abs(want).max())
+    assert np.all(np.asarray(caught.last_step) == 60)
+
+
+def test_training_goes_on_after_catch_up_and_through_a_checkpoint() -> None:
+    batches = _batches(seed=5, steps=80)
+    tx = osa.sparse_adam(1e-2, catch_up=True)
+    grad_fn = osa.value_and_row_grad(_loss, lambda p: p["emb"], catch_up=tx)
+
+    def train(params: Any, state: Any, part: list, restore: bool) -> tuple[Any, Any]:
+        for ids, y in part:
+            _, grads = grad_fn(params, jnp.asarray(ids), jnp.asarray(y), opt_state=state)
+            params, state = osa.update_and_apply(tx, grads, state, params)
+        if restore:
+            params, state = osa.catch_up(tx, params, state)
+            blob = flax.serialization.to_bytes((params, state))
+            params, state = flax.serialization.from_bytes((params, tx.init(params)), blob)
+        return params, state
+
+    params = {"emb": jnp.asarray(EMB0)}
+    straight = train(params, tx.init(params), batches, restore=False)
+    half = train(params, tx.init(params), batches[:40], restore=True)
+    resumed = train(*half, batches[40:], restore=False)
+    for a, b in zip(
+        jax.tree.leaves(osa.catch_up(tx, *resumed)), jax.tree.leaves(osa.catch_up(tx, *straight)), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_dense_leaves_are_optax_adam_and_inject_hyperparams_agrees() -> None:
+    rng = np.random.default_rng(1)
+    params = {"emb": jnp.asarray(EMB0[:50]), "w": jnp.asarray(rng.normal(size=(4,)).astype(np.float32))}
+    tx = osa.sparse_adam(1e-2, catch_up=True)
+    injected = optax.inject_hyperparams(osa.sparse_adam)(learning_rate=1e-2, catch_up=True)
+    dense_tx = optax.adam(1e-2)
+    s, si, sd = tx.init(params), injected.init(params), dense_tx.init(params["w"])
+    p, pi, w = params, params, params["w"]
+    for _ in range(5):
+        ids = jnp.asarray(rng.choice(50, 4).astype(np.int32))
+        grads = {
+            "emb": osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(4, 8)).astype(np.float32)), 50),
+            "w": jnp.asarray(rng.normal(size=(4,)).astype(np.float32)),
+        }
+        p, s = osa.update_and_apply(tx, grads, s, p)
+        pi, si = osa.update_and_apply(injected, grads, si, pi)
+        u, sd = dense_tx.update(grads["w"], sd)
+        w = optax.apply_updates(w, u)
+    np.testing.assert_array_equal(np.asarray(p["w"]), np.asarray(w))
+    # Injected, the betas are float32 arrays, not Python floats: a few ulps apart.
+    assert_trees_equal(pi, p, rtol=1e-6, atol=3e-7)
+
+
+def test_idle_cap_bounds_the_rest_below_float32_resolution() -> None:
+    for b1, b2 in [(0.9, 0.999), (0.5, 0.999), (0.99, 0.999), (0.9, 0.99)]:
+        k = int(idle_cap(b1, b2))
+        r = b1 / np.sqrt(b2)
+        a = 1 / np.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+        assert a * r ** (k + 1) / (1 - r) <= 2.0**-24 < a * r**k / (1 - r)
+    assert int(idle_cap(0.0, 0.999)) == 0
+
+
+def test_refusals() -> None:
+    with pytest.raises(ValueError, match=r"b1 < sqrt\(b2\)"):
+        osa.sparse_adam(1e-2, b1=0.99, b2=0.9, catch_up=True)
+    with pytest.raises(ValueError, match="lazy_dense"):
+        osa.sparse_adam(1e-2, lazy_dense=True, catch_up=True)
+    tx = osa.sparse_adam(1e-2, catch_up=True)
+    p = jnp.zeros((4, 2), jnp.float32)
+    g = osa.IndexedRows(jnp.array([1]), jnp.ones((1, 2), jnp.float32), 4)
+    with pytest.raises(ValueError, match=r"call update\(grads, state, params\)"):
+        tx.update(g, tx.init(p))
+    with pytest.raises(TypeError, match=r"catch_up=True\) itself"):
+        osa.catch_up(osa.sparse_adam(1e-2), p, osa.sparse_adam(1e-2).init(p))
+    grad_fn = osa.value_and_row_grad(lambda p, ids: p[ids].sum(), lambda p: p, catch_up=tx)
+    with pytest.raises(TypeError, match="opt_state"):
+        grad_fn(p, jnp.array([1]))
+    bcoo = jax.experimental.sparse.BCOO.fromdense(jnp.ones((4, 2), jnp.float32), n_batch=0)
+    with pytest.raises(ValueError, match="whole rows"):
+        tx.update(bcoo, tx.init(p), p)
+
+
+@pytest.mark.slow
+def test_benchmark_runs() -> None:
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "catch_up.py"
+    args = ["--rows", "2000", "--width", "8", "--batch", "64", "--warmup", "20", "--steps", "5"]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, check=True)
+    assert "catch_up / plain:" in proc.stdout, proc.stdout + proc.stderr
