@@ -283,8 +283,8 @@ def catch_up(
       >>> params[:, 0].round(4)
       Array([-0.1,  0. ], dtype=float32)
       >>> params, state = osa.catch_up(tx, params, state)
-      >>> params[:, 0].round(4)  # as optax.adam: step 2 moved row 0 by 0.1 * 0.9 / 0.19 / sqrt(0.999 / 0.001999)
-      Array([-0.1212,  0.    ], dtype=float32)
+      >>> params[:, 0].round(4)  # as optax.adam: step 2 moves row 0 by 0.1 * (0.09 / 0.19) / sqrt(0.000999 / 0.001999)
+      Array([-0.167,  0.   ], dtype=float32)
     """
     replayer, state = find(tx, opt_state, "catch_up")
     structure: Any = jax.tree.structure(params, is_leaf=is_leaf)
