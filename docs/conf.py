@@ -58,13 +58,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(int|float|bool|str|bytes|tuple|list|dict|object|None|type|callable|optional)"),
     (r"py:class", r"(ArrayTree|EpsPlacement|MaskOrFn)"),  # type aliases of optax and of private modules
 ]
-# Docstrings that do not render as meant; each is to be fixed in the docstring, and its line here removed.
-nitpick_ignore = [
-    ("py:class", "Whether the step updates its table-sized arguments in place"),  # StepReport.in_place: "x: y" is
-    # read by napoleon as "type: description"
-    ("py:mod", "_kernel_path"),  # update_and_apply: a private module
-    ("py:meth", "update"),  # nnx.Optimizer's summary line: its ``update`` has no docstring, so no entry
-]
+nitpick_ignore: list[tuple[str, str]] = []
 
 # MyST for the guides and the notebooks; the notebooks are shown with the outputs stored in them.
 myst_enable_extensions = ["dollarmath", "colon_fence", "deflist"]

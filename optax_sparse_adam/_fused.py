@@ -50,7 +50,7 @@ def update_and_apply(
     weight decay). It checks
     what the two calls check (int8 or uint8 indices too narrow to mark a
     table's padding are refused on every path). Its numbers are those of the
-    kernels (see :mod:`._kernel_path`): from the same state, ``nu`` bitwise
+    kernels (see :func:`kernel_path`): from the same state, ``nu`` bitwise
     that of the two calls on the XLA path, ``mu`` within one ulp of the larger
     of its old and new values, the parameters within two ulps of themselves
     plus one of the largest update, because XLA:CPU chooses by shape which

@@ -53,7 +53,7 @@ class StepReport:
 
     @property
     def in_place(self) -> bool:
-        """Whether the step updates its table-sized arguments in place: all donated, none copied."""
+        """Whether the step updates its table-sized arguments in place (all donated, none copied)."""
         return not self.not_donated and not self.copies and self.temp_bytes < self.threshold_bytes
 
     def __str__(self) -> str:

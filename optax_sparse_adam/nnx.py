@@ -16,7 +16,7 @@ __all__ = ["EmbeddingBags", "Optimizer"]
 
 
 class Optimizer(nnx.Optimizer):
-    """``nnx.Optimizer`` whose :meth:`update` is one :func:`~optax_sparse_adam.update_and_apply` step.
+    """``nnx.Optimizer`` whose ``update`` is one :func:`~optax_sparse_adam.update_and_apply` step.
 
     A drop-in for ``nnx.Optimizer``: same constructor, same state, same
     checkpoints. ``update(model, grads)`` runs ``update_and_apply(tx, grads,
@@ -42,6 +42,13 @@ class Optimizer(nnx.Optimizer):
     """
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:  # type: ignore[override]
+        """Applies ``grads`` to ``model``'s ``wrt`` parameters in one :func:`~optax_sparse_adam.update_and_apply` step.
+
+        Args:
+          model: The model the optimizer was built for.
+          grads: Gradients of its ``wrt`` parameters (sparse leaves where the optimizer takes them).
+          **kwargs: Extra arguments for ``tx.update``; with any, the step takes the two calls.
+        """
         if kwargs:
             super().update(model, grads, **kwargs)
             return
