@@ -221,8 +221,9 @@ class CatchUpUpdate:
         return self.update(*args, **kwargs)
 
 
-def find(tx: Any, state: Any, where: str) -> tuple[Replayer, CatchUpAdamState]:
-    """The replayer of ``tx`` (a ``sparse_adam(..., catch_up=True)``) and its state inside ``state``."""
+def find(tx: Any, state: Any, where: str, params_structure: Any) -> tuple[Replayer, CatchUpAdamState]:
+    """The replayer of ``tx`` (a ``sparse_adam(..., catch_up=True)``) and its state inside ``state``, checked to
+    have been built for parameters of ``params_structure``."""
     update = getattr(tx, "update", None)
     if not isinstance(update, CatchUpUpdate):
         raise TypeError(
@@ -236,6 +237,11 @@ def find(tx: Any, state: Any, where: str) -> tuple[Replayer, CatchUpAdamState]:
     ]
     if len(found) != 1:
         raise ValueError(f"{where}: the optimizer state must hold one CatchUpAdamState, it holds {len(found)}")
+    if jax.tree.structure(found[0].mu, is_leaf=is_leaf) != params_structure:
+        raise ValueError(
+            f"{where}: the optimizer state's mu has structure {jax.tree.structure(found[0].mu)} but the parameters "
+            f"have {params_structure}; pass the parameters and the state built for them"
+        )
     return update.replayer, found[0]
 
 
@@ -286,13 +292,9 @@ def catch_up(
       >>> params[:, 0].round(4)  # as optax.adam: step 2 moves row 0 by 0.1 * (0.09 / 0.19) / sqrt(0.000999 / 0.001999)
       Array([-0.167,  0.   ], dtype=float32)
     """
-    replayer, state = find(tx, opt_state, "catch_up")
-    structure: Any = jax.tree.structure(params, is_leaf=is_leaf)
-    if jax.tree.structure(state.mu, is_leaf=is_leaf) != structure:
-        raise ValueError(
-            f"catch_up: the optimizer state's mu has structure {jax.tree.structure(state.mu)} but the parameters have "
-            f"{structure}; pass the parameters the state was built for"
-        )
+    structure: Any  # jax's PyTreeDef, which type checkers do not see
+    path_leaves, structure = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
+    replayer, state = find(tx, opt_state, "catch_up", structure)
 
     def leaf(path: Any, p: Any, m: Any, v: Any, last: Any) -> tuple[Any, ...]:
         if jnp.shape(p) != jnp.shape(m):
@@ -300,8 +302,7 @@ def catch_up(
         p, m, v = replay(jnp.asarray(p), m, v, last, state.count, replayer)
         return p, m, v, jnp.where(last > 0, state.count, last)
 
-    flat = [jax.tree.leaves(t, is_leaf=is_leaf) for t in (params, state.mu, state.nu, state.last_step)]
-    path_leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)[0]
-    outs = [leaf(path, *xs) for (path, _), *xs in zip(path_leaves, *flat, strict=True)]
+    flat = [jax.tree.leaves(t, is_leaf=is_leaf) for t in (state.mu, state.nu, state.last_step)]
+    outs = [leaf(path, p, *xs) for (path, p), *xs in zip(path_leaves, *flat, strict=True)]
     new_params, mu, nu, last = (structure.unflatten([o[i] for o in outs]) for i in range(4))
     return new_params, _replace(opt_state, state._replace(mu=mu, nu=nu, last_step=last))

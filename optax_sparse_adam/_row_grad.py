@@ -687,12 +687,7 @@ def _caught_up(lookups: dict[int, RowLookup], tx: Any, opt_state: Any, treedef: 
     where = "value_and_row_grad(..., catch_up=tx)"
     if opt_state is None:
         raise TypeError(f"{where}: pass the optimizer's state as the keyword argument opt_state")
-    replayer, state = _catch_up.find(tx, opt_state, where)
-    if jax.tree.structure(state.mu, is_leaf=is_leaf) != treedef:
-        raise ValueError(
-            f"{where}: the optimizer state's mu has structure {jax.tree.structure(state.mu)} but the parameters have "
-            f"{treedef}; pass the state built for these parameters"
-        )
+    replayer, state = _catch_up.find(tx, opt_state, where, treedef)
     mu, nu, last = (jax.tree.leaves(t, is_leaf=is_leaf) for t in (state.mu, state.nu, state.last_step))
     out = {}
     for i, lk in lookups.items():

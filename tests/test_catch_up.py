@@ -272,6 +272,13 @@ def test_refusals() -> None:
     grad_fn = osa.value_and_row_grad(lambda p, ids: p[ids].sum(), lambda p: p, catch_up=tx)
     with pytest.raises(TypeError, match="opt_state"):
         grad_fn(p, jnp.array([1]))
+    other = {"emb": p}  # a state built for other parameters: both doors refuse it, naming the structures
+    with pytest.raises(ValueError, match="state's mu has structure"):
+        osa.catch_up(tx, other, tx.init(p))
+    with pytest.raises(ValueError, match="state's mu has structure"):
+        osa.value_and_row_grad(lambda q, ids: q["emb"][ids].sum(), lambda q: q["emb"], catch_up=tx)(
+            other, jnp.array([1]), opt_state=tx.init(p)
+        )
     bcoo = jax.experimental.sparse.BCOO.fromdense(jnp.ones((4, 2), jnp.float32), n_batch=0)
     with pytest.raises(ValueError, match="whole rows"):
         tx.update(bcoo, tx.init(p), p)
