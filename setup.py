@@ -6,14 +6,23 @@ from this repository. Without a C++17 compiler, without the headers, or with
 library runs its portable XLA path. The code is built for the baseline x86-64
 (or the compiler's default target elsewhere), with AVX2/FMA and AVX-512
 versions of the row loops chosen at load time (``target_clones``).
+
+The library is a plain shared library that ``_kernel_path`` loads with ctypes:
+it uses no Python C API, so its file name carries no Python version
+(``_kernels.so``) and a wheel holding it is tagged ``py3-none-<platform>``
+(``py3-none-any`` when it was not built).
 """
 
 import os
 import pathlib
+import sys
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools.command.build_ext import build_ext
 
 CSRC = pathlib.Path("optax_sparse_adam") / "csrc"
+SUFFIX = ".pyd" if sys.platform == "win32" else ".so"  # one that _kernel_path looks for on every Python version
 
 
 def ffi_include_dir() -> str | None:
@@ -25,32 +34,52 @@ def ffi_include_dir() -> str | None:
     return str(include) if (include / "xla" / "ffi" / "api" / "ffi.h").exists() else None
 
 
-def extensions() -> list[Extension]:
-    include = ffi_include_dir()
-    if os.environ.get("OPTAX_SPARSE_ADAM_BUILD_KERNELS", "1") == "0" or include is None:
-        return []
-    return [
-        Extension(
-            "optax_sparse_adam._kernels",
-            sources=[str(p) for p in sorted(CSRC.glob("*.cc"))],
-            depends=[str(p) for p in sorted(CSRC.glob("*.h"))],
-            include_dirs=[str(CSRC)],
-            language="c++",
-            # No fast-math and no contraction: the kernels' rounding must equal the XLA path's.
-            # -fno-math-errno after -fno-fast-math (which turns errno back on): with errno,
-            # sqrt is a branch and the row loops are not vectorized.
-            extra_compile_args=[
-                "-isystem",
-                include,
-                "-std=c++17",
-                "-O3",
-                "-ffp-contract=off",
-                "-fno-fast-math",
-                "-fno-math-errno",
-            ],
-            optional=True,
-        )
-    ]
+class BuildKernels(build_ext):
+    """Builds the kernels where they can be built, under a file name without a Python tag."""
+
+    def run(self) -> None:
+        # Whatever an earlier build left (under another name, or not built now) would be packed, or loaded, too.
+        folders = [pathlib.Path(self.build_lib) / "optax_sparse_adam"]
+        if self.inplace:  # an editable install: the library goes next to the sources
+            folders.append(CSRC.parent)
+        for old in [lib for folder in folders for lib in folder.glob("_kernels.*")]:
+            old.unlink()
+        include = ffi_include_dir()
+        if os.environ.get("OPTAX_SPARSE_ADAM_BUILD_KERNELS", "1") == "0":
+            self.announce("OPTAX_SPARSE_ADAM_BUILD_KERNELS=0: the native kernels are not built", level=2)
+            return
+        if include is None:
+            self.announce("jaxlib's XLA FFI headers were not found: the native kernels are not built", level=2)
+            return
+        for ext in self.extensions:
+            ext.extra_compile_args = ["-isystem", include, *ext.extra_compile_args]
+        super().run()
+
+    def get_ext_filename(self, fullname: str) -> str:
+        return os.path.join(*fullname.split(".")) + SUFFIX
 
 
-setup(ext_modules=extensions())
+class BdistWheel(bdist_wheel):
+    """Tags the wheel for any Python 3 on this platform: the library is loaded with ctypes, not imported."""
+
+    def get_tag(self) -> tuple[str, str, str]:
+        _, _, platform = super().get_tag()
+        built = any((pathlib.Path(self.bdist_dir or "") / "optax_sparse_adam").glob("_kernels*"))
+        return "py3", "none", platform if built else "any"
+
+
+KERNELS = Extension(
+    "optax_sparse_adam._kernels",
+    sources=[str(p) for p in sorted(CSRC.glob("*.cc"))],
+    depends=[str(p) for p in sorted(CSRC.glob("*.h"))],  # listed, so that the sdist holds them too
+    include_dirs=[str(CSRC)],
+    language="c++",
+    # No fast-math and no contraction: the kernels' rounding must equal the XLA path's.
+    # -fno-math-errno after -fno-fast-math (which turns errno back on): with errno,
+    # sqrt is a branch and the row loops are not vectorized. No debug information:
+    # it is 15 times the code's size.
+    extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-g0"],
+    optional=True,
+)
+
+setup(ext_modules=[KERNELS], cmdclass={"build_ext": BuildKernels, "bdist_wheel": BdistWheel})

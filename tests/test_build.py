@@ -1,4 +1,8 @@
-"""Installing without a C++ compiler still succeeds, and the library then runs its XLA path."""
+"""The sdist installs without a C++ compiler, and the library then runs its XLA path; the wheel holds the kernels.
+
+Both build with this environment's setuptools and jaxlib (``--no-build-isolation``) and install with
+``--target``, run through ``PYTHONPATH`` by this Python: nothing is downloaded.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,9 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import sysconfig
+import tarfile
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -48,32 +55,82 @@ def _clean_copy(dest: pathlib.Path) -> pathlib.Path:
     return dest
 
 
-def test_install_without_a_compiler_runs_the_xla_path(tmp_path):
-    source = _clean_copy(tmp_path / "src")
-    target = tmp_path / "site"
-    env = {**os.environ, "CC": "/bin/false", "CXX": "/bin/false", "LDSHARED": "/bin/false", "PIP_NO_INPUT": "1"}
-    env.pop("OPTAX_SPARSE_ADAM_BUILD_KERNELS", None)
-    install = [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps"]
-    subprocess.run([*install, "--target", str(target), str(source)], env=env, check=True, timeout=600)
-    assert not list((target / "optax_sparse_adam").glob("_kernels*")), "the extension was built without a compiler"
+def _sdist(source: pathlib.Path, dist: pathlib.Path) -> pathlib.Path:
+    """The sdist of ``source``, built by setuptools' PEP 517 hook (what ``python -m build --sdist`` calls)."""
+    hook = f"import setuptools.build_meta as b; print(b.build_sdist({str(dist)!r}))"
+    name = subprocess.run(
+        [sys.executable, "-c", hook], cwd=source, check=True, timeout=300, capture_output=True, text=True
+    ).stdout.split()[-1]
+    return dist / name
 
-    out = subprocess.run(
-        [sys.executable, "-c", STEP],
-        env={**os.environ, "PYTHONPATH": str(target)},
-        cwd=tmp_path,
-        check=True,
-        timeout=300,
-        capture_output=True,
-        text=True,
-    )
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+
+def _run(code: list[str], target: pathlib.Path, cwd: pathlib.Path) -> str:
+    """``python *code`` with the package installed in ``target`` first on the path: its standard output."""
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    env.pop("OPTAX_SPARSE_ADAM_KERNELS", None)
+    return subprocess.run(
+        [sys.executable, *code], env=env, cwd=cwd, check=True, timeout=300, capture_output=True, text=True
+    ).stdout
+
+
+def _step(target: pathlib.Path, cwd: pathlib.Path) -> dict:
+    got = json.loads(_run(["-c", STEP], target, cwd).strip().splitlines()[-1])
     assert pathlib.Path(got["file"]).is_relative_to(target)
-    assert got["path"] == "xla"
+    return got
 
-    with osa.use_kernels(False):  # the same step here, on the XLA path
+
+def _same_step_here(got: dict, kernels: bool) -> None:
+    """``got`` equals the same step run here, on the native kernels or the XLA path."""
+    with osa.use_kernels(kernels):
         tx = osa.sparse_adam(0.1)
         p = jnp.ones((6, 2), jnp.float32)
         g = osa.IndexedRows(jnp.array([1, 1, 4, -1], jnp.int32), jnp.arange(8, dtype=jnp.float32).reshape(4, 2), 6)
         p, s = jax.jit(lambda p, s: osa.update_and_apply(tx, g, s, p))(p, tx.init(p))
     np.testing.assert_array_equal(np.asarray(got["p"], np.float32), p)
     np.testing.assert_array_equal(np.asarray(got["nu"], np.float32), s[0].nu)
+
+
+def test_sdist_installs_without_a_compiler_and_runs_the_xla_path(tmp_path):
+    sdist = _sdist(_clean_copy(tmp_path / "src"), tmp_path / "dist")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[-1] for n in tar.getnames()}  # inside optax_sparse_adam-<version>/
+    assert {"setup.py", "optax_sparse_adam/csrc/sparse_adam.cc", "optax_sparse_adam/csrc/rows.h"} <= names
+
+    target = tmp_path / "site"
+    env = {**os.environ, "CC": "/bin/false", "CXX": "/bin/false", "LDSHARED": "/bin/false", "PIP_NO_INPUT": "1"}
+    env.pop("OPTAX_SPARSE_ADAM_BUILD_KERNELS", None)
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps"]
+    subprocess.run([*install, "--target", str(target), str(sdist)], env=env, check=True, timeout=600)
+    assert not list((target / "optax_sparse_adam").glob("_kernels*")), "the extension was built without a compiler"
+
+    got = _step(target, tmp_path)
+    assert got["path"] == "xla"
+    _same_step_here(got, kernels=False)
+    report = dict(line.split(":", 1) for line in _run(["-m", "optax_sparse_adam"], target, tmp_path).splitlines())
+    assert report["kernel path"].strip().startswith("xla: the native kernels were not built"), report
+
+
+def test_wheel_holds_the_kernels_for_any_python_3_and_runs_them(tmp_path):
+    if not osa._kernel_path.available():
+        pytest.skip("the native kernels were not built here (no C++ compiler at install time)")
+    env = {**os.environ, "PIP_NO_INPUT": "1"}
+    env.pop("OPTAX_SPARSE_ADAM_BUILD_KERNELS", None)
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps"]
+    subprocess.run(
+        [*build, "-w", str(tmp_path / "dist"), str(_clean_copy(tmp_path / "src"))], env=env, check=True, timeout=600
+    )
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    # Loaded with ctypes, the library uses no Python C API: one wheel serves every Python 3 on this platform.
+    assert wheel.name.endswith("-py3-none-" + sysconfig.get_platform().replace("-", "_").replace(".", "_") + ".whl")
+    with zipfile.ZipFile(wheel) as zf:
+        assert [n for n in zf.namelist() if "_kernels" in n] == ["optax_sparse_adam/_kernels.so"]
+
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        timeout=300,
+    )
+    got = _step(target, tmp_path)
+    assert got["path"] == "native-cpu"
+    _same_step_here(got, kernels=True)
