@@ -1,20 +1,60 @@
-"""Lazy AMSGrad: :func:`scale_by_sparse_amsgrad` and :func:`sparse_amsgrad`."""
+"""Lazy AMSGrad, and AMSGrad caught up exactly: :func:`scale_by_sparse_amsgrad` and :func:`sparse_amsgrad`.
+
+AMSGrad's idle steps are simpler than Adam's: a zero gradient decays ``v``,
+so the bias-corrected ``v`` falls and ``nu_max`` (a maximum) stays where it
+is; the denominator is then the same at every idle step, and a row idle
+``s`` steps since step ``t0`` moves by its first moment times one sum,
+``sum_k lr_{t0 + k - 1} b1^k / (1 - b1^(t0 + k))``, a single coefficient per
+row, read from :mod:`._catch_up`'s window scan and long-idle table.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from optax_sparse_adam._checks import check_dtype, check_hparam, check_params, check_state
-from optax_sparse_adam._row_engine import apply_rule, map_rule
+from optax_sparse_adam import _catch_up
+from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
+from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape
 from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._tree import broadcast_rows
 
-__all__ = ["scale_by_sparse_amsgrad", "sparse_amsgrad"]
+__all__ = ["CatchUpAmsgradState", "scale_by_sparse_amsgrad", "sparse_amsgrad"]
 
 _WHERE = "scale_by_sparse_amsgrad"
+
+
+class CatchUpAmsgradState(NamedTuple):
+    """State of ``sparse_amsgrad(..., catch_up=True)``.
+
+    Attributes:
+      count: Global step count, an int32 scalar.
+      mu: First moments, as :class:`optax.ScaleByAmsgradState`'s.
+      nu: Second moments, as :class:`optax.ScaleByAmsgradState`'s.
+      nu_max: The largest bias-corrected second moments, as :class:`optax.ScaleByAmsgradState`'s.
+      last_step: Per row (shape ``p.shape[:1]``, int32): the step (the value of
+        ``count`` after it) through which the row is up to date, 0 for a row
+        that never moved.
+    """
+
+    count: jax.Array  # type: ignore[assignment]  # optax's field name
+    mu: optax.Updates
+    nu: optax.Updates
+    nu_max: optax.Updates
+    last_step: optax.Updates
+
+
+def _amsgrad_moments(g: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, b1: Any, b2: Any, count: Any) -> Any:
+    """:func:`optax.scale_by_amsgrad`'s new moments, in its expressions."""
+    m = optax.tree.update_moment(g, m, b1, 1)
+    v = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
+    return m, v, jnp.maximum(v_max, optax.tree.bias_correction(v, b2, count))
 
 
 def scale_by_sparse_amsgrad(
@@ -93,9 +133,7 @@ def scale_by_sparse_amsgrad(
 
         def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
             m, v, v_max = st
-            m = optax.tree.update_moment(g, m, b1, 1)
-            v = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
-            v_max = jnp.maximum(v_max, optax.tree.bias_correction(v, b2, count))
+            m, v, v_max = _amsgrad_moments(g, m, v, v_max, b1, b2, count)
             m_hat = optax.tree.bias_correction(m, b1, count)
             return m_hat / (jnp.sqrt(v_max + eps_root) + eps), (m, v, v_max)
 
@@ -119,12 +157,41 @@ def sparse_amsgrad(
     eps: jax.typing.ArrayLike = 1e-8,
     eps_root: jax.typing.ArrayLike = 0.0,
     mu_dtype: jax.typing.DTypeLike | None = None,
+    *,
+    catch_up: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""Lazy AMSGrad: a drop-in for :func:`optax.amsgrad` that moves only the touched rows.
+    r"""Lazy AMSGrad, or AMSGrad caught up exactly: a drop-in for :func:`optax.amsgrad`.
 
     See :func:`scale_by_sparse_amsgrad` for the rule; then
     :math:`p_S \leftarrow p_S - \alpha_t u_S`. Equal to :func:`optax.amsgrad`
     when every row is touched every step.
+
+    With ``catch_up=True`` a row touched at step :math:`t` after :math:`s`
+    idle steps (last moved at step :math:`t_0 = t - s - 1`) first takes the
+    steps dense AMSGrad took with a zero gradient. They decay the moments,
+    :math:`m \leftarrow \beta_1^s m`, :math:`v \leftarrow \beta_2^s v`, and
+    leave :math:`\hat v^{max}` alone (the bias-corrected :math:`v` only falls
+    while the gradient is zero), so the denominator is the same at each of
+    them and the row moves by
+
+    .. math::
+
+      -\frac{m}{\sqrt{\hat v^{max} + \epsilon_{root}} + \epsilon}
+      \sum_{k=1}^{s} \frac{\alpha_{t_0 + k - 1} \beta_1^k}{1 - \beta_1^{t_0 + k}},
+
+    each idle step with its own learning rate (a schedule is evaluated at
+    those steps) and bias correction, then step :math:`t`. The sum is taken
+    over the first :math:`K` idle steps, the smallest :math:`K` with
+    :math:`\beta_1^{K+1} \le 2^{-24} (1 - \beta_1)^2` (202 for
+    :math:`\beta_1 = 0.9`): the later ones add less than :math:`2^{-24}` of
+    the first idle step's movement at their largest rate. The parameters
+    and moments then equal :func:`optax.amsgrad`'s fed the dense gradient
+    (zeros elsewhere) to float32 rounding (``tests/test_amsgrad.py``).
+    The state (:class:`CatchUpAmsgradState`) keeps the step each row is up
+    to date through, so ``update`` needs ``params``; sparse leaves must
+    address whole rows. :func:`catch_up` brings every row up to date and
+    ``value_and_row_grad(..., catch_up=tx)`` hands the loss caught-up rows,
+    as for :func:`sparse_adam`. ``b1`` must be a number (not injected).
 
     Args:
       learning_rate: A float or an optax schedule.
@@ -133,10 +200,13 @@ def sparse_amsgrad(
       eps: Term added to the denominator, outside the square root.
       eps_root: Term added inside the square root.
       mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
+      catch_up: Whether a row the gradient touches first takes the steps it
+        sat out, as dense AMSGrad took them.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs`; apply its updates with
-      :func:`optax_sparse_adam.apply_updates`.
+      :func:`optax_sparse_adam.apply_updates`. With ``catch_up`` its output
+      is the final update.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -149,7 +219,124 @@ def sparse_amsgrad(
       Array([0.9, 1. , 1. ], dtype=float32)
     """
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    if check_bool("catch_up", catch_up):
+        return _catch_up_amsgrad(learning_rate, b1, b2, eps, eps_root, mu_dtype)
     return optax.chain(
         scale_by_sparse_amsgrad(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype),
         sparse_aware(optax.scale_by_learning_rate(learning_rate)),
     )
+
+
+def idle_cap(b1: float) -> int:
+    """The idle steps :func:`sparse_amsgrad`'s catch-up sums: the smallest ``K`` with
+    ``b1**(K + 1) <= 2**-24 (1 - b1)**2`` (0 for ``b1 == 0``)."""
+    if b1 == 0.0:
+        return 0
+    return max(0, math.ceil((24 * math.log(2) - 2 * math.log1p(-b1)) / -math.log(b1)) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rates:
+    """The one term's factor at an idle step with count ``tau``: ``lr / (1 - b1**tau)``, in float32 as
+    :func:`optax.tree.bias_correction` computes the correction, or in double for the long-idle table."""
+
+    b1: float
+
+    def __call__(self, tau: Any, lr: Any, xp: Any) -> Any:
+        c1 = 1 - (float(self.b1) ** tau if xp is np else self.b1**tau)
+        return (lr / c1)[..., None]
+
+
+def _catch_up_amsgrad(
+    learning_rate: optax.ScalarOrSchedule, b1: Any, b2: Any, eps: Any, eps_root: Any, mu_dtype: Any
+) -> optax.GradientTransformationExtraArgs:
+    """AMSGrad whose touched rows first take the steps they sat out (``sparse_amsgrad(..., catch_up=True)``)."""
+    where = "sparse_amsgrad(catch_up=True)"
+    check_hparam("b1", b1, lower=0.0, lower_open=False, upper=1.0)
+    check_hparam("b2", b2, lower=0.0, lower_open=False, upper=1.0)
+    check_hparam("eps", eps, lower=0.0, lower_open=True)
+    check_hparam("eps_root", eps_root, lower=0.0, lower_open=False)
+    mu_dtype = check_dtype(mu_dtype, "mu_dtype")
+    beta = _catch_up._concrete(b1)
+    if beta is None:
+        raise TypeError(
+            f"{where}: b1 must be a number, got {type(b1).__name__}: the idle steps' sum is planned when the step is "
+            "traced (under optax.inject_hyperparams, list b1 in static_args)"
+        )
+    cap = idle_cap(beta)
+    rho = np.asarray([beta])
+    rates = _Rates(beta)
+    plan = _catch_up._SeriesPlan(
+        cap=cap, rho=rho, binv=1.0, table=_catch_up._long_idle_table(learning_rate, rates, beta, cap, rho), rates=rates
+    )
+
+    def lr_at(done: jax.Array) -> jax.Array:
+        """The learning rate of the steps after ``done`` steps (an int32 array of any shape)."""
+        if not callable(learning_rate):
+            return jnp.asarray(learning_rate)
+        return jax.vmap(learning_rate)(done.reshape(-1)).reshape(done.shape)
+
+    def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
+        """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (mu, nu, nu_max))``."""
+        m, v, v_max = moments
+        idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
+        coefficient = broadcast_rows(_catch_up._coefficients(plan, lr_at, last, idle, done)[:, 0], p.ndim)
+        wide = jnp.promote_types(p.dtype, jnp.float32)
+        shift = coefficient * (m.astype(wide) / (jnp.sqrt(v_max + eps_root) + eps)).astype(wide)
+        moved = broadcast_rows(idle > 0, p.ndim)
+        p = jnp.where(moved, (p.astype(wide) - shift).astype(p.dtype), p)
+        rest = broadcast_rows(idle.astype(jnp.float32), m.ndim)
+        m = (m * _catch_up._power(b1, rest)).astype(m.dtype)
+        v = (v * _catch_up._power(b2, rest)).astype(v.dtype)
+        return p, (m, v, v_max)
+
+    def init_fn(params: optax.Params) -> CatchUpAmsgradState:
+        check_params(params, where)
+        return CatchUpAmsgradState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+            nu=optax.tree.zeros_like(params),
+            nu_max=optax.tree.zeros_like(params),
+            last_step=jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params),
+        )
+
+    def update_fn(
+        updates: optax.Updates, state: CatchUpAmsgradState, params: optax.Params | None = None, **extra_args: Any
+    ) -> tuple[optax.Updates, CatchUpAmsgradState]:
+        del extra_args
+        check_state(state, CatchUpAmsgradState, where)
+        if params is None:
+            raise ValueError(f"{where}: catching up moves the parameters: call update(grads, state, params)")
+        done = state.count  # steps taken before this one
+        count = optax.safe_increment(state.count)
+        lr = lr_at(done)
+
+        def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
+            (m0, v0, v_max0, last), (p0,) = st, reads
+            p, (m, v, v_max) = replay_rows(p0, (m0, v0, v_max0), last, done)
+            m, v, v_max = _amsgrad_moments(g, m, v, v_max, b1, b2, count)
+            u = optax.tree.bias_correction(m, b1, count) / (jnp.sqrt(v_max + eps_root) + eps)
+            step = jnp.asarray(-lr, dtype=u.dtype) * u  # as optax.scale_by_learning_rate
+            moved = broadcast_rows(jnp.where(last > 0, done - last, 0) > 0, p0.ndim)
+            # A row that sat out steps: the update takes it to where dense AMSGrad's steps took it.
+            caught = (p + step).astype(p0.dtype).astype(step.dtype) - p0.astype(step.dtype)
+            return jnp.where(moved, caught, step), (m, v, v_max, jnp.full_like(last, count))
+
+        def leaf(path: Any, g: Any, m: Any, v: Any, v_max: Any, last: Any, p: Any) -> tuple[Any, ...]:
+            if g is None:
+                return None, m, v, v_max, last
+            out, new = apply_rule(path, g, jnp.shape(p), (m, v, v_max, last), (p,), rule, where, whole_rows=True)
+            return (out, *new)
+
+        trees = [
+            (state.mu, "mu"),
+            (state.nu, "nu"),
+            (state.nu_max, "nu_max"),
+            (state.last_step, "last_step"),
+            (params, "parameters"),
+        ]
+        out, mu, nu, nu_max, last_step = map_rule(leaf, updates, trees, where, 5)
+        return out, CatchUpAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max, last_step=last_step)
+
+    rows = _catch_up.RowReplay(CatchUpAmsgradState, ("mu", "nu", "nu_max"), replay_rows)
+    return optax.GradientTransformationExtraArgs(init_fn, _catch_up.CatchUpUpdate(update_fn, rows))

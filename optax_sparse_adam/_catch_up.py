@@ -27,8 +27,10 @@ elements pay a few multiply-adds each. Elements whose ``z`` is too large for
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -131,7 +133,7 @@ def replay(
     plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype)
     if plan is None:
         return _replay_steps(p, m, v, last, idle, replayer)
-    coefficients = _coefficients(plan, replayer, last, idle, done)  # (rows, _TERMS)
+    coefficients = _coefficients(plan, replayer.lr, last, idle, done)  # (rows, _TERMS)
     inv = 1 / jnp.sqrt(v)
     z = jnp.asarray(hp.eps, jnp.float32) * inv
     moving = broadcast_rows(idle > 0, p.ndim)
@@ -162,6 +164,11 @@ _MAX_CAP = 4096  # idle_cap above which (b1 close to sqrt(b2)) rows replay step 
 _MAX_TABLE = 1 << 18  # steps of bias correction above which (b2 very close to 1) long-idle rows loop over their steps
 
 
+# h(tau, lr, xp): the factor of each term at the idle step with count tau and learning rate lr (shape
+# tau.shape + (terms,)), in float32 (xp jnp) or double (xp np).
+Rates = Callable[[Any, Any, Any], Any]
+
+
 @dataclasses.dataclass(frozen=True)
 class _SeriesPlan:
     """What the closed form of :func:`replay` needs, fixed when the step is traced.
@@ -172,12 +179,14 @@ class _SeriesPlan:
       binv: ``b2 ** (-K / 2)``, the largest ``1 / beta_k`` over the replayed steps.
       table: For a constant learning rate, the coefficients of rows idle more than ``K`` steps, by their last step
         (clipped to the last entry, where the bias corrections have reached 1 in float32); else ``None``.
+      rates: The terms' factors at an idle step (:func:`_rates` for Adam).
     """
 
     cap: int
     rho: np.ndarray
     binv: float
     table: np.ndarray | None
+    rates: Rates
 
 
 def _concrete(x: Any) -> float | None:
@@ -204,11 +213,9 @@ def _series_plan(replayer: Replayer, *dtypes: Any) -> _SeriesPlan | None:
     if cap > _MAX_CAP:
         return None
     rho = b1 * b2 ** (-(np.arange(_TERMS) + 1) / 2)
-    lr = _concrete(replayer.learning_rate)
-    table = None
-    if lr is not None and cap > 0 and rho.max() < 1.0:
-        table = _long_idle_table(lr, hp, b1, b2, cap, rho)
-    return _SeriesPlan(cap=cap, rho=rho, binv=b2 ** (-cap / 2), table=table)
+    rates = _AdamRates(b1, b2, hp.eps_placement, hp)
+    table = _long_idle_table(replayer.learning_rate, rates, max(b1, b2), cap, rho)
+    return _SeriesPlan(cap=cap, rho=rho, binv=b2 ** (-cap / 2), table=table, rates=rates)
 
 
 def _rates(tau: Any, lr: Any, hp: AdamHyperparams, xp: Any) -> Any:
@@ -228,19 +235,41 @@ def _rates(tau: Any, lr: Any, hp: AdamHyperparams, xp: Any) -> Any:
     return (lr * root / c1)[..., None] * root[..., None] ** powers
 
 
-def _long_idle_table(
-    lr: float, hp: AdamHyperparams, b1: float, b2: float, cap: int, rho: np.ndarray
-) -> np.ndarray | None:
+@dataclasses.dataclass(frozen=True)
+class _AdamRates:
+    """:func:`_rates` for one set of hyperparameters, hashable by their values (the table's cache key)."""
+
+    b1: float
+    b2: float
+    eps_placement: str
+    hp: AdamHyperparams = dataclasses.field(compare=False)
+
+    def __call__(self, tau: Any, lr: Any, xp: Any) -> Any:
+        return _rates(tau, lr, self.hp, xp)
+
+
+def _long_idle_table(learning_rate: Any, rates: Rates, beta: float, cap: int, rho: np.ndarray) -> np.ndarray | None:
     """``G_j(last) = sum_{k=1..K} h_j(last + k) rho_j^k`` for ``last`` from 0 to the step after which the bias
-    corrections are 1 in float32 (the last entry then holds every later ``last``), in double, by the recurrence
-    ``G(l) = rho (h(l + 1) + G(l + 1)) - rho^(K + 1) h(l + 1 + K)``; ``None`` past ``_MAX_TABLE`` steps."""
-    settle = math.ceil(25 * math.log(2) / -math.log(max(b1, b2))) if max(b1, b2) > 0 else 1
+    corrections (powers of ``beta``, the larger decay rate) are 1 in float32 (the last entry then holds every later
+    ``last``), in double, by the recurrence ``G(l) = rho (h(l + 1) + G(l + 1)) - rho^(K + 1) h(l + 1 + K)``;
+    ``None`` for a schedule, for ``K == 0``, or past ``_MAX_TABLE`` steps."""
+    lr = _concrete(learning_rate)
+    if lr is None or cap == 0 or rho.max() >= 1.0:
+        return None
+    return _table(lr, rates, beta, cap, tuple(rho.tolist()))
+
+
+@functools.lru_cache(maxsize=64)
+def _table(lr: float, rates: Rates, beta: float, cap: int, rho_terms: tuple[float, ...]) -> np.ndarray | None:
+    """:func:`_long_idle_table`'s table, built once per set of hyperparameters (a step traces it several times)."""
+    rho = np.asarray(rho_terms)
+    settle = math.ceil(25 * math.log(2) / -math.log(beta)) if beta > 0 else 1
     if settle > _MAX_TABLE:
         return None
     steady = lr * rho * (1 - rho**cap) / (1 - rho)
-    h = _rates(np.arange(1, settle + cap + 2, dtype=np.float64), lr, hp, np)  # h[i] = h(i + 1)
+    h = rates(np.arange(1, settle + cap + 2, dtype=np.float64), lr, np)  # h[i] = h(i + 1)
     h[settle:] = lr  # bias corrections of 1, as in float32
-    table = np.empty((settle + 1, _TERMS))
+    table = np.empty((settle + 1, rho.size))
     table[settle] = steady
     tail = rho ** (cap + 1)
     for last in range(settle - 1, -1, -1):
@@ -249,16 +278,18 @@ def _long_idle_table(
 
 
 def _coefficients(
-    plan: _SeriesPlan, replayer: Replayer, last: jax.Array, idle: jax.Array, done: jax.Array
+    plan: _SeriesPlan, lr: Callable[[jax.Array], jax.Array], last: jax.Array, idle: jax.Array, done: jax.Array
 ) -> jax.Array:
-    """``C_j`` per row, shape ``(*last.shape, _TERMS)``: zeros where ``idle == 0``."""
+    """``C_j`` per row, shape ``(*last.shape, terms)``: zeros where ``idle == 0``. ``lr(d)``: the learning rate
+    of the step after ``d`` steps."""
+    terms = plan.rho.size
     if plan.cap == 0:  # b1 == 0: idle steps do not move a row
-        return jnp.zeros((*last.shape, _TERMS), jnp.float32)
-    hp, rho = replayer.hp, jnp.asarray(plan.rho, jnp.float32)
+        return jnp.zeros((*last.shape, terms), jnp.float32)
+    rho = jnp.asarray(plan.rho, jnp.float32)
     # Rows idle d <= K steps: C_j(d) = sum_{o < d} h_j(done - o) rho_j^(d - o), as the recurrence
     # C(d) = rho (h(done - d + 1) + C(d - 1)), one associative scan over the last K steps.
     tau = done - jnp.arange(plan.cap, dtype=jnp.int32)
-    h = jnp.where((tau >= 1)[:, None], _rates(tau, replayer.lr(jnp.maximum(tau, 1) - 1), hp, jnp), 0.0)
+    h = jnp.where((tau >= 1)[:, None], plan.rates(tau, lr(jnp.maximum(tau, 1) - 1), jnp), 0.0)
     a = jnp.broadcast_to(rho, h.shape)
 
     def combine(x: tuple[jax.Array, jax.Array], y: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -270,12 +301,14 @@ def _coefficients(
     if plan.table is not None:
         far = jnp.asarray(plan.table)[jnp.clip(last, 0, plan.table.shape[0] - 1)]
     else:
-        far = _long_idle_loop(plan, replayer, last, long_idle)
+        far = _long_idle_loop(plan, lr, last, long_idle)
     out = jnp.where(long_idle[:, None], far, recent)
     return jnp.where((idle > 0)[:, None], out, 0.0)
 
 
-def _long_idle_loop(plan: _SeriesPlan, replayer: Replayer, last: jax.Array, rows: jax.Array) -> jax.Array:
+def _long_idle_loop(
+    plan: _SeriesPlan, lr: Callable[[jax.Array], jax.Array], last: jax.Array, rows: jax.Array
+) -> jax.Array:
     """``G_j(last)`` for the ``rows`` idle more than ``K`` steps, one step at a time (a schedule, or bias
     corrections too long for a table); nothing runs where no row is."""
     rho = jnp.asarray(plan.rho, jnp.float32)
@@ -285,12 +318,12 @@ def _long_idle_loop(plan: _SeriesPlan, replayer: Replayer, last: jax.Array, rows
             total, power = carry
             power = power * rho[None, :]
             tau = last + k
-            return total + _rates(tau, replayer.lr(tau - 1), replayer.hp, jnp) * power, power
+            return total + plan.rates(tau, lr(tau - 1), jnp) * power, power
 
-        zeros = jnp.zeros((*last.shape, _TERMS), jnp.float32)
+        zeros = jnp.zeros((*last.shape, plan.rho.size), jnp.float32)
         return jax.lax.fori_loop(1, plan.cap + 1, body, (zeros, jnp.ones_like(zeros)))[0]
 
-    return jax.lax.cond(jnp.any(rows), run, lambda last: jnp.zeros((*last.shape, _TERMS), jnp.float32), last)
+    return jax.lax.cond(jnp.any(rows), run, lambda last: jnp.zeros((*last.shape, plan.rho.size), jnp.float32), last)
 
 
 def _replay_steps(
@@ -386,7 +419,7 @@ def fused_apply(
     idle = jnp.where(last_k > 0, done - last_k, 0).astype(jnp.int32)
     rest = idle.astype(jnp.float32)[:, None]
     coefficients = jnp.concatenate(
-        [_coefficients(plan, replayer, last_k, idle, done), _power(hp.b1, rest), _power(hp.b2, rest)], axis=1
+        [_coefficients(plan, replayer.lr, last_k, idle, done), _power(hp.b1, rest), _power(hp.b2, rest)], axis=1
     )
     limits = jnp.asarray([plan.binv, _RATIO], jnp.float32)
     p, m, v, flags = _ffi.catch_up_adam_apply(
@@ -467,56 +500,71 @@ def catch_up_adam(
         out, mu, nu, last_step = map_rule(leaf, updates, trees, _WHERE, 4)
         return out, CatchUpAdamState(count=count, mu=mu, nu=nu, last_step=last_step)
 
-    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, replayer))
+    def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
+        m, v = moments
+        p, m, v = replay(p, m, v, last, done, replayer)
+        return p, (m, v)
+
+    rows = RowReplay(CatchUpAdamState, ("mu", "nu"), replay_rows)
+    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, rows, CatchUpFusion(replayer)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowReplay:
+    """What :func:`catch_up` and caught-up lookups need of a catch-up optimizer.
+
+    Attributes:
+      state_type: Its state's type: a NamedTuple with ``count``, ``last_step`` and the per-element ``moments``.
+      moments: The names of the state's per-element fields, in the order ``replay`` takes them.
+      replay: ``replay(p, moments, last, done) -> (p, moments)``: rows last moved at step ``last`` (per row)
+        brought up to step ``done``, as the optimizer's update replays them.
+    """
+
+    state_type: type
+    moments: tuple[str, ...]
+    replay: Callable[[jax.Array, tuple[jax.Array, ...], jax.Array, jax.Array], Any]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CatchUpUpdate:
-    """A catch-up optimizer's ``update``, carrying its :class:`Replayer` for lookups and :func:`catch_up`."""
+    """A catch-up optimizer's ``update``, carrying what lookups and :func:`catch_up` need (``rows``) and how
+    :func:`update_and_apply` fuses it (``fusion``, ``None`` where it does not)."""
 
     update: optax.TransformUpdateExtraArgsFn
-    replayer: Replayer
-
-    @property
-    def fusion(self) -> CatchUpFusion:
-        """How :func:`update_and_apply` fuses this optimizer's step."""
-        return CatchUpFusion(self.replayer)
+    rows: RowReplay
+    fusion: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[optax.Updates, optax.OptState]:
         return self.update(*args, **kwargs)
 
 
-def find(tx: Any, state: Any, where: str, params_structure: Any) -> tuple[Replayer, CatchUpAdamState]:
-    """The replayer of ``tx`` (a ``sparse_adam(..., catch_up=True)``) and its state inside ``state``, checked to
-    have been built for parameters of ``params_structure``."""
+def find(tx: Any, state: Any, where: str, params_structure: Any) -> tuple[RowReplay, Any]:
+    """How ``tx`` (an optimizer built with ``catch_up=True``) replays rows, and its state inside ``state``, checked
+    to have been built for parameters of ``params_structure``."""
     update = getattr(tx, "update", None)
     if not isinstance(update, CatchUpUpdate):
         raise TypeError(
-            f"{where}: the optimizer must be one built by osa.sparse_adam(..., catch_up=True) itself (not wrapped or "
-            f"chained further), got {type(tx).__name__}"
+            f"{where}: the optimizer must be one built with catch_up=True (osa.sparse_adam, sparse_amsgrad or "
+            f"sparse_sgd with momentum) itself, not wrapped or chained further; got {type(tx).__name__}"
         )
-    found = [
-        x
-        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CatchUpAdamState))
-        if isinstance(x, CatchUpAdamState)
-    ]
+    kind = update.rows.state_type
+    found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(x, kind)]
     if len(found) != 1:
-        raise ValueError(f"{where}: the optimizer state must hold one CatchUpAdamState, it holds {len(found)}")
-    if jax.tree.structure(found[0].mu, is_leaf=is_leaf) != params_structure:
+        raise ValueError(f"{where}: the optimizer state must hold one {kind.__name__}, it holds {len(found)}")
+    first = update.rows.moments[0]
+    structure = jax.tree.structure(getattr(found[0], first), is_leaf=is_leaf)
+    if structure != params_structure:
         raise ValueError(
-            f"{where}: the optimizer state's mu has structure {jax.tree.structure(found[0].mu)} but the parameters "
+            f"{where}: the optimizer state's {first} has structure {structure} but the parameters "
             f"have {params_structure}; pass the parameters and the state built for them"
         )
-    return update.replayer, found[0]
+    return update.rows, found[0]
 
 
-def _replace(state: Any, new: CatchUpAdamState) -> Any:
-    """``state`` with its one :class:`CatchUpAdamState` replaced by ``new``."""
-    return jax.tree.map(
-        lambda x: new if isinstance(x, CatchUpAdamState) else x,
-        state,
-        is_leaf=lambda x: isinstance(x, CatchUpAdamState),
-    )
+def _replace(state: Any, new: Any) -> Any:
+    """``state`` with its one state of ``new``'s type replaced by ``new``."""
+    kind = type(new)
+    return jax.tree.map(lambda x: new if isinstance(x, kind) else x, state, is_leaf=lambda x: isinstance(x, kind))
 
 
 def catch_up(
@@ -534,7 +582,8 @@ def catch_up(
     it rarely. Training can go on from the state it returns.
 
     Args:
-      tx: An optimizer built by ``osa.sparse_adam(..., catch_up=True)``.
+      tx: An optimizer built with ``catch_up=True``: :func:`sparse_adam`,
+        :func:`sparse_amsgrad`, or :func:`sparse_sgd` with momentum.
       params: The parameters.
       opt_state: ``tx``'s state.
 
@@ -559,15 +608,19 @@ def catch_up(
     """
     structure: Any  # jax's PyTreeDef, which type checkers do not see
     path_leaves, structure = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
-    replayer, state = find(tx, opt_state, "catch_up", structure)
+    rows, state = find(tx, opt_state, "catch_up", structure)
+    names = rows.moments
 
-    def leaf(path: Any, p: Any, m: Any, v: Any, last: Any) -> tuple[Any, ...]:
-        if jnp.shape(p) != jnp.shape(m):
-            raise param_error(ValueError, "catch_up", path, f"shape {jnp.shape(p)} but its mu has {jnp.shape(m)}")
-        p, m, v = replay(jnp.asarray(p), m, v, last, state.count, replayer)
-        return p, m, v, jnp.where(last > 0, state.count, last)
+    def leaf(path: Any, p: Any, last: Any, *moments: Any) -> tuple[Any, ...]:
+        if jnp.shape(p) != jnp.shape(moments[0]):
+            raise param_error(
+                ValueError, "catch_up", path, f"shape {jnp.shape(p)} but its {names[0]} has {jnp.shape(moments[0])}"
+            )
+        p, moments = rows.replay(jnp.asarray(p), moments, last, state.count)
+        return p, jnp.where(last > 0, state.count, last), *moments
 
-    flat = [jax.tree.leaves(t, is_leaf=is_leaf) for t in (state.mu, state.nu, state.last_step)]
+    flat = [jax.tree.leaves(getattr(state, name), is_leaf=is_leaf) for name in ("last_step", *names)]
     outs = [leaf(path, p, *xs) for (path, p), *xs in zip(path_leaves, *flat, strict=True)]
-    new_params, mu, nu, last = (structure.unflatten([o[i] for o in outs]) for i in range(4))
-    return new_params, _replace(opt_state, state._replace(mu=mu, nu=nu, last_step=last))
+    new_params, last, *moments = (structure.unflatten([o[i] for o in outs]) for i in range(2 + len(names)))
+    new = state._replace(last_step=last, **dict(zip(names, moments, strict=True)))
+    return new_params, _replace(opt_state, new)

@@ -687,12 +687,12 @@ def _caught_up(lookups: dict[int, RowLookup], tx: Any, opt_state: Any, treedef: 
     where = "value_and_row_grad(..., catch_up=tx)"
     if opt_state is None:
         raise TypeError(f"{where}: pass the optimizer's state as the keyword argument opt_state")
-    replayer, state = _catch_up.find(tx, opt_state, where, treedef)
-    mu, nu, last = (jax.tree.leaves(t, is_leaf=is_leaf) for t in (state.mu, state.nu, state.last_step))
+    replay, state = _catch_up.find(tx, opt_state, where, treedef)
+    last, *moments = (jax.tree.leaves(getattr(state, f), is_leaf=is_leaf) for f in ("last_step", *replay.moments))
     out = {}
     for i, lk in lookups.items():
-        m, v, t0 = (take_rows(x[i], lk.indices) for x in (mu, nu, last))
-        rows, _, _ = _catch_up.replay(lk.rows, m, v, t0, state.count, replayer)
+        taken = tuple(take_rows(x[i], lk.indices) for x in moments)
+        rows, _ = replay.replay(lk.rows, taken, take_rows(last[i], lk.indices), state.count)
         out[i] = dataclasses.replace(lk, rows=rows)
     return out
 
@@ -746,9 +746,11 @@ def value_and_row_grad(
         e.g. ``lambda p: (p["user"], p["item"])``; it may only index into the
         tree. Each selected leaf, in order, is paired with one leaf of ``ids``.
       has_aux: Whether ``fun`` returns ``(value, aux)``.
-      catch_up: An optimizer built by ``osa.sparse_adam(..., catch_up=True)``:
-        the returned function then takes its state as the keyword argument
-        ``opt_state`` and hands ``fun`` each row as dense Adam would hold it,
+      catch_up: An optimizer built with ``catch_up=True``
+        (:func:`sparse_adam`, :func:`sparse_amsgrad`, or :func:`sparse_sgd`
+        with momentum): the returned function then takes its state as the
+        keyword argument ``opt_state`` and hands ``fun`` each row as the dense
+        optimizer would hold it,
         with the steps the row sat out replayed (the optimizer's ``update``
         replays them again and writes them back). Without it ``fun`` reads
         the rows as they are stored, lagging by their idle steps.

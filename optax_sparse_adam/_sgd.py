@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_sparse_adam._catch_up import CatchUpUpdate, RowReplay
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape
 from optax_sparse_adam._sparse_aware import sparse_aware
@@ -167,6 +168,25 @@ def _catch_up_sgd(
             last_step=jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params),
         )
 
+    def replay_rows(p0: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
+        """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (trace,))``."""
+        (m0,) = moments
+        idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
+        moved = broadcast_rows(idle > 0, p0.ndim)
+        # Idle step k (k = 1..s, at step last + k) has the trace mu^k m0 and moves the row by
+        # -lr(last + k - 1) mu^k m0 (times mu more with Nesterov's update, g + mu m).
+        if callable(learning_rate):
+            coefficient = _scheduled_sum(momentum, learning_rate, last, idle, cap)
+        else:
+            coefficient = jnp.asarray(learning_rate, jnp.float32) * _geometric(momentum, idle)
+        if nesterov:
+            coefficient = jnp.asarray(momentum, jnp.float32) * coefficient
+        wide = jnp.promote_types(m0.dtype, jnp.float32)
+        decay = jnp.power(jnp.asarray(momentum, jnp.float32), idle.astype(jnp.float32))
+        m = jnp.where(moved, (m0.astype(wide) * broadcast_rows(decay, m0.ndim)).astype(m0.dtype), m0)
+        shift = -broadcast_rows(coefficient, p0.ndim).astype(wide) * m0.astype(wide)
+        return (p0.astype(wide) + shift).astype(p0.dtype), (m,)
+
     def update_fn(
         updates: optax.Updates, state: CatchUpSgdState, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, CatchUpSgdState]:
@@ -180,24 +200,11 @@ def _catch_up_sgd(
 
         def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
             (m0, last), (p0,) = st, reads
-            idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
-            moved = broadcast_rows(idle > 0, p0.ndim)
-            # Idle step k (k = 1..s, at step last + k) has the trace mu^k m0 and moves the row by
-            # -lr(last + k - 1) mu^k m0 (times mu more with Nesterov's update, g + mu m).
-            if callable(learning_rate):
-                coefficient = _scheduled_sum(momentum, learning_rate, last, idle, cap)
-            else:
-                coefficient = jnp.asarray(learning_rate, jnp.float32) * _geometric(momentum, idle)
-            if nesterov:
-                coefficient = jnp.asarray(momentum, jnp.float32) * coefficient
-            wide = jnp.promote_types(m0.dtype, jnp.float32)
-            decay = jnp.power(jnp.asarray(momentum, jnp.float32), idle.astype(jnp.float32))
-            m = jnp.where(moved, (m0.astype(wide) * broadcast_rows(decay, m0.ndim)).astype(m0.dtype), m0)
-            shift = -broadcast_rows(coefficient, p0.ndim).astype(wide) * m0.astype(wide)
+            p_idle, (m,) = replay_rows(p0, (m0,), last, done)
+            moved = broadcast_rows(jnp.where(last > 0, done - last, 0) > 0, p0.ndim)
             u, (t,) = rule_now(g, (m,), ())
             step = jnp.asarray(-lr, dtype=u.dtype) * u  # as optax.scale_by_learning_rate
             # A row that sat out steps: the update takes it to where dense SGD's steps took it.
-            p_idle = (p0.astype(wide) + shift).astype(p0.dtype)
             caught = (p_idle + step).astype(p0.dtype).astype(step.dtype) - p0.astype(step.dtype)
             return jnp.where(moved, caught, step), (t, jnp.full_like(last, count))
 
@@ -219,7 +226,8 @@ def _catch_up_sgd(
         out, trace, last_step = map_rule(leaf, updates, trees, where, 3)
         return out, CatchUpSgdState(count=count, trace=trace, last_step=last_step)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    rows = RowReplay(CatchUpSgdState, ("trace",), replay_rows)
+    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, rows))
 
 
 def sparse_sgd(
@@ -275,7 +283,9 @@ def sparse_sgd(
     state keeps
     the step each row is up to date through, so ``update`` needs ``params``;
     sparse leaves must address whole rows. Under ``inject_hyperparams`` the
-    idle steps use the current injected learning rate.
+    idle steps use the current injected learning rate. :func:`catch_up`
+    brings every row up to date, and ``value_and_row_grad(..., catch_up=tx)``
+    hands the loss caught-up rows, as for :func:`sparse_adam`.
 
     Dense gradient leaves take :func:`optax.sgd`'s step: for a leaf that gets
     a dense gradient every step, bitwise where the update and its

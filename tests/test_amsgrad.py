@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings
@@ -61,3 +66,138 @@ def test_extra_args_are_accepted(name):
 def test_bad_hyperparameters_raise():
     with pytest.raises(ValueError, match="b2"):
         osa.sparse_amsgrad(0.1, b2=1.0)
+
+
+# ``sparse_amsgrad(catch_up=True)`` against dense AMSGrad in float64 NumPy fed the same gradients (zeros elsewhere).
+# Float32 optax.amsgrad drifts from it too (it rounds every row at every idle step), so the caught-up optimizer
+# must stay within twice that drift, where lazy AMSGrad is off by orders of magnitude.
+ROWS, WIDTH, BATCH, STEPS = 400, 4, 32, 300
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 0.02, 40, STEPS, 0.002)
+CATCH_UP_CASES = {
+    "b1=0.9": dict(learning_rate=1e-2),
+    "b1=0.9 schedule": dict(learning_rate=SCHEDULE),
+    "b1=0.99 eps_root": dict(learning_rate=3e-3, b1=0.99, eps_root=1e-10),
+    "b1=0.5 eps=1e-3": dict(learning_rate=1e-2, b1=0.5, eps=1e-3),
+    "b1=0": dict(learning_rate=1e-2, b1=0.0),
+}
+
+
+def _zipf_batches(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Zipf ids with duplicates and some -1 padding, and their row gradients."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(STEPS):
+        ids = ((rng.zipf(1.2, BATCH) - 1) % ROWS).astype(np.int32)
+        ids[rng.random(BATCH) < 0.05] = -1
+        out.append((ids, rng.normal(size=(BATCH, WIDTH)).astype(np.float32)))
+    return out
+
+
+def _amsgrad64(batches: list, p0: np.ndarray, learning_rate: Any, **kw: float) -> dict[str, np.ndarray]:
+    """Dense AMSGrad in float64, optax.scale_by_amsgrad's rule."""
+    b1, b2, eps, eps_root = (kw.get(k, d) for k, d in (("b1", 0.9), ("b2", 0.999), ("eps", 1e-8), ("eps_root", 0.0)))
+    p, m, v, v_max = p0.astype(np.float64), np.zeros(p0.shape), np.zeros(p0.shape), np.zeros(p0.shape)
+    for t, (ids, values) in enumerate(batches, start=1):
+        g = np.zeros(p0.shape)
+        np.add.at(g, ids[ids >= 0], values[ids >= 0].astype(np.float64))
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        v_max = np.maximum(v_max, v / (1 - b2**t))
+        lr = float(learning_rate(t - 1)) if callable(learning_rate) else learning_rate
+        p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v_max + eps_root) + eps)
+    return {"p": p, "mu": m, "nu": v, "nu_max": v_max}
+
+
+def _run(tx: optax.GradientTransformation, batches: list, p0: np.ndarray, sparse: bool) -> tuple[Any, Any]:
+    """The whole run in one jit (a scan over the batches): the final parameters and state."""
+    ids, values = (jnp.asarray(np.stack(x)) for x in zip(*batches, strict=True))
+
+    def step(carry: Any, batch: Any) -> tuple[Any, None]:
+        p, state = carry
+        ids, values = batch
+        if sparse:
+            g: Any = osa.IndexedRows(ids, values, ROWS)
+        else:
+            g = jnp.zeros((ROWS, WIDTH), jnp.float32).at[jnp.where(ids < 0, ROWS, ids)].add(values, mode="drop")
+        updates, state = tx.update(g, state, p)
+        return (osa.apply_updates(p, updates), state), None
+
+    @jax.jit
+    def run(p: jax.Array, ids: jax.Array, values: jax.Array) -> Any:
+        return jax.lax.scan(step, (p, tx.init(p)), (ids, values))[0]
+
+    return run(jnp.asarray(p0), ids, values)
+
+
+def _moments(p: Any, state: Any) -> dict[str, np.ndarray]:
+    state = state[0] if isinstance(state, tuple) and not hasattr(state, "_fields") else state
+    return {"p": np.asarray(p), **{k: np.asarray(getattr(state, k)) for k in ("mu", "nu", "nu_max")}}
+
+
+def _relative(run: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, float]:
+    return {k: float(np.max(np.abs(run[k] - ref[k])) / np.max(np.abs(ref[k]))) for k in ref}
+
+
+@pytest.mark.parametrize("case", CATCH_UP_CASES)
+def test_catch_up_equals_dense_amsgrad_over_a_zipf_run(case: str) -> None:
+    """Parameters and moments of the caught-up run (every row brought up to date by ``catch_up`` at the end) are
+    within twice float32 optax.amsgrad's own distance from a float64 AMSGrad; lazy AMSGrad is not."""
+    kw = CATCH_UP_CASES[case]
+    batches = _zipf_batches(seed=len(case))
+    p0 = np.random.default_rng(8).normal(size=(ROWS, WIDTH)).astype(np.float32)
+    ref = _amsgrad64(batches, p0, **kw)
+    drift = _relative(_moments(*_run(optax.amsgrad(**kw), batches, p0, sparse=False)), ref)
+    tx = osa.sparse_amsgrad(**kw, catch_up=True)
+    p, state = _run(tx, batches, p0, sparse=True)
+    p, state = jax.jit(lambda p, s: osa.catch_up(tx, p, s))(p, state)
+    assert isinstance(state, osa.CatchUpAmsgradState)
+    np.testing.assert_array_equal(state.last_step[state.last_step > 0], STEPS)
+    err = _relative(_moments(p, state), ref)
+    for k in ref:
+        assert err[k] <= 2 * drift[k] + 2e-7, (k, err, drift)
+    if kw.get("b1", 0.9) > 0:
+        lazy = _relative(_moments(*_run(osa.sparse_amsgrad(**kw), batches, p0, sparse=True)), ref)
+        assert lazy["p"] > 100 * max(drift["p"], 1e-7), (lazy, drift)
+
+
+def test_catch_up_reads_caught_up_rows_and_dense_leaves_are_optax() -> None:
+    """``value_and_row_grad(catch_up=tx)`` hands the loss the rows dense AMSGrad holds; a leaf with dense
+    gradients takes optax.amsgrad's step bitwise (update and application compiled apart)."""
+    batches = _zipf_batches(seed=5)[:80]
+    p0 = np.random.default_rng(3).normal(size=(ROWS, WIDTH)).astype(np.float32)
+    tx = osa.sparse_amsgrad(SCHEDULE, catch_up=True)
+    p, state = _run(tx, batches, p0, sparse=True)
+    ref = _amsgrad64(batches, p0, SCHEDULE)["p"]
+    ids = jnp.arange(ROWS, dtype=jnp.int32)
+
+    def loss(params: jax.Array, ids: jax.Array) -> jax.Array:
+        return jnp.sum(params[ids] ** 2)
+
+    value, _ = osa.value_and_row_grad(loss, lambda q: q, catch_up=tx)(p, ids, opt_state=state)
+    np.testing.assert_allclose(value, np.sum(ref**2), rtol=2e-5)
+    stale, _ = osa.value_and_row_grad(loss, lambda q: q)(p, ids)
+    assert abs(float(stale) - np.sum(ref**2)) > 100 * abs(float(value) - np.sum(ref**2))
+
+    dense_p, dense_state = jnp.asarray(p0), tx.init(jnp.asarray(p0))
+    theirs = optax.amsgrad(SCHEDULE)
+    q, their_state = jnp.asarray(p0), theirs.init(jnp.asarray(p0))
+    update, apply = jax.jit(tx.update), jax.jit(optax.apply_updates)
+    for ids_t, values in batches[:30]:
+        g = jnp.zeros((ROWS, WIDTH), jnp.float32).at[jnp.where(ids_t < 0, ROWS, ids_t)].add(values, mode="drop")
+        u, dense_state = update(g, dense_state, dense_p)
+        dense_p = apply(dense_p, u)
+        u, their_state = jax.jit(theirs.update)(g, their_state, q)
+        q = apply(q, u)
+    np.testing.assert_array_equal(dense_p, q)
+    np.testing.assert_array_equal(dense_state.nu_max, their_state[0].nu_max)
+
+
+def test_catch_up_refusals_name_the_fix() -> None:
+    with pytest.raises(TypeError, match="list b1 in static_args"):
+        tx = optax.inject_hyperparams(osa.sparse_amsgrad)(learning_rate=0.1, catch_up=True)
+        tx.init(jnp.zeros((3, 2)))
+    tx = optax.inject_hyperparams(osa.sparse_amsgrad, static_args=("b1", "catch_up"))(learning_rate=0.1, catch_up=True)
+    p = jnp.ones((3, 2), jnp.float32)
+    g = osa.IndexedRows(jnp.array([0]), jnp.ones((1, 2), jnp.float32), 3)
+    np.testing.assert_allclose(osa.update_and_apply(tx, g, tx.init(p), p)[0][0], 0.9, rtol=1e-6)
+    with pytest.raises(ValueError, match="call update\\(grads, state, params\\)"):
+        osa.sparse_amsgrad(0.1, catch_up=True).update(g, osa.sparse_amsgrad(0.1, catch_up=True).init(p))

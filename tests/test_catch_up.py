@@ -148,7 +148,9 @@ def test_catch_up_equals_dense_adam_over_a_zipf_run(case: str) -> None:
 
 
 @osa.use_kernels(False)  # the kernel negates inside a multiply-add: within ulps there (the native test below)
-def test_maximize_on_the_negated_loss_is_bitwise_the_minimization() -> None:
+def test_maximize_on_the_negated_loss_is_the_minimization() -> None:
+    """To float32 rounding (8 ulps of each leaf's scale after 100 steps): the two jitted graphs differ (a negation),
+    XLA fuses each its own way, and an ulp apart in one step becomes a few over a run; a wrong sign is off by O(1)."""
     batches = _batches(seed=3, steps=100)
     neg = lambda p, ids, y: -_loss(p, ids, y)  # noqa: E731
 
@@ -157,14 +159,20 @@ def test_maximize_on_the_negated_loss_is_bitwise_the_minimization() -> None:
         params = {"emb": jnp.asarray(EMB0)}
         state = tx.init(params)
         grad_fn = osa.value_and_row_grad(loss, lambda p: p["emb"], catch_up=tx)
+
+        @jax.jit
+        def step(params: Any, state: Any, ids: jax.Array, y: jax.Array) -> tuple[Any, Any]:
+            _, grads = grad_fn(params, ids, y, opt_state=state)
+            return osa.update_and_apply(tx, grads, state, params)
+
         for ids, y in batches:
-            _, grads = grad_fn(params, jnp.asarray(ids), jnp.asarray(y), opt_state=state)
-            params, state = osa.update_and_apply(tx, grads, state, params)
-        return osa.catch_up(tx, params, state)
+            params, state = step(params, state, jnp.asarray(ids), jnp.asarray(y))
+        return jax.jit(lambda p, s: osa.catch_up(tx, p, s))(params, state)
 
     ascended, descended = run(neg, True), run(_loss, False)
-    assert_trees_equal(ascended[0], descended[0])
-    assert_trees_equal(ascended[1], descended[1])  # mu holds the moments of the negated gradient
+    for a, d in zip(jax.tree.leaves(ascended), jax.tree.leaves(descended), strict=True):  # mu: of the negated loss
+        scale = float(np.max(np.abs(np.asarray(d)))) if jnp.issubdtype(d.dtype, jnp.floating) else 0.0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(d), rtol=0, atol=8 * np.spacing(np.float32(scale)))
 
 
 def _adam64(
@@ -230,13 +238,18 @@ def test_training_goes_on_after_catch_up_and_through_a_checkpoint() -> None:
     batches = _batches(seed=5, steps=80)
     tx = osa.sparse_adam(1e-2, catch_up=True)
     grad_fn = osa.value_and_row_grad(_loss, lambda p: p["emb"], catch_up=tx)
+    catch_up = jax.jit(lambda p, s: osa.catch_up(tx, p, s))
+
+    @jax.jit
+    def step(params: Any, state: Any, ids: jax.Array, y: jax.Array) -> tuple[Any, Any]:
+        _, grads = grad_fn(params, ids, y, opt_state=state)
+        return osa.update_and_apply(tx, grads, state, params)
 
     def train(params: Any, state: Any, part: list, restore: bool) -> tuple[Any, Any]:
         for ids, y in part:
-            _, grads = grad_fn(params, jnp.asarray(ids), jnp.asarray(y), opt_state=state)
-            params, state = osa.update_and_apply(tx, grads, state, params)
+            params, state = step(params, state, jnp.asarray(ids), jnp.asarray(y))
         if restore:
-            params, state = osa.catch_up(tx, params, state)
+            params, state = catch_up(params, state)
             blob = flax.serialization.to_bytes((params, state))
             params, state = flax.serialization.from_bytes((params, tx.init(params)), blob)
         return params, state
@@ -245,9 +258,7 @@ def test_training_goes_on_after_catch_up_and_through_a_checkpoint() -> None:
     straight = train(params, tx.init(params), batches, restore=False)
     half = train(params, tx.init(params), batches[:40], restore=True)
     resumed = train(*half, batches[40:], restore=False)
-    for a, b in zip(
-        jax.tree.leaves(osa.catch_up(tx, *resumed)), jax.tree.leaves(osa.catch_up(tx, *straight)), strict=True
-    ):
+    for a, b in zip(jax.tree.leaves(catch_up(*resumed)), jax.tree.leaves(catch_up(*straight)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
@@ -338,7 +349,9 @@ def test_refusals() -> None:
     g = osa.IndexedRows(jnp.array([1]), jnp.ones((1, 2), jnp.float32), 4)
     with pytest.raises(ValueError, match=r"call update\(grads, state, params\)"):
         tx.update(g, tx.init(p))
-    with pytest.raises(TypeError, match=r"catch_up=True\) itself"):
+    with pytest.raises(
+        TypeError, match=r"catch_up=True \(osa.sparse_adam, sparse_amsgrad or sparse_sgd with momentum\) itself"
+    ):
         osa.catch_up(osa.sparse_adam(1e-2), p, osa.sparse_adam(1e-2).init(p))
     grad_fn = osa.value_and_row_grad(lambda p, ids: p[ids].sum(), lambda p: p, catch_up=tx)
     with pytest.raises(TypeError, match="opt_state"):

@@ -212,6 +212,43 @@ def test_catch_up_checkpoints_chains_and_injects() -> None:
     np.testing.assert_allclose(p1["emb"], p2["emb"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_catch_up_and_caught_up_lookups_bring_rows_to_dense_sgd(nesterov: bool) -> None:
+    """``osa.catch_up`` brings every row where dense SGD has it (within twice float32 optax.sgd's drift from a
+    float64 loop), and ``value_and_row_grad(catch_up=tx)`` hands the loss those rows; the stored rows lag."""
+    *zipf, _ = _batches(seed=11)
+    ref = _sgd64(zipf, SCHEDULE, 0.9, nesterov)
+    tx, theirs = osa.sparse_sgd(SCHEDULE, 0.9, nesterov, catch_up=True), optax.sgd(SCHEDULE, 0.9, nesterov)
+    p, q = jnp.asarray(EMB0), jnp.asarray(EMB0)
+    state, their_state = tx.init(p), theirs.init(q)
+
+    @jax.jit
+    def steps(p: Any, state: Any, q: Any, their_state: Any, ids: jax.Array, values: jax.Array) -> Any:
+        p, state = osa.update_and_apply(tx, osa.IndexedRows(ids, values, ROWS), state, p)
+        dense = jnp.zeros((ROWS, WIDTH), jnp.float32).at[jnp.where(ids < 0, ROWS, ids)].add(values, mode="drop")
+        u, their_state = theirs.update(dense, their_state, q)
+        return p, state, optax.apply_updates(q, u), their_state
+
+    for ids, values, _ in zipf:
+        p, state, q, their_state = steps(p, state, q, their_state, jnp.asarray(ids), jnp.asarray(values))
+
+    def error(x: Any) -> float:
+        return float(np.max(np.abs(np.asarray(x) - ref["p"])) / np.max(np.abs(ref["p"])))
+
+    def loss(table: jax.Array, ids: jax.Array) -> jax.Array:
+        return jnp.sum(table[ids] ** 2)
+
+    everything = jnp.arange(ROWS, dtype=jnp.int32)
+    read, _ = osa.value_and_row_grad(loss, lambda t: t, catch_up=tx)(p, everything, opt_state=state)
+    caught, caught_state = jax.jit(lambda p, s: osa.catch_up(tx, p, s))(p, state)
+    drift = error(q)
+    assert error(caught) <= 2 * drift + 1e-7, (error(caught), drift)
+    assert error(p) > 100 * max(drift, 1e-7), (error(p), drift)  # the stored rows, before catch_up
+    np.testing.assert_allclose(read, np.sum(np.asarray(caught) ** 2), rtol=1e-6)
+    np.testing.assert_array_equal(caught_state.last_step[caught_state.last_step > 0], len(zipf))
+    np.testing.assert_allclose(caught_state.trace, ref["m"], atol=4 * drift * np.max(np.abs(ref["m"])) + 1e-6)
+
+
 def test_errors_name_the_parameter_and_the_argument() -> None:
     tx = osa.sparse_sgd(0.1, momentum=0.9, catch_up=True)
     params = {"a": {"emb": jnp.ones((4, 3), jnp.float32)}}
