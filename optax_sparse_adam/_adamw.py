@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._adam import EpsPlacement, scale_by_sparse_adam
-from optax_sparse_adam._checks import check_bool, check_hparam, check_params, check_state, mask_tree
+from optax_sparse_adam._adam import EpsPlacement, _catch_up_hyperparams, scale_by_sparse_adam
+from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state, mask_tree
 from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows
@@ -155,12 +155,21 @@ def sparse_adamw(
       p_S \leftarrow p_S - \alpha_t (u_S + \lambda p_S);
 
     untouched rows do not move and do not decay (TensorFlow's LazyAdam with
-    decoupled decay, FBGEMM's ``DECOUPLE`` mode). With ``catch_up=True`` a
-    row touched after :math:`s` idle steps first decays by
-    :math:`(1 - \alpha_t \lambda)^s`, the decay it missed (see
-    :func:`lazy_decoupled_weight_decay`); the state then keeps the last step
-    each row moved. Equal to :func:`optax.adamw` when every row is touched
-    every step, with either setting.
+    decoupled decay, FBGEMM's ``DECOUPLE`` mode). With ``catch_up=True`` it
+    is :func:`optax.adamw` fed the sparse gradient with zeros elsewhere: a
+    row touched after :math:`s` idle steps first takes them as dense AdamW
+    did, each idle step decaying the row by
+    :math:`1 - \alpha_k \lambda` at its own learning rate and moving it on
+    its decaying moments (the replay of ``sparse_adam(catch_up=True)``, each
+    step's displacement scaled by the decay of the steps after it); a row no
+    gradient ever touched decays from the first step on. The state is a
+    :class:`CatchUpAdamWState`: the step each row is up to date through, and
+    a Kahan-summed record of :math:`\log(1 - \alpha_t \lambda)` from which
+    a schedule's decay over a long idle stretch is read. :func:`catch_up`
+    brings every row up to date. Equal to :func:`optax.adamw` when every row
+    is touched every step, with either setting. (The decay-only catch-up of
+    earlier versions is :func:`lazy_decoupled_weight_decay`, chained after
+    :func:`scale_by_sparse_adam`.)
 
     Args:
       learning_rate: A float or an optax schedule.
@@ -171,7 +180,8 @@ def sparse_adamw(
       mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
       weight_decay: Decay rate :math:`\lambda`.
       mask: Which parameters decay, as :func:`optax.adamw`'s ``mask``.
-      catch_up: Decay a returning row for the steps it sat out.
+      catch_up: Whether a returning row first takes the steps it sat out, as
+        dense AdamW took them (decay and momentum).
       maximize: Whether to ascend rather than descend.
       eps_placement: ``"optax"`` or ``"torch"``, as in :func:`sparse_adam`.
 
@@ -195,12 +205,14 @@ def sparse_adamw(
     """
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
-    catch_up = check_bool("catch_up", catch_up)
+    if check_bool("catch_up", catch_up):
+        from optax_sparse_adam import _catch_up  # it builds on sparse_adam's rule
+
+        hp = _catch_up_hyperparams(b1, b2, eps, eps_root, maximize, eps_placement, False)
+        return _catch_up.catch_up_adamw(learning_rate, hp, check_dtype(mu_dtype, "mu_dtype"), weight_decay, mask)
     adam = scale_by_sparse_adam(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, maximize=maximize, eps_placement=eps_placement
     )
-    if catch_up:
-        return optax.chain(adam, lazy_decoupled_weight_decay(learning_rate, weight_decay, mask))
     return optax.chain(
         adam,
         sparse_aware(optax.add_decayed_weights(weight_decay, mask)),

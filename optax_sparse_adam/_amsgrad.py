@@ -338,5 +338,9 @@ def _catch_up_amsgrad(
         out, mu, nu, nu_max, last_step = map_rule(leaf, updates, trees, where, 5)
         return out, CatchUpAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max, last_step=last_step)
 
-    rows = _catch_up.RowReplay(CatchUpAmsgradState, ("mu", "nu", "nu_max"), replay_rows)
+    rows = _catch_up.RowReplay(
+        CatchUpAmsgradState,
+        ("mu", "nu", "nu_max"),
+        lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count),
+    )
     return optax.GradientTransformationExtraArgs(init_fn, _catch_up.CatchUpUpdate(update_fn, rows))

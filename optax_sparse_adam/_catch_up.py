@@ -48,13 +48,13 @@ from optax_sparse_adam._adam import (
     kernel_flags,
 )
 from optax_sparse_adam._apply import apply_updates
-from optax_sparse_adam._checks import check_params, check_state
+from optax_sparse_adam._checks import check_dense_gradient, check_params, check_state, mask_tree
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
 
-__all__ = ["CatchUpAdamState", "catch_up", "catch_up_adam", "idle_cap", "replay"]
+__all__ = ["CatchUpAdamState", "CatchUpAdamWState", "catch_up", "catch_up_adam", "catch_up_adamw", "idle_cap", "replay"]
 
 _WHERE = "sparse_adam(catch_up=True)"
 
@@ -92,6 +92,38 @@ class Replayer:
         return jax.vmap(self.learning_rate)(flat).reshape(done.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class Decay:
+    """Decoupled weight decay through the idle steps (AdamW's): the idle step with count ``tau`` multiplies the row
+    by ``gamma(tau) = 1 - lr(tau - 1) * weight_decay`` and adds its Adam step.
+
+    Attributes:
+      weight_decay: The decay rate, a number.
+      log_gamma: ``log(1 - lr * weight_decay)`` in double for a constant learning rate, else ``None``.
+      far_log: With a schedule: per row, the log of the product of ``gamma`` over the row's idle steps (from the
+        state's record); used for the rows idle longer than the window.
+    """
+
+    weight_decay: Any
+    log_gamma: float | None
+    far_log: jax.Array | None = None
+
+    def log(self, replayer: Replayer, tau: jax.Array) -> jax.Array:
+        """``log(gamma)`` of the idle steps with counts ``tau`` (0 where ``tau < 1``), in float32. Products of
+        ``gamma`` are taken as sums of these: a product of ``k`` rounded ``gamma`` would carry ``k`` times the
+        rounding of ``1 - lr wd`` (the same each step), where dense AdamW's own roundings differ from step to step."""
+        lr = replayer.lr(jnp.maximum(tau, 1) - 1)
+        rate = jnp.asarray(lr, jnp.float32) * jnp.asarray(self.weight_decay, jnp.float32)
+        return jnp.where(tau >= 1, jnp.log1p(-rate), 0.0)
+
+    def far(self, idle: jax.Array) -> jax.Array:
+        """The product of ``gamma`` over each row's ``idle`` steps, for rows idle longer than the window."""
+        if self.log_gamma is not None:
+            return jnp.exp(idle.astype(jnp.float32) * jnp.float32(self.log_gamma))
+        assert self.far_log is not None, "a schedule's decay needs the state's record"
+        return jnp.exp(self.far_log)
+
+
 def idle_cap(b1: Any, b2: Any) -> jax.Array:
     r"""The number of idle steps :func:`replay` takes one by one.
 
@@ -114,7 +146,13 @@ def idle_cap(b1: Any, b2: Any) -> jax.Array:
 
 
 def replay(
-    p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, done: jax.Array, replayer: Replayer
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    last: jax.Array,
+    done: jax.Array,
+    replayer: Replayer,
+    decay: Decay | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rows ``(p, m, v)`` last moved at step ``last`` (per row), brought up to step ``done``.
 
@@ -126,32 +164,38 @@ def replay(
     :func:`_series_plan` finds one, the parameters' displacement is the
     closed form of the module's docstring (one rounding, where the steps
     take one a step); elsewhere, and for the elements it cannot take, the
-    steps are taken one by one in dense Adam's own arithmetic.
+    steps are taken one by one in dense Adam's own arithmetic. With ``decay``
+    each idle step also multiplies the row by its ``gamma`` first (AdamW's
+    decoupled decay): the row is scaled by the product over its idle steps,
+    and each step's displacement by the product over the steps after it; a
+    row that never moved (zero moments) decays too, from step 0.
     """
     hp = replayer.hp
-    idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
-    plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype)
+    idle = (done - last if decay is not None else jnp.where(last > 0, done - last, 0)).astype(jnp.int32)
+    plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=decay)
     if plan is None:
-        return _replay_steps(p, m, v, last, idle, replayer)
-    coefficients = _coefficients(plan, replayer.lr, last, idle, done)  # (rows, _TERMS)
+        return _replay_steps(p, m, v, last, idle, replayer, decay)
+    weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
+    coefficients = _coefficients(plan, replayer.lr, last, idle, done, weights)  # (rows, _TERMS)
     inv = 1 / jnp.sqrt(v)
     z = jnp.asarray(hp.eps, jnp.float32) * inv
     moving = broadcast_rows(idle > 0, p.ndim)
     # Taken step by step: elements the series does not reach float32 resolution for in _TERMS terms (tiny or
-    # zero v, NaN), and nothing else; a row with none runs no step.
-    by_steps = moving & ~(z * plan.binv <= _RATIO)
+    # zero v, NaN), and nothing else; a row with none runs no step. Where m == 0 the idle steps move nothing.
+    by_steps = moving & ~(z * plan.binv <= _RATIO) & (m != 0)
     rows_by_steps = jnp.any(by_steps, axis=tuple(range(1, p.ndim))) if p.ndim > 1 else by_steps
     c = [broadcast_rows(coefficients[:, j], p.ndim) for j in range(_TERMS)]
     series = c[-1]
     for cj in reversed(c[:-1]):
         series = cj - z * series  # Horner: sum_j (-z)^j C_j
-    shift = jnp.where(moving & ~by_steps, -(m * inv) * series, 0.0)
+    shift = jnp.where(moving & ~by_steps & (m != 0), -(m * inv) * series, 0.0)
     p_steps = jax.lax.cond(
         jnp.any(rows_by_steps),
-        lambda: _replay_steps(p, m, v, last, jnp.where(rows_by_steps, idle, 0), replayer)[0],
+        lambda: _replay_steps(p, m, v, last, jnp.where(rows_by_steps, idle, 0), replayer, decay)[0],
         lambda: p,
     )
-    p_new = jnp.where(by_steps, p_steps, (p + shift).astype(p.dtype))
+    scaled = p if weights is None else broadcast_rows(weights.rows, p.ndim) * p
+    p_new = jnp.where(by_steps, p_steps, (scaled + shift).astype(p.dtype))
     rest = broadcast_rows(idle.astype(jnp.float32), m.ndim)
     return p_new, (m * _power(hp.b1, rest)).astype(m.dtype), (v * _power(hp.b2, rest)).astype(v.dtype)
 
@@ -198,7 +242,7 @@ def _concrete(x: Any) -> float | None:
     return None
 
 
-def _series_plan(replayer: Replayer, *dtypes: Any) -> _SeriesPlan | None:
+def _series_plan(replayer: Replayer, *dtypes: Any, decay: Decay | None = None) -> _SeriesPlan | None:
     """The closed form's plan, or ``None`` where the idle steps are taken one by one: rows not all float32 (the
     steps round to the row's dtype each time), ``eps_root != 0`` (no series in ``z``), betas traced
     (``inject_hyperparams``), or ``b1`` so close to ``sqrt(b2)`` that ``idle_cap`` exceeds ``_MAX_CAP``."""
@@ -214,7 +258,9 @@ def _series_plan(replayer: Replayer, *dtypes: Any) -> _SeriesPlan | None:
         return None
     rho = b1 * b2 ** (-(np.arange(_TERMS) + 1) / 2)
     rates = _AdamRates(b1, b2, hp.eps_placement, hp)
-    table = _long_idle_table(replayer.learning_rate, rates, max(b1, b2), cap, rho)
+    # With decay and a constant rate, the table's k-th term carries gamma^-k; the row's gamma^idle multiplies it.
+    table_rho = rho if decay is None or decay.log_gamma is None else rho * math.exp(-decay.log_gamma)
+    table = _long_idle_table(replayer.learning_rate, rates, max(b1, b2), cap, table_rho)
     return _SeriesPlan(cap=cap, rho=rho, binv=b2 ** (-cap / 2), table=table, rates=rates)
 
 
@@ -277,11 +323,31 @@ def _table(lr: float, rates: Rates, beta: float, cap: int, rho_terms: tuple[floa
     return table.astype(np.float32)
 
 
+class _DecayWeights:
+    """AdamW's weights of the idle steps, for :func:`_coefficients` and :func:`replay`: over the window of the last
+    ``K`` steps, ``after[o]``, the product of ``gamma`` over the ``o`` steps after step ``done - o`` (the weight of
+    that step's displacement); per row, ``rows``, the product over all its idle steps (the scale of the row)."""
+
+    def __init__(self, decay: Decay, replayer: Replayer, idle: jax.Array, done: jax.Array, cap: int) -> None:
+        self.decay, self.replayer = decay, replayer
+        logs = jnp.cumsum(decay.log(replayer, done - jnp.arange(max(cap, 1), dtype=jnp.int32)))
+        through = jnp.exp(logs)  # through[o]: the product over steps done - o .. done
+        self.after = jnp.exp(jnp.concatenate([jnp.zeros(1, jnp.float32), logs[:-1]]))
+        self.far = decay.far(idle)
+        recent = through[jnp.clip(idle - 1, 0, through.shape[0] - 1)]
+        self.rows = jnp.where(idle > cap, self.far, jnp.where(idle > 0, recent, 1.0))
+
+
 def _coefficients(
-    plan: _SeriesPlan, lr: Callable[[jax.Array], jax.Array], last: jax.Array, idle: jax.Array, done: jax.Array
+    plan: _SeriesPlan,
+    lr: Callable[[jax.Array], jax.Array],
+    last: jax.Array,
+    idle: jax.Array,
+    done: jax.Array,
+    weights: _DecayWeights | None = None,
 ) -> jax.Array:
     """``C_j`` per row, shape ``(*last.shape, terms)``: zeros where ``idle == 0``. ``lr(d)``: the learning rate
-    of the step after ``d`` steps."""
+    of the step after ``d`` steps. With ``weights`` each idle step's term carries the decay of the steps after it."""
     terms = plan.rho.size
     if plan.cap == 0:  # b1 == 0: idle steps do not move a row
         return jnp.zeros((*last.shape, terms), jnp.float32)
@@ -290,6 +356,8 @@ def _coefficients(
     # C(d) = rho (h(done - d + 1) + C(d - 1)), one associative scan over the last K steps.
     tau = done - jnp.arange(plan.cap, dtype=jnp.int32)
     h = jnp.where((tau >= 1)[:, None], plan.rates(tau, lr(jnp.maximum(tau, 1) - 1), jnp), 0.0)
+    if weights is not None:
+        h = h * weights.after[:, None]
     a = jnp.broadcast_to(rho, h.shape)
 
     def combine(x: tuple[jax.Array, jax.Array], y: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -301,56 +369,81 @@ def _coefficients(
     if plan.table is not None:
         far = jnp.asarray(plan.table)[jnp.clip(last, 0, plan.table.shape[0] - 1)]
     else:
-        far = _long_idle_loop(plan, lr, last, long_idle)
+        far = _long_idle_loop(plan, lr, last, long_idle, weights)
+    if weights is not None:  # the table's or the loop's terms carry 1 / (the decay of the steps up to theirs)
+        far = far * weights.far[:, None]
     out = jnp.where(long_idle[:, None], far, recent)
     return jnp.where((idle > 0)[:, None], out, 0.0)
 
 
 def _long_idle_loop(
-    plan: _SeriesPlan, lr: Callable[[jax.Array], jax.Array], last: jax.Array, rows: jax.Array
+    plan: _SeriesPlan,
+    lr: Callable[[jax.Array], jax.Array],
+    last: jax.Array,
+    rows: jax.Array,
+    weights: _DecayWeights | None = None,
 ) -> jax.Array:
     """``G_j(last)`` for the ``rows`` idle more than ``K`` steps, one step at a time (a schedule, or bias
-    corrections too long for a table); nothing runs where no row is."""
+    corrections too long for a table); nothing runs where no row is. With ``weights`` the ``k``-th term is divided
+    by the decay of the row's first ``k`` idle steps."""
     rho = jnp.asarray(plan.rho, jnp.float32)
 
     def run(last: jax.Array) -> jax.Array:
-        def body(k: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            total, power = carry
+        def body(k: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            total, power, through = carry
             power = power * rho[None, :]
             tau = last + k
-            return total + plan.rates(tau, lr(tau - 1), jnp) * power, power
+            term = plan.rates(tau, lr(tau - 1), jnp) * power
+            if weights is not None:  # through: the log of the decay of the row's first k idle steps
+                through = through + weights.decay.log(weights.replayer, tau)[:, None]
+                term = term * jnp.exp(-through)
+            return total + term, power, through
 
         zeros = jnp.zeros((*last.shape, plan.rho.size), jnp.float32)
-        return jax.lax.fori_loop(1, plan.cap + 1, body, (zeros, jnp.ones_like(zeros)))[0]
+        return jax.lax.fori_loop(1, plan.cap + 1, body, (zeros, jnp.ones_like(zeros), zeros))[0]
 
     return jax.lax.cond(jnp.any(rows), run, lambda last: jnp.zeros((*last.shape, plan.rho.size), jnp.float32), last)
 
 
 def _replay_steps(
-    p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, idle: jax.Array, replayer: Replayer
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    last: jax.Array,
+    idle: jax.Array,
+    replayer: Replayer,
+    decay: Decay | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`replay` step by step, in dense Adam's own arithmetic, for ``idle`` steps per row."""
+    """:func:`replay` step by step, in dense Adam's own arithmetic (AdamW's with ``decay``), for ``idle`` steps per
+    row; with ``decay`` the steps past the first ``K`` still decay the row."""
     hp = replayer.hp
     n = jnp.minimum(idle, idle_cap(hp.b1, hp.b2))
 
-    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
     def cond(carry: Carry) -> jax.Array:
         return carry[0] < jnp.max(n, initial=0)
 
     def body(carry: Carry) -> Carry:
-        k, p, m, v = carry
+        k, p, m, v, through = carry
         k = k + 1
         tau = last + k  # the idle step's count, as Adam's bias corrections take it
         active = broadcast_rows(k <= n, p.ndim)
         m_new = (hp.b1 * m).astype(m.dtype)
         v_new = (hp.b2 * v).astype(v.dtype)
         step = _idle_step(m_new, v_new, tau, hp)
+        if decay is not None:  # as optax.add_decayed_weights
+            step = step + decay.weight_decay * p.astype(step.dtype)
+            through = jnp.where(k <= n, through + decay.log(replayer, tau), through)
         lr = replayer.lr(tau - 1)
         p_new = (p + broadcast_rows(-lr, p.ndim).astype(step.dtype) * step).astype(p.dtype)
-        return k, jnp.where(active, p_new, p), jnp.where(active, m_new, m), jnp.where(active, v_new, v)
+        return k, jnp.where(active, p_new, p), jnp.where(active, m_new, m), jnp.where(active, v_new, v), through
 
-    _, p, m, v = jax.lax.while_loop(cond, body, (jnp.zeros([], jnp.int32), p, m, v))
+    start = (jnp.zeros([], jnp.int32), p, m, v, jnp.zeros(idle.shape, jnp.float32))
+    _, p, m, v, through = jax.lax.while_loop(cond, body, start)
+    if decay is not None:  # the idle steps past the first K decay the row, and move it by less than 2**-24
+        rest_decay = jnp.where(idle > n, decay.far(idle) * jnp.exp(-through), 1.0)
+        p = (broadcast_rows(rest_decay, p.ndim) * p).astype(p.dtype)
     rest = broadcast_rows((idle - n).astype(jnp.float32), m.ndim)
     m = (m * _power(hp.b1, rest)).astype(m.dtype)
     v = (v * _power(hp.b2, rest)).astype(v.dtype)
@@ -481,7 +574,7 @@ def catch_up_adam(
         def plain(path: Any, g: Any, m: Any, v: Any, last: Any, p: Any) -> tuple[Any, Any, Any]:
             if g is None or is_sparse(g):
                 return None, None, None
-            return g, m, v
+            return check_dense_gradient(path, g, jnp.shape(p), _WHERE), m, v
 
         plain_g, plain_m, plain_v = map_rule(plain, updates, trees, _WHERE, 3)
         dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # as optax.adam
@@ -500,9 +593,9 @@ def catch_up_adam(
         out, mu, nu, last_step = map_rule(leaf, updates, trees, _WHERE, 4)
         return out, CatchUpAdamState(count=count, mu=mu, nu=nu, last_step=last_step)
 
-    def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
+    def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, state: Any, info: Any) -> Any:
         m, v = moments
-        p, m, v = replay(p, m, v, last, done, replayer)
+        p, m, v = replay(p, m, v, last, state.count, replayer)
         return p, (m, v)
 
     rows = RowReplay(CatchUpAdamState, ("mu", "nu"), replay_rows)
@@ -515,14 +608,27 @@ class RowReplay:
 
     Attributes:
       state_type: Its state's type: a NamedTuple with ``count``, ``last_step`` and the per-element ``moments``.
-      moments: The names of the state's per-element fields, in the order ``replay`` takes them.
-      replay: ``replay(p, moments, last, done) -> (p, moments)``: rows last moved at step ``last`` (per row)
-        brought up to step ``done``, as the optimizer's update replays them.
+      moments: The names of the state's per-element (or per-row) fields, in the order ``replay`` takes them.
+      replay: ``replay(p, moments, last, state, info) -> (p, moments)``: rows last moved at step ``last`` (per
+        row) brought up to the state's step, as the optimizer's update replays them; ``info`` is the leaf's entry
+        of ``infos(params)``.
+      infos: What ``replay`` needs to know of each parameter leaf (AdamW: whether its mask decays it), from the
+        parameters; ``None`` for every leaf by default.
+      fresh_rows_move: Whether a row that never moved changes over idle steps (AdamW's decay), so that
+        :func:`catch_up` marks it up to date too.
     """
 
     state_type: type
     moments: tuple[str, ...]
-    replay: Callable[[jax.Array, tuple[jax.Array, ...], jax.Array, jax.Array], Any]
+    replay: Callable[[jax.Array, tuple[jax.Array, ...], jax.Array, Any, Any], Any]
+    infos: Callable[[Any], list[Any]] | None = None
+    fresh_rows_move: bool = False
+
+    def leaf_infos(self, params: Any) -> list[Any]:
+        """``infos(params)``, or ``None`` for each leaf."""
+        if self.infos is None:
+            return [None] * len(jax.tree.leaves(params, is_leaf=is_leaf))
+        return self.infos(params)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -544,8 +650,9 @@ def find(tx: Any, state: Any, where: str, params_structure: Any) -> tuple[RowRep
     update = getattr(tx, "update", None)
     if not isinstance(update, CatchUpUpdate):
         raise TypeError(
-            f"{where}: the optimizer must be one built with catch_up=True (osa.sparse_adam, sparse_amsgrad or "
-            f"sparse_sgd with momentum) itself, not wrapped or chained further; got {type(tx).__name__}"
+            f"{where}: the optimizer must be one built with catch_up=True (osa.sparse_adam, sparse_adamw, "
+            f"sparse_amsgrad or sparse_sgd with momentum) itself, not wrapped or chained further; got "
+            f"{type(tx).__name__}"
         )
     kind = update.rows.state_type
     found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(x, kind)]
@@ -583,7 +690,8 @@ def catch_up(
 
     Args:
       tx: An optimizer built with ``catch_up=True``: :func:`sparse_adam`,
-        :func:`sparse_amsgrad`, or :func:`sparse_sgd` with momentum.
+        :func:`sparse_adamw`, :func:`sparse_amsgrad`, or :func:`sparse_sgd`
+        with momentum.
       params: The parameters.
       opt_state: ``tx``'s state.
 
@@ -611,16 +719,152 @@ def catch_up(
     rows, state = find(tx, opt_state, "catch_up", structure)
     names = rows.moments
 
-    def leaf(path: Any, p: Any, last: Any, *moments: Any) -> tuple[Any, ...]:
+    def leaf(path: Any, p: Any, info: Any, last: Any, *moments: Any) -> tuple[Any, ...]:
         if jnp.shape(p) != jnp.shape(moments[0]):
             raise param_error(
                 ValueError, "catch_up", path, f"shape {jnp.shape(p)} but its {names[0]} has {jnp.shape(moments[0])}"
             )
-        p, moments = rows.replay(jnp.asarray(p), moments, last, state.count)
-        return p, jnp.where(last > 0, state.count, last), *moments
+        p, moments = rows.replay(jnp.asarray(p), moments, last, state, info)
+        return p, jnp.where((last > 0) | rows.fresh_rows_move, state.count, last), *moments
 
     flat = [jax.tree.leaves(getattr(state, name), is_leaf=is_leaf) for name in ("last_step", *names)]
-    outs = [leaf(path, p, *xs) for (path, p), *xs in zip(path_leaves, *flat, strict=True)]
+    infos = rows.leaf_infos(params)
+    outs = [leaf(path, p, info, *xs) for (path, p), info, *xs in zip(path_leaves, infos, *flat, strict=True)]
     new_params, last, *moments = (structure.unflatten([o[i] for o in outs]) for i in range(2 + len(names)))
     new = state._replace(last_step=last, **dict(zip(names, moments, strict=True)))
     return new_params, _replace(opt_state, new)
+
+
+class CatchUpAdamWState(NamedTuple):
+    """State of ``sparse_adamw(..., catch_up=True)``.
+
+    Attributes:
+      count: Global step count, an int32 scalar.
+      mu: First moments, as :class:`optax.ScaleByAdamState`'s.
+      nu: Second moments, as :class:`optax.ScaleByAdamState`'s.
+      last_step: Per row (shape ``p.shape[:1]``, int32): the step through which the row is up to date, 0 for a row
+        that never moved.
+      log_decay: The sum over the steps taken of ``log(1 - lr_t * weight_decay)``, a float32 pair (the sum and
+        its compensation, summed as Kahan's algorithm does).
+      decay_mark: Per row (shape ``p.shape[:1]``, float32): ``log_decay`` when the row was last up to date. The
+        difference is the log of the decay over the row's idle steps, which a learning-rate schedule leaves with no
+        closed form.
+    """
+
+    count: jax.Array  # type: ignore[assignment]  # Adam's field name, as in optax's states
+    mu: optax.Updates
+    nu: optax.Updates
+    last_step: optax.Updates
+    log_decay: jax.Array
+    decay_mark: optax.Updates
+
+
+def catch_up_adamw(
+    learning_rate: optax.ScalarOrSchedule, hp: AdamHyperparams, mu_dtype: Any, weight_decay: Any, mask: Any
+) -> optax.GradientTransformationExtraArgs:
+    """AdamW whose touched rows first replay their idle steps, decay included (``sparse_adamw(catch_up=True)``).
+    Under ``inject_hyperparams`` (a traced learning rate or weight decay) the idle steps' decay is read from the
+    state's record, and their learning rate is the current one, as for ``sparse_adam``."""
+    where = "sparse_adamw(catch_up=True)"
+    replayer = Replayer(learning_rate, hp)
+    lr_const, wd_const = _concrete(learning_rate), _concrete(weight_decay)
+    decaying = wd_const is None or wd_const != 0.0
+    log_gamma = None if lr_const is None or wd_const is None else math.log1p(-lr_const * wd_const)
+
+    def flags_of(params: Any) -> list[bool]:
+        tree = mask_tree(True if mask is None else mask, params, "mask", where)
+        return [bool(f) for f in jax.tree.leaves(tree, is_leaf=is_leaf)]
+
+    def decay_of(flag: bool, far_log: jax.Array | None) -> Decay | None:
+        if not flag or not decaying:
+            return None
+        return Decay(weight_decay, log_gamma, None if log_gamma is not None else far_log)
+
+    def init_fn(params: optax.Params) -> CatchUpAdamWState:
+        check_params(params, where)
+        flags_of(params)  # checks the mask against the parameters
+        per_row = jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.float32), params)
+        return CatchUpAdamWState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+            nu=optax.tree.zeros_like(params),
+            last_step=jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params),
+            log_decay=jnp.zeros(2, jnp.float32),
+            decay_mark=per_row,
+        )
+
+    def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, state: Any, flag: bool) -> Any:
+        m, v, mark = moments
+        decay = decay_of(flag, state.log_decay[0] - mark)
+        p, m, v = replay(p, m, v, last, state.count, replayer, decay)
+        return p, (m, v, jnp.full_like(mark, state.log_decay[0]))
+
+    def update_fn(
+        updates: optax.Updates, state: CatchUpAdamWState, params: optax.Params | None = None, **extra_args: Any
+    ) -> tuple[optax.Updates, CatchUpAdamWState]:
+        del extra_args
+        check_state(state, CatchUpAdamWState, where)
+        if params is None:
+            raise ValueError(f"{where}: catching up needs the parameters: call update(grads, state, params)")
+        done, count = state.count, optax.safe_increment(state.count)
+        lr = replayer.lr(done)
+        # Kahan's sum of log(1 - lr_t wd): the record a schedule's idle steps are decayed from.
+        term = jnp.log1p(-jnp.asarray(lr, jnp.float32) * jnp.asarray(weight_decay, jnp.float32)) - state.log_decay[1]
+        total = state.log_decay[0] + term
+        log_decay = jnp.stack([total, (total - state.log_decay[0]) - term])
+        flags = flags_of(params)
+        trees = [
+            (state.mu, "optimizer state's mu"),
+            (state.nu, "optimizer state's nu"),
+            (state.last_step, "optimizer state's last_step"),
+            (state.decay_mark, "optimizer state's decay_mark"),
+            (params, "parameters"),
+        ]
+
+        def plain(path: Any, g: Any, m: Any, v: Any, last: Any, mark: Any, p: Any) -> tuple[Any, Any, Any]:
+            if g is None or is_sparse(g):
+                return None, None, None
+            return check_dense_gradient(path, g, jnp.shape(p), where), m, v
+
+        plain_g, plain_m, plain_v = map_rule(plain, updates, trees, where, 3)
+        dense = _dense_adam(plain_g, plain_m, plain_v, done, hp)  # as optax.adamw's scale_by_adam
+
+        def rule_for(flag: bool) -> Rule:
+            decays = flag and decaying
+
+            def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
+                (m0, v0, last, mark), (p0,) = st, reads
+                p, m, v = replay(p0, m0, v0, last, done, replayer, decay_of(flag, state.log_decay[0] - mark))
+                m, v = _moments(g, m, v, hp)
+                u = _step(m, v, count, hp)
+                if decays:  # as optax.add_decayed_weights, on the caught-up row
+                    u = u + jnp.asarray(weight_decay, u.dtype) * p.astype(u.dtype)
+                step = _scaled(u, lr)
+                idle = done - last if decays else jnp.where(last > 0, done - last, 0)
+                moved = broadcast_rows(idle > 0, p0.ndim)
+                # A row that replayed idle steps: the update takes it to where dense AdamW's steps took it.
+                caught = jnp.asarray(p + step).astype(p.dtype).astype(step.dtype) - p0.astype(step.dtype)
+                new_mark = jnp.full_like(mark, log_decay[0])
+                return jnp.where(moved, caught, step), (m, v, jnp.full_like(last, count), new_mark)
+
+            return rule
+
+        def leaf(path: Any, g: Any, m: Any, v: Any, last: Any, mark: Any, p: Any, *rest: Any) -> Any:
+            *dense_out, flag = rest
+            du, dm, dv = dense_out
+            if g is None:
+                return None, m, v, last, mark
+            if not is_sparse(g):
+                u = du + weight_decay * p if flag and decaying else du  # as optax.adamw
+                return _scaled(u, lr), dm, dv, jnp.full_like(last, count), jnp.full_like(mark, log_decay[0])
+            shape = jnp.shape(p)
+            out, new = apply_rule(path, g, shape, (m, v, last, mark), (p,), rule_for(flag), where, whole_rows=True)
+            return (out, *new)
+
+        flag_tree = jax.tree.unflatten(jax.tree.structure(params, is_leaf=is_leaf), flags)
+        trees += [(tree, "dense step") for tree in dense] + [(flag_tree, "mask")]
+        out, mu, nu, last_step, decay_mark = map_rule(leaf, updates, trees, where, 5)
+        return out, CatchUpAdamWState(count, mu, nu, last_step, log_decay, decay_mark)
+
+    rows = RowReplay(CatchUpAdamWState, ("mu", "nu", "decay_mark"), replay_rows, flags_of, decaying)
+    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, rows))

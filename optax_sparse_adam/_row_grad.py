@@ -682,17 +682,19 @@ def _check_ids_dtype(where: str, name: str, dtype: Any) -> None:
         raise TypeError(f"{where}: the ids for {name} must be integers, got dtype {dtype}")
 
 
-def _caught_up(lookups: dict[int, RowLookup], tx: Any, opt_state: Any, treedef: Any) -> dict[int, RowLookup]:
+def _caught_up(
+    lookups: dict[int, RowLookup], tx: Any, opt_state: Any, params: Any, treedef: Any
+) -> dict[int, RowLookup]:
     """The lookups with each row's idle steps replayed, as ``tx`` (a catch-up optimizer) will replay them."""
     where = "value_and_row_grad(..., catch_up=tx)"
     if opt_state is None:
         raise TypeError(f"{where}: pass the optimizer's state as the keyword argument opt_state")
     replay, state = _catch_up.find(tx, opt_state, where, treedef)
     last, *moments = (jax.tree.leaves(getattr(state, f), is_leaf=is_leaf) for f in ("last_step", *replay.moments))
-    out = {}
+    infos, out = replay.leaf_infos(params), {}
     for i, lk in lookups.items():
         taken = tuple(take_rows(x[i], lk.indices) for x in moments)
-        rows, _ = replay.replay(lk.rows, taken, take_rows(last[i], lk.indices), state.count)
+        rows, _ = replay.replay(lk.rows, taken, take_rows(last[i], lk.indices), state, infos[i])
         out[i] = dataclasses.replace(lk, rows=rows)
     return out
 
@@ -747,8 +749,8 @@ def value_and_row_grad(
         tree. Each selected leaf, in order, is paired with one leaf of ``ids``.
       has_aux: Whether ``fun`` returns ``(value, aux)``.
       catch_up: An optimizer built with ``catch_up=True``
-        (:func:`sparse_adam`, :func:`sparse_amsgrad`, or :func:`sparse_sgd`
-        with momentum): the returned function then takes its state as the
+        (:func:`sparse_adam`, :func:`sparse_adamw`, :func:`sparse_amsgrad`, or
+        :func:`sparse_sgd` with momentum): the returned function then takes its state as the
         keyword argument ``opt_state`` and hands ``fun`` each row as the dense
         optimizer would hold it,
         with the steps the row sat out replayed (the optimizer's ``update``
@@ -799,7 +801,7 @@ def value_and_row_grad(
                 start += f.shape[0]
         positions_tree = given.with_positions(positions)
         if catch_up is not None:
-            lookups = _caught_up(lookups, catch_up, opt_state, treedef)
+            lookups = _caught_up(lookups, catch_up, opt_state, params, treedef)
 
         def inner(diff: list[Any]) -> Any:
             return fun(treedef.unflatten(diff), positions_tree, *args, **kwargs)

@@ -226,7 +226,9 @@ def _catch_up_sgd(
         out, trace, last_step = map_rule(leaf, updates, trees, where, 3)
         return out, CatchUpSgdState(count=count, trace=trace, last_step=last_step)
 
-    rows = RowReplay(CatchUpSgdState, ("trace",), replay_rows)
+    rows = RowReplay(
+        CatchUpSgdState, ("trace",), lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count)
+    )
     return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, rows))
 
 

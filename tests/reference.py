@@ -60,6 +60,9 @@ class LazyVariantReference:
     ``rule`` is one of ``"adamw"``, ``"adamw_catch_up"``, ``"amsgrad"``,
     ``"rowwise_adam"``, ``"rowwise_adam_per_row"``, ``"rowwise_adagrad"``,
     ``"rowwise_adagrad_decoupled"``. A row index out of range is padding.
+    ``"adamw_catch_up"`` is dense AdamW on every row (zeros where no
+    gradient is), of which ``p`` shows a row as of the last step that
+    touched it: the rows the optimizer stores.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class LazyVariantReference:
         self.acc = np.full(n, initial_accumulator_value, np.float64)
         self.row_count = np.zeros(n, np.int64)
         self.last = np.zeros(n, np.int64)
+        self.dense = self.p.copy()
         self.t = 0
 
     def step(self, rows: list[int], values: list[np.ndarray]) -> None:
@@ -93,6 +97,17 @@ class LazyVariantReference:
             if 0 <= r < self.p.shape[0]:
                 summed[r] = summed.get(r, 0.0) + np.asarray(value, np.float64)
         b1, b2, eps, lr, wd = self.b1, self.b2, self.eps, self.lr, self.wd
+        if self.rule == "adamw_catch_up":
+            full = np.zeros_like(self.dense)
+            for r, g in summed.items():
+                full[r] = g
+            self.m = b1 * self.m + (1 - b1) * full
+            self.v = b2 * self.v + (1 - b2) * full * full
+            u = (self.m / (1 - b1**t)) / (np.sqrt(self.v / (1 - b2**t)) + eps)
+            self.dense = self.dense - lr * (u + wd * self.dense)
+            for r in summed:
+                self.p[r] = self.dense[r]
+            return
         for r, g in summed.items():
             if self.rule.startswith("rowwise_adagrad"):
                 if self.rule == "rowwise_adagrad":
@@ -118,7 +133,4 @@ class LazyVariantReference:
                 self.p[r] = self.p[r] - lr * u
                 continue
             u = (self.m[r] / (1 - b1**t)) / (np.sqrt(self.v[r] / (1 - b2**t)) + eps)
-            if self.rule == "adamw_catch_up":
-                self.p[r] = self.p[r] * (1 - lr * wd) ** (t - self.last[r] - 1)
-                self.last[r] = t
             self.p[r] = self.p[r] - lr * (u + wd * self.p[r])

@@ -42,8 +42,11 @@ def _loss(params: Any, ids: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((params["emb"][ids] @ jnp.asarray(W) - y) ** 2)
 
 
-def _dense_adam64(batches: list, lr: Any, b1: float, b2: float, eps: float, eps_root: float, torch: bool) -> dict:
-    """Dense Adam in float64: the losses and gradients it sees, its final parameters and moments."""
+def _dense_adam64(
+    batches: list, lr: Any, b1: float, b2: float, eps: float, eps_root: float, torch: bool, weight_decay: float = 0.0
+) -> dict:
+    """Dense Adam (AdamW with ``weight_decay``) in float64: the losses and gradients it sees, its final parameters
+    and moments."""
     p = EMB0.astype(np.float64)
     m, v = np.zeros_like(p), np.zeros_like(p)
     losses, grads = [], []
@@ -57,9 +60,10 @@ def _dense_adam64(batches: list, lr: Any, b1: float, b2: float, eps: float, eps_
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         a = float(lr(t - 1)) if callable(lr) else lr
         if torch:
-            p = p - a * np.sqrt(bc2) / bc1 * m / (np.sqrt(v + eps_root) + eps)
+            u = np.sqrt(bc2) / bc1 * m / (np.sqrt(v + eps_root) + eps)
         else:
-            p = p - a * (m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)
+            u = (m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)
+        p = p - a * (u + weight_decay * p)
     return {"loss": np.array(losses), "grad": grads, "p": p, "m": m, "v": v}
 
 
@@ -125,21 +129,33 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+ADAMW_CASES = {
+    "adamw": {"weight_decay": 0.1},
+    "adamw schedule": {
+        "weight_decay": 0.5,
+        "learning_rate": optax.warmup_cosine_decay_schedule(0.0, 2e-2, 50, STEPS, 1e-3),
+    },
+    "adamw b1=0.99 eps_root": {"weight_decay": 0.3, "b1": 0.99, "eps_root": 1e-8},
+    "adamw torch": {"weight_decay": 0.1, "eps_placement": "torch"},
+}
+
+
+@pytest.mark.parametrize("case", [*CASES, *ADAMW_CASES])
 def test_catch_up_equals_dense_adam_over_a_zipf_run(case: str) -> None:
-    kw = {"learning_rate": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0, **CASES[case]}
+    """Adam, and AdamW (``sparse_adamw(catch_up=True)`` against ``optax.adamw``): every row decays every step,
+    those never touched too, and a schedule's idle steps decay at their own rates (from the state's record, for rows
+    idle longer than the window)."""
+    kw = {"learning_rate": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0, **{**CASES, **ADAMW_CASES}[case]}
     torch = kw.pop("eps_placement", "optax") == "torch"
     batches = _batches(seed=len(case))
     lr = kw["learning_rate"]
-    ref = _dense_adam64(batches, lr, kw["b1"], kw["b2"], kw["eps"], kw["eps_root"], torch)
+    ref = _dense_adam64(batches, lr, kw["b1"], kw["b2"], kw["eps"], kw["eps_root"], torch, kw.get("weight_decay", 0))
     opts = {"eps_placement": "torch" if torch else "optax"}
-    # Float32 dense Adam: optax.adam itself, or for torch's placement the lazy rule fed every row (zeros elsewhere).
-    if torch:
-        f32 = _train(osa.sparse_adam(**kw, **opts), batches, "every row")
-    else:
-        f32 = _train(optax.adam(**kw), batches, "dense")
-    caught = _train(osa.sparse_adam(**kw, **opts, catch_up=True), batches, "caught")
-    lazy = _train(osa.sparse_adam(**kw, **opts), batches, "rows")
+    ours, theirs = (osa.sparse_adamw, optax.adamw) if "weight_decay" in kw else (osa.sparse_adam, optax.adam)
+    # Float32 dense Adam: optax's itself, or for torch's placement the lazy rule fed every row (zeros elsewhere).
+    f32 = _train(ours(**kw, **opts), batches, "every row") if torch else _train(theirs(**kw), batches, "dense")
+    caught = _train(ours(**kw, **opts, catch_up=True), batches, "caught")
+    lazy = _train(ours(**kw, **opts), batches, "rows")
     e32, ecu, elazy = _errors(f32, ref), _errors(caught, ref), _errors(lazy, ref)
     for key in e32:
         assert ecu[key] <= 2 * e32[key] + 1e-6, (key, ecu, e32)
@@ -350,7 +366,8 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match=r"call update\(grads, state, params\)"):
         tx.update(g, tx.init(p))
     with pytest.raises(
-        TypeError, match=r"catch_up=True \(osa.sparse_adam, sparse_amsgrad or sparse_sgd with momentum\) itself"
+        TypeError,
+        match=r"catch_up=True \(osa.sparse_adam, sparse_adamw, sparse_amsgrad or sparse_sgd with momentum\) itself",
     ):
         osa.catch_up(osa.sparse_adam(1e-2), p, osa.sparse_adam(1e-2).init(p))
     grad_fn = osa.value_and_row_grad(lambda p, ids: p[ids].sum(), lambda p: p, catch_up=tx)
