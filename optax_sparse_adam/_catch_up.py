@@ -659,13 +659,24 @@ def find(tx: Any, state: Any, where: str, params_structure: Any) -> tuple[RowRep
     if len(found) != 1:
         raise ValueError(f"{where}: the optimizer state must hold one {kind.__name__}, it holds {len(found)}")
     first = update.rows.moments[0]
-    structure = jax.tree.structure(getattr(found[0], first), is_leaf=is_leaf)
+    structure = jax.tree.structure(getattr(found[0], first), is_leaf=_is_leaf_or_masked)
     if structure != params_structure:
         raise ValueError(
             f"{where}: the optimizer state's {first} has structure {structure} but the parameters "
             f"have {params_structure}; pass the parameters and the state built for them"
         )
     return update.rows, found[0]
+
+
+def _is_leaf_or_masked(x: Any) -> bool:
+    """A leaf, or where a partition (``partition_tables``, ``optax.multi_transform``) gave the leaf to another
+    optimizer, the ``optax.MaskedNode`` that holds its place in this one's state."""
+    return is_leaf(x) or isinstance(x, optax.MaskedNode)
+
+
+def state_leaves(tree: Any) -> list[Any]:
+    """The leaves of a state field, with a ``MaskedNode`` for each parameter another optimizer owns."""
+    return jax.tree.leaves(tree, is_leaf=_is_leaf_or_masked)
 
 
 def _replace(state: Any, new: Any) -> Any:
@@ -720,6 +731,8 @@ def catch_up(
     names = rows.moments
 
     def leaf(path: Any, p: Any, info: Any, last: Any, *moments: Any) -> tuple[Any, ...]:
+        if isinstance(last, optax.MaskedNode):  # a parameter another optimizer of a partition owns
+            return p, last, *moments
         if jnp.shape(p) != jnp.shape(moments[0]):
             raise param_error(
                 ValueError, "catch_up", path, f"shape {jnp.shape(p)} but its {names[0]} has {jnp.shape(moments[0])}"
@@ -727,7 +740,7 @@ def catch_up(
         p, moments = rows.replay(jnp.asarray(p), moments, last, state, info)
         return p, jnp.where((last > 0) | rows.fresh_rows_move, state.count, last), *moments
 
-    flat = [jax.tree.leaves(getattr(state, name), is_leaf=is_leaf) for name in ("last_step", *names)]
+    flat = [state_leaves(getattr(state, name)) for name in ("last_step", *names)]
     infos = rows.leaf_infos(params)
     outs = [leaf(path, p, info, *xs) for (path, p), info, *xs in zip(path_leaves, infos, *flat, strict=True)]
     new_params, last, *moments = (structure.unflatten([o[i] for o in outs]) for i in range(2 + len(names)))

@@ -25,6 +25,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax_sparse_adam import _catch_up
 from optax_sparse_adam._coalesce import pack_distinct
@@ -690,9 +691,14 @@ def _caught_up(
     if opt_state is None:
         raise TypeError(f"{where}: pass the optimizer's state as the keyword argument opt_state")
     replay, state = _catch_up.find(tx, opt_state, where, treedef)
-    last, *moments = (jax.tree.leaves(getattr(state, f), is_leaf=is_leaf) for f in ("last_step", *replay.moments))
+    last, *moments = (_catch_up.state_leaves(getattr(state, f)) for f in ("last_step", *replay.moments))
     infos, out = replay.leaf_infos(params), {}
     for i, lk in lookups.items():
+        if isinstance(last[i], optax.MaskedNode):
+            raise ValueError(
+                f"{where}: table {i} of the tables is not trained by the catch-up optimizer given (its state holds "
+                "no rows for it): pass the optimizer that trains the tables, e.g. partition_tables' tables_tx"
+            )
         taken = tuple(take_rows(x[i], lk.indices) for x in moments)
         rows, _ = replay.replay(lk.rows, taken, take_rows(last[i], lk.indices), state, infos[i])
         out[i] = dataclasses.replace(lk, rows=rows)
