@@ -10,7 +10,7 @@ import optax
 
 from optax_sparse_adam._adam import EpsPlacement, _catch_up_hyperparams, scale_by_sparse_adam
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state, mask_tree
-from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape
+from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows
 
@@ -112,14 +112,14 @@ def lazy_decoupled_weight_decay(
             def rule(u: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
                 (last_rows,), (p_rows,) = st, reads
                 if not decays:
-                    return -lr * u, (jnp.full_like(last_rows, count),)
+                    return -lr * u, (stamp(last_rows, count),)
                 # In float32 at least: in bfloat16, 1 - lr * wd rounds to 1 for lr * wd < 0.002, losing the decay.
                 dtype = jnp.promote_types(p_rows.dtype, jnp.float32)
                 idle = broadcast_rows((count - last_rows - 1).astype(dtype), p_rows.ndim)
                 p_wide = p_rows.astype(dtype)
                 caught = jnp.exp(idle * jnp.log1p(-jnp.asarray(lr * weight_decay, dtype))) * p_wide
                 step = -lr * (u + weight_decay * caught) + (caught - p_wide)
-                return step, (jnp.full_like(last_rows, count),)
+                return step, (stamp(last_rows, count),)
 
             out, (new_last,) = apply_rule(path, u, jnp.shape(p), (last,), (p,), rule, _WHERE, whole_rows=True)
             return out, new_last

@@ -21,7 +21,7 @@ import optax
 
 from optax_sparse_adam import _catch_up
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
-from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape
+from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows
 
@@ -320,7 +320,7 @@ def _catch_up_amsgrad(
             moved = broadcast_rows(jnp.where(last > 0, done - last, 0) > 0, p0.ndim)
             # A row that sat out steps: the update takes it to where dense AMSGrad's steps took it.
             caught = (p + step).astype(p0.dtype).astype(step.dtype) - p0.astype(step.dtype)
-            return jnp.where(moved, caught, step), (m, v, v_max, jnp.full_like(last, count))
+            return jnp.where(moved, caught, step), (m, v, v_max, stamp(last, count))
 
         def leaf(path: Any, g: Any, m: Any, v: Any, v_max: Any, last: Any, p: Any) -> tuple[Any, ...]:
             if g is None:

@@ -50,7 +50,7 @@ from optax_sparse_adam._adam import (
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._checks import check_dense_gradient, check_params, check_state, mask_tree
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
-from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape
+from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape, stamp
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
 
@@ -484,7 +484,7 @@ def _rule(replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array) 
         moved = broadcast_rows(p != p0 if p.ndim <= 1 else jnp.any(p != p0, axis=tuple(range(1, p.ndim))), p.ndim)
         # A row that replayed idle steps: the update takes it to where dense Adam's steps took it.
         caught = jnp.asarray(p + step).astype(p.dtype).astype(step.dtype) - p0.astype(step.dtype)
-        return jnp.where(moved, caught, step), (m, v, jnp.full_like(last, count))
+        return jnp.where(moved, caught, step), (m, v, stamp(last, count))
 
     return rule
 
@@ -857,8 +857,8 @@ def catch_up_adamw(
                 moved = broadcast_rows(idle > 0, p0.ndim)
                 # A row that replayed idle steps: the update takes it to where dense AdamW's steps took it.
                 caught = jnp.asarray(p + step).astype(p.dtype).astype(step.dtype) - p0.astype(step.dtype)
-                new_mark = jnp.full_like(mark, log_decay[0])
-                return jnp.where(moved, caught, step), (m, v, jnp.full_like(last, count), new_mark)
+                new_mark = jnp.minimum(mark, log_decay[0])  # the record only falls: see stamp
+                return jnp.where(moved, caught, step), (m, v, stamp(last, count), new_mark)
 
             return rule
 

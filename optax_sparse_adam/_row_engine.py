@@ -40,7 +40,7 @@ from optax_sparse_adam._row_ops import explicit_sharding, replicate, scatter_row
 from optax_sparse_adam._sparse_leaf import SparseLeaf, for_each_chunk, to_sparse_leaf
 from optax_sparse_adam._tree import broadcast_rows, map_leaves, param_error
 
-__all__ = ["Kernel", "Rule", "apply_rule", "map_rule", "row_mean_square", "row_shape", "touched_rows"]
+__all__ = ["Kernel", "Rule", "apply_rule", "map_rule", "row_mean_square", "row_shape", "stamp", "touched_rows"]
 
 Arrays = tuple[jax.Array, ...]
 # rule(g_rows, state_rows, read_rows) -> (step_rows, new_state_rows); see apply_rule.
@@ -79,6 +79,14 @@ def touched_rows(g: jax.Array) -> jax.Array:
         return g != 0
     # A float max, not an any() of a table-sized mask, so XLA fuses it into the moment updates.
     return jnp.max(jnp.abs(g), axis=tuple(range(1, g.ndim)), keepdims=True) != 0
+
+
+def stamp(last: jax.Array, count: jax.Array) -> jax.Array:
+    """``count`` for each row of ``last`` (a per-row record of the step a row was last updated at, never above
+    ``count``), written as ``max(last, count)``: a rule's new record then depends on the rows it read, so that XLA
+    orders the gather of the record's rows before the scatter of the new ones and updates the record in place (with
+    ``full_like(last, count)`` it copied the whole record twice a chunk)."""
+    return jnp.maximum(last, jnp.asarray(count, last.dtype))
 
 
 def apply_rule(

@@ -23,7 +23,7 @@ import optax
 
 from optax_sparse_adam._catch_up import CatchUpUpdate, RowReplay
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
-from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape
+from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows, param_error
 
@@ -206,7 +206,7 @@ def _catch_up_sgd(
             step = jnp.asarray(-lr, dtype=u.dtype) * u  # as optax.scale_by_learning_rate
             # A row that sat out steps: the update takes it to where dense SGD's steps took it.
             caught = (p_idle + step).astype(p0.dtype).astype(step.dtype) - p0.astype(step.dtype)
-            return jnp.where(moved, caught, step), (t, jnp.full_like(last, count))
+            return jnp.where(moved, caught, step), (t, stamp(last, count))
 
         def leaf(path: Any, g: Any, m: Any, last: Any, p: Any) -> tuple[Any, Any, Any]:
             if g is None:

@@ -458,3 +458,36 @@ def test_a_collection_with_pooled_bags_trains_as_dense_adam_through_partition_ta
     pairs = zip(jax.tree.leaves(lazy[1]), jax.tree.leaves(dense[1]), strict=True)
     gap = max(float(np.max(np.abs(a - b))) for a, b in pairs)
     assert gap > 1e-3, gap
+
+
+@pytest.mark.parametrize(
+    ("name", "kernels"),
+    [("adam", True), ("adam", False), ("adamw", False), ("amsgrad", False), ("sgd", False)],
+)
+def test_the_fused_step_copies_no_per_row_record_and_its_temporaries_do_not_grow(name: str, kernels: bool) -> None:
+    """The per-row last-step record (4 bytes a row) is updated in place: no copy of it, on the kernel path or in
+    the XLA path's loop over row chunks, and the temporaries are the same for a table twice the size."""
+    if kernels and not _kernel_path.available():
+        pytest.skip("the native kernels were not built here")
+    make = {
+        "adam": lambda: osa.sparse_adam(1e-2, catch_up=True),
+        "adamw": lambda: osa.sparse_adamw(1e-2, weight_decay=0.1, catch_up=True),
+        "amsgrad": lambda: osa.sparse_amsgrad(1e-2, catch_up=True),
+        "sgd": lambda: osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True),
+    }[name]
+    temps = []
+    for rows in (100_000, 200_000):
+        tx = make()
+        p = jax.ShapeDtypeStruct((rows, 4), jnp.float32)
+        state = jax.eval_shape(tx.init, p)
+        ids, values = jax.ShapeDtypeStruct((2048,), jnp.int32), jax.ShapeDtypeStruct((2048, 4), jnp.float32)
+
+        def step(p: Any, s: Any, i: jax.Array, v: jax.Array, tx: Any = tx, rows: int = rows) -> Any:
+            return osa.update_and_apply(tx, osa.IndexedRows(i, v, rows), s, p)
+
+        with osa.use_kernels(kernels):
+            report = osa.step_report(jax.jit(step, donate_argnums=(0, 1)), p, state, ids, values, min_bytes=rows * 2)
+        assert report.copies == (), report
+        assert report.kernel_path == ("native-cpu" if kernels else "xla"), report
+        temps.append(report.temp_bytes)
+    assert temps[0] == temps[1], temps
