@@ -5,9 +5,10 @@ parameters and state donated) on a float32 table of ``--rows x --width`` with a
 fresh batch of ``--batch`` Zipf(1.2) ids every step; the figure is the median of
 ``--steps`` steps after ``--warmup``, the variants taking turns round by round
 so that slow phases of a shared machine hit them alike. It also prints each
-variant's optimizer-state bytes.
+variant's optimizer-state bytes, and with ``--json`` writes the run (machine,
+commit, medians) for the docs' generated page.
 
-    python benchmarks/variants.py                  # 1e6 x 64, 8,192 ids
+    python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants.json
     python benchmarks/variants.py --rows 10000 --steps 5 --warmup 2   # smoke
 """
 
@@ -15,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
+import pathlib
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from contenders import sample_ids
+from report import machine_info
 
 import optax_sparse_adam as osa
 
@@ -33,8 +38,10 @@ LR = 1e-3
 VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sparse_adam (plain)": lambda: osa.sparse_adam(LR),
     "sparse_adamw": lambda: osa.sparse_adamw(LR, weight_decay=1e-4),
+    "sparse_adam, catch_up": lambda: osa.sparse_adam(LR, catch_up=True),
     "sparse_adamw, catch_up": lambda: osa.sparse_adamw(LR, weight_decay=1e-4, catch_up=True),
     "sparse_amsgrad": lambda: osa.sparse_amsgrad(LR),
+    "sparse_amsgrad, catch_up": lambda: osa.sparse_amsgrad(LR, catch_up=True),
     "sparse_rowwise_adam": lambda: osa.sparse_rowwise_adam(LR),
     "sparse_rowwise_adam, per-row bias correction": lambda: osa.sparse_rowwise_adam(LR, per_row_bias_correction=True),
     "sparse_rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(LR),
@@ -64,7 +71,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json", type=pathlib.Path, help="write the run here (benchmarks/results/variants.json)")
     args = parser.parse_args()
+    machine = machine_info(threads=0)
 
     rng = np.random.default_rng(0)
     pool = [jnp.asarray(sample_ids(rng, args.rows, args.batch, "zipf")) for _ in range(args.warmup + args.steps)]
@@ -88,9 +97,15 @@ def main() -> None:
     )
     print("| variant | step (ms) | vs plain | optimizer state (MB) |")
     print("| --- | ---: | ---: | ---: |")
+    records = []
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"| {name} | {med * 1e3:.2f} | {med / base:.2f}x | {sizes[name] / 1e6:.0f} |")
+        records.append({"variant": name, "median_ms": med * 1e3, "state_bytes": sizes[name]})
+    if args.json:
+        machine["load_average_end"] = os.getloadavg()
+        doc = {"machine": machine, "settings": vars(args) | {"json": str(args.json)}, "distinct": distinct}
+        args.json.write_text(json.dumps(doc | {"results": records}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -253,6 +253,38 @@ def costs_page(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def variants_page(doc: dict[str, Any]) -> str:
+    """The step time of each optimizer variant, from ``variants.json`` (``benchmarks/variants.py --json``)."""
+    m, s = doc["machine"], doc["settings"]
+    commit = m.get("optax_sparse_adam", {}).get("commit", "unknown")[:7]
+    load = ", ".join(f"{x:.2f}" for x in (*m["load_average_start"][:1], *m.get("load_average_end", [])[:1]))
+    base = next(r["median_ms"] for r in doc["results"] if r["variant"] == "sparse_adam (plain)")
+    lines = [
+        "# Benchmark: optimizer variants",
+        "",
+        f"`python benchmarks/variants.py --steps {s['steps']} --warmup {s['warmup']} --json "
+        f"benchmarks/results/variants.json`: one jitted step of each variant (`tx.update` then `apply_updates`, the "
+        f"parameters and state donated) on a {s['rows']:,} x {s['width']} float32 table, a fresh batch of "
+        f"{s['batch']:,} Zipf(1.2) ids each step ({doc['distinct']:,.0f} distinct rows a batch on average), the "
+        f"variants taking turns step by step; the median of {s['steps']} steps after {s['warmup']} (the catch-up "
+        "variants' rows have idle histories by then). The two calls: `update_and_apply` fuses the plain step and "
+        "catch-up `sparse_adam` further (see [one optimizer step](step.md) and `benchmarks/catch_up.py`).",
+        "",
+        f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}, "
+        f"1-minute load average {load} (start/end). This page is generated at build time from "
+        "`benchmarks/results/variants.json`.",
+        "",
+        "| variant | step (ms) | vs plain | optimizer state (MB) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in doc["results"]:
+        lines.append(
+            f"| `{r['variant']}` | {_ms(r['median_ms'])} | {r['median_ms'] / base:.2f}x | "
+            f"{r['state_bytes'] / 1e6:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _digest(paths: list[pathlib.Path]) -> str:
     h = hashlib.sha256()
     for p in paths:
@@ -264,7 +296,7 @@ def _digest(paths: list[pathlib.Path]) -> str:
 def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
     their renderers changed."""
-    inputs = [RESULTS / n for n in ("results.json", "dlrm.json", "sharding.json")]
+    inputs = [RESULTS / n for n in ("results.json", "dlrm.json", "sharding.json", "variants.json")]
     inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py")] + [pathlib.Path(__file__)]
     stamp = pages / ".inputs"
     digest = _digest(inputs)
@@ -278,6 +310,7 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     write_if_changed(out / "costs.md", costs_page(results))
     sharding = json.loads((RESULTS / "sharding.json").read_text())
     write_if_changed(pages / "sharding.md", sharding_page(sharding))
+    write_if_changed(pages / "variants.md", variants_page(json.loads((RESULTS / "variants.json").read_text())))
     stamp.write_text(digest)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -40,7 +41,19 @@ def test_bf16_example_runs_small_and_stochastic_rounding_tracks_float32(tmp_path
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_variants_benchmark_runs_small() -> None:
-    out = _run("benchmarks/variants.py", "--rows", "1000", "--batch", "64", "--steps", "2", "--warmup", "1")
-    for name in ("sparse_adam (plain)", "sparse_adamw, catch_up", "sparse_amsgrad", "sparse_rowwise_adagrad"):
+def test_variants_benchmark_runs_small_and_its_page_renders(tmp_path: pathlib.Path) -> None:
+    results = tmp_path / "variants.json"
+    small = ("--rows", "1000", "--batch", "64", "--steps", "2", "--warmup", "1", "--json", str(results))
+    out = _run("benchmarks/variants.py", *small)
+    names = ("sparse_adam (plain)", "sparse_adamw, catch_up", "sparse_amsgrad, catch_up", "sparse_rowwise_adagrad")
+    for name in names:
         assert re.search(rf"^\| {re.escape(name)} \| [\d.]+ \| [\d.]+x \| \d+ \|$", out, re.M), out
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import generate  # docs/generate.py, which renders benchmarks/results/variants.json into the site
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    page = generate.variants_page(json.loads(results.read_text()))
+    for name in names:
+        assert re.search(rf"^\| `{re.escape(name)}` \| [\d.]+ \| [\d.]+x \| \d+ \|$", page, re.M), page
+    assert "--steps 2 --warmup 1 --json" in page, page  # the command that made the results
