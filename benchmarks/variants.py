@@ -3,8 +3,10 @@
 Each variant runs one jitted step (``tx.update`` then ``apply_updates``, with
 parameters and state donated) on a float32 table of ``--rows x --width`` with a
 fresh batch of ``--batch`` Zipf(1.2) ids every step; the figure is the median of
-``--steps`` steps after ``--warmup``, the variants taking turns round by round
-so that slow phases of a shared machine hit them alike. It also prints each
+``--steps`` steps after ``--warmup``, the variants taking turns ``--block`` steps
+at a time, so that slow phases of a shared machine hit them alike (a step taken
+right after another variant's pays for the switch between the native kernels'
+threads and XLA's: about 0.3 ms, which a block of steps leaves to its first). It also prints each
 variant's optimizer-state bytes, and with ``--json`` writes the run (machine,
 commit, medians) for the docs' generated page.
 
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--block", type=int, default=10, help="consecutive steps of one variant, timed after the first")
     parser.add_argument("--json", type=pathlib.Path, help="write the run here (benchmarks/results/variants.json)")
     args = parser.parse_args()
     machine = machine_info(threads=0)
@@ -82,18 +85,20 @@ def main() -> None:
     steppers = {name: make_stepper(make(), args.rows, args.width) for name, make in VARIANTS.items()}
     sizes = {name: state_bytes(held[1]) for name, (_, held) in steppers.items()}
     times: dict[str, list[float]] = {name: [] for name in steppers}
-    for i, ids in enumerate(pool):
+    for start in range(0, len(pool), args.block):
         for name, (step, held) in steppers.items():
-            t0 = time.perf_counter()
-            held[0], held[1] = step(held[0], held[1], ids, values)
-            jax.block_until_ready(held)
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+            for i in range(start, min(start + args.block, len(pool))):
+                t0 = time.perf_counter()
+                held[0], held[1] = step(held[0], held[1], pool[i], values)
+                jax.block_until_ready(held)
+                if i >= args.warmup and (i > start or args.block == 1):
+                    times[name].append(time.perf_counter() - t0)
 
     base = statistics.median(times["sparse_adam (plain)"])
     print(
         f"{args.rows} x {args.width} float32 table, {args.batch} Zipf(1.2) ids a step "
-        f"({distinct:.0f} distinct on average), median of {args.steps} steps after {args.warmup}; jax {jax.__version__}"
+        f"({distinct:.0f} distinct on average), median of the steps after {args.warmup} (each block's first left out); "
+        f"jax {jax.__version__}"
     )
     print("| variant | step (ms) | vs plain | optimizer state (MB) |")
     print("| --- | ---: | ---: | ---: |")

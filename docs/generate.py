@@ -266,9 +266,10 @@ def variants_page(doc: dict[str, Any]) -> str:
         f"benchmarks/results/variants.json`: one jitted step of each variant (`tx.update` then `apply_updates`, the "
         f"parameters and state donated) on a {s['rows']:,} x {s['width']} float32 table, a fresh batch of "
         f"{s['batch']:,} Zipf(1.2) ids each step ({doc['distinct']:,.0f} distinct rows a batch on average), the "
-        f"variants taking turns step by step; the median of {s['steps']} steps after {s['warmup']} (the catch-up "
-        "variants' rows have idle histories by then). The two calls: `update_and_apply` fuses the plain step and "
-        "catch-up `sparse_adam` further (see [one optimizer step](step.md) and `benchmarks/catch_up.py`).",
+        f"variants taking turns {s.get('block', 1)} steps at a time; the median of the steps after {s['warmup']} "
+        "(the catch-up variants' rows have idle histories by then), each block's first step left out (it pays for "
+        "the switch between the native kernels' threads and XLA's). The two calls: `update_and_apply` fuses the plain "
+        "step and catch-up `sparse_adam` further (see [one optimizer step](step.md) and `benchmarks/catch_up.py`).",
         "",
         f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}, "
         f"1-minute load average {load} (start/end). This page is generated at build time from "
