@@ -63,6 +63,11 @@ def write_if_changed(path: pathlib.Path, data: str | bytes) -> None:
     path.write_bytes(raw)
 
 
+def _commit(machine: dict[str, Any]) -> str:
+    """The short commit a results file's run measured (``benchmarks/report.py``'s ``machine_info``)."""
+    return machine.get("optax_sparse_adam", {}).get("commit", "unknown")[:7]
+
+
 def _ms(x: float) -> str:
     return f"{x:.3f}" if x < 1 else f"{x:.2f}" if x < 100 else f"{x:.0f}"
 
@@ -209,7 +214,7 @@ def sharding_page(doc: dict[str, Any]) -> str:
 def costs_page(doc: dict[str, Any]) -> str:
     """The measured costs of the gradient forms and the apply forms, from ``results.json``."""
     m = doc["machine"]
-    commit = m.get("optax_sparse_adam", {}).get("commit", "unknown")[:7]
+    commit = _commit(m)
     source = (
         f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}; "
         "generated from `benchmarks/results/results.json`."
@@ -256,7 +261,7 @@ def costs_page(doc: dict[str, Any]) -> str:
 def variants_page(doc: dict[str, Any]) -> str:
     """The step time of each optimizer variant, from ``variants.json`` (``benchmarks/variants.py --json``)."""
     m, s = doc["machine"], doc["settings"]
-    commit = m.get("optax_sparse_adam", {}).get("commit", "unknown")[:7]
+    commit = _commit(m)
     load = ", ".join(f"{x:.2f}" for x in (*m["load_average_start"][:1], *m.get("load_average_end", [])[:1]))
     base = next(r["median_ms"] for r in doc["results"] if r["variant"] == "sparse_adam (plain)")
     lines = [

@@ -11,6 +11,7 @@ row, read from :mod:`._catch_up`'s window scan and long-idle table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -270,11 +271,7 @@ def _catch_up_amsgrad(
         cap=cap, rho=rho, binv=1.0, table=_catch_up._long_idle_table(learning_rate, rates, beta, cap, rho), rates=rates
     )
 
-    def lr_at(done: jax.Array) -> jax.Array:
-        """The learning rate of the steps after ``done`` steps (an int32 array of any shape)."""
-        if not callable(learning_rate):
-            return jnp.asarray(learning_rate)
-        return jax.vmap(learning_rate)(done.reshape(-1)).reshape(done.shape)
+    lr_at = functools.partial(_catch_up.rate_at, learning_rate)
 
     def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
         """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (mu, nu, nu_max))``."""
@@ -318,9 +315,7 @@ def _catch_up_amsgrad(
             u = optax.tree.bias_correction(m, b1, count) / (jnp.sqrt(v_max + eps_root) + eps)
             step = jnp.asarray(-lr, dtype=u.dtype) * u  # as optax.scale_by_learning_rate
             moved = broadcast_rows(jnp.where(last > 0, done - last, 0) > 0, p0.ndim)
-            # A row that sat out steps: the update takes it to where dense AMSGrad's steps took it.
-            caught = (p + step).astype(p0.dtype).astype(step.dtype) - p0.astype(step.dtype)
-            return jnp.where(moved, caught, step), (m, v, v_max, stamp(last, count))
+            return _catch_up.caught_up_update(p0, p, step, moved), (m, v, v_max, stamp(last, count))
 
         def leaf(path: Any, g: Any, m: Any, v: Any, v_max: Any, last: Any, p: Any) -> tuple[Any, ...]:
             if g is None:

@@ -86,10 +86,23 @@ class Replayer:
 
     def lr(self, done: jax.Array) -> jax.Array:
         """The learning rate of the steps after ``done`` steps (an int32 array of any shape)."""
-        if not callable(self.learning_rate):
-            return jnp.asarray(self.learning_rate)
-        flat = done.reshape(-1)
-        return jax.vmap(self.learning_rate)(flat).reshape(done.shape)
+        return rate_at(self.learning_rate, done)
+
+
+def rate_at(learning_rate: optax.ScalarOrSchedule, done: jax.Array) -> jax.Array:
+    """The learning rate of the steps after ``done`` steps (an int32 array of any shape): the constant, or the
+    schedule evaluated at each count."""
+    if not callable(learning_rate):
+        return jnp.asarray(learning_rate)
+    return jax.vmap(learning_rate)(done.reshape(-1)).reshape(done.shape)
+
+
+def caught_up_update(p0: jax.Array, p: jax.Array, step: jax.Array, moved: jax.Array) -> jax.Array:
+    """A catch-up rule's update: where a row replayed idle steps (``moved``, broadcast over its entries), the
+    difference that takes the stored ``p0`` to the replayed ``p`` plus ``step``, rounded to the parameters' dtype,
+    so that ``apply_updates`` puts the row where the dense optimizer's steps took it; elsewhere ``step`` itself."""
+    caught = (p + step).astype(p0.dtype).astype(step.dtype) - p0.astype(step.dtype)
+    return jnp.where(moved, caught, step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,9 +503,7 @@ def _rule(replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array) 
         m, v = _moments(g, m, v, hp)
         step = _scaled(_step(m, v, count, hp), lr)
         moved = broadcast_rows(p != p0 if p.ndim <= 1 else jnp.any(p != p0, axis=tuple(range(1, p.ndim))), p.ndim)
-        # A row that replayed idle steps: the update takes it to where dense Adam's steps took it.
-        caught = jnp.asarray(p + step).astype(p.dtype).astype(step.dtype) - p0.astype(step.dtype)
-        return jnp.where(moved, caught, step), (m, v, stamp(last, count))
+        return caught_up_update(p0, p, step, moved), (m, v, stamp(last, count))
 
     return rule
 
@@ -863,10 +874,8 @@ def catch_up_adamw(
                 step = _scaled(u, lr)
                 idle = done - last if decays else jnp.where(last > 0, done - last, 0)
                 moved = broadcast_rows(idle > 0, p0.ndim)
-                # A row that replayed idle steps: the update takes it to where dense AdamW's steps took it.
-                caught = jnp.asarray(p + step).astype(p.dtype).astype(step.dtype) - p0.astype(step.dtype)
                 new_mark = jnp.minimum(mark, log_decay[0])  # the record only falls: see stamp
-                return jnp.where(moved, caught, step), (m, v, stamp(last, count), new_mark)
+                return caught_up_update(p0, p, step, moved), (m, v, stamp(last, count), new_mark)
 
             return rule
 

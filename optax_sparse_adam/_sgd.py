@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_sparse_adam._catch_up import CatchUpUpdate, RowReplay
+from optax_sparse_adam._catch_up import CatchUpUpdate, RowReplay, caught_up_update, rate_at
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
@@ -140,7 +140,7 @@ def _scheduled_sum(momentum: Any, schedule: optax.Schedule, last: jax.Array, idl
     mu = jnp.asarray(momentum, jnp.float32)
 
     def rates(counts: jax.Array) -> jax.Array:
-        return jax.vmap(schedule)(counts.reshape(-1)).reshape(counts.shape).astype(jnp.float32)
+        return rate_at(schedule, counts).astype(jnp.float32)
 
     def body(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         k, acc = carry
@@ -204,9 +204,7 @@ def _catch_up_sgd(
             moved = broadcast_rows(jnp.where(last > 0, done - last, 0) > 0, p0.ndim)
             u, (t,) = rule_now(g, (m,), ())
             step = jnp.asarray(-lr, dtype=u.dtype) * u  # as optax.scale_by_learning_rate
-            # A row that sat out steps: the update takes it to where dense SGD's steps took it.
-            caught = (p_idle + step).astype(p0.dtype).astype(step.dtype) - p0.astype(step.dtype)
-            return jnp.where(moved, caught, step), (t, stamp(last, count))
+            return caught_up_update(p0, p_idle, step, moved), (t, stamp(last, count))
 
         def leaf(path: Any, g: Any, m: Any, last: Any, p: Any) -> tuple[Any, Any, Any]:
             if g is None:
