@@ -11,7 +11,6 @@ they equal :func:`optax.adam` bitwise (with ``eps_placement="torch"``,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, TypedDict
@@ -31,6 +30,7 @@ from optax_sparse_adam._checks import (
     check_state,
     mask_tree,
 )
+from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule, touched_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
@@ -565,14 +565,3 @@ class AdamFusion(NamedTuple):
 
     learning_rate: optax.ScalarOrSchedule
     hp: AdamHyperparams
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FusableUpdate:
-    """An optimizer's ``update`` function that also carries how to fuse it with the parameters' update."""
-
-    update: optax.TransformUpdateExtraArgsFn
-    fusion: Any  # an AdamFusion, or a _partition.PartitionFusion
-
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[optax.Updates, optax.OptState]:
-        return self.update(*args, **kwargs)

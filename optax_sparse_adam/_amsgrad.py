@@ -338,4 +338,4 @@ def _catch_up_amsgrad(
         ("mu", "nu", "nu_max"),
         lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count),
     )
-    return optax.GradientTransformationExtraArgs(init_fn, _catch_up.CatchUpUpdate(update_fn, rows))
+    return optax.GradientTransformationExtraArgs(init_fn, _catch_up.CatchUpUpdate(update_fn, None, rows=rows))

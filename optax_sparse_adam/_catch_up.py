@@ -49,6 +49,7 @@ from optax_sparse_adam._adam import (
 )
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._checks import check_dense_gradient, check_params, check_state, mask_tree
+from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape, stamp
 from optax_sparse_adam._sparse_leaf import SparseLeaf
@@ -618,7 +619,7 @@ def catch_up_adam(
         return p, (m, v)
 
     rows = RowReplay(CatchUpAdamState, ("mu", "nu"), replay_rows)
-    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, rows, CatchUpFusion(replayer)))
+    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, CatchUpFusion(replayer), rows=rows))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -651,16 +652,11 @@ class RowReplay:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class CatchUpUpdate:
+class CatchUpUpdate(FusableUpdate):
     """A catch-up optimizer's ``update``, carrying what lookups and :func:`catch_up` need (``rows``) and how
     :func:`update_and_apply` fuses it (``fusion``, ``None`` where it does not)."""
 
-    update: optax.TransformUpdateExtraArgsFn
-    rows: RowReplay
-    fusion: Any = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[optax.Updates, optax.OptState]:
-        return self.update(*args, **kwargs)
+    rows: RowReplay = dataclasses.field(kw_only=True)
 
 
 def find(tx: Any, state: Any, where: str, params_structure: Any) -> tuple[RowReplay, Any]:
@@ -897,4 +893,4 @@ def catch_up_adamw(
         return out, CatchUpAdamWState(count, mu, nu, last_step, log_decay, decay_mark)
 
     rows = RowReplay(CatchUpAdamWState, ("mu", "nu", "decay_mark"), replay_rows, flags_of, decaying)
-    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, rows))
+    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, None, rows=rows))

@@ -13,6 +13,7 @@ from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._catch_up import CatchUpFusion, fused_apply
+from optax_sparse_adam._fusion import recording
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
 from optax_sparse_adam._row_engine import Arrays, row_shape
@@ -36,12 +37,16 @@ def update_and_apply(
       params = osa.apply_updates(params, updates)
 
     for any ``tx``. Where ``tx`` is an optimizer built by
-    :func:`~optax_sparse_adam.sparse_adam` or
-    :func:`~optax_sparse_adam.sparse_rowwise_adagrad` (not wrapped or chained
-    further) and the native CPU kernels apply (:func:`kernel_path` is
-    ``"native-cpu"``; float32 tables with one sparse axis), each sparse leaf is
-    done in one pass per touched row that reads and writes its parameters and
-    its optimizer state together, without materializing the update:
+    :func:`~optax_sparse_adam.sparse_adam` (``catch_up`` too) or
+    :func:`~optax_sparse_adam.sparse_rowwise_adagrad`, or wraps one in a way
+    that passes its updates and state through untouched
+    (``optax.inject_hyperparams``, stages such as
+    ``sparse_aware(clip_by_global_norm(c))`` before it,
+    ``optax.multi_transform``, :func:`partition_tables`), and the native CPU
+    kernels apply (:func:`kernel_path` is ``"native-cpu"``; float32 tables
+    with one sparse axis), each sparse leaf is done in one pass per touched
+    row that reads and writes its parameters and its optimizer state
+    together, without materializing the update:
 
     .. math::
 
@@ -90,6 +95,8 @@ def update_and_apply(
     if isinstance(fusion, PartitionFusion) and isinstance(state, optax.PartitionState):
         return _partitioned(fusion, grads, state, params)
     fusable = _fusable(fusion)
+    if fusable is None and _kernel_path.enabled():
+        return _wrapped(tx, grads, state, params)
     fused = _fusable_leaves(fusable, grads, state, params) if fusable is not None and _kernel_path.enabled() else {}
     if fusable is None or not fused:
         updates, state = tx.update(grads, state, params)
@@ -222,6 +229,86 @@ def _partitioned(
         )
         inner_states[group] = inner._replace(inner_state=new)
     return merge(labels, parts), state._replace(inner_states=inner_states)
+
+
+def _wrapped(
+    tx: optax.GradientTransformation, grads: Any, state: Any, params: Any
+) -> tuple[optax.Params, optax.OptState]:
+    """A step of an optimizer the fused step knows, called inside a wrapper: the wrapper's update, then the
+    kernels' results in place of the rows' updates and state wherever the wrapper passed those through untouched.
+
+    The wrapper's ``update`` runs as written (``inject_hyperparams`` evaluating its schedules, stages before the
+    optimizer transforming the gradients) inside :func:`recording`. Each call of a fusable optimizer there is
+    taken on the gradients it was given, and where its update of a leaf reaches ``tx``'s updates as the very same
+    arrays, its parameter is that of ``params`` and every new state leaf of that leaf is in ``tx``'s new state,
+    the kernel computes the parameter and the state from those inputs; XLA drops the two calls' work for them.
+    Any leaf a wrapper changed, copied or selected (``optax.apply_if_finite``, stages after the optimizer) keeps
+    the two calls.
+    """
+    with recording() as calls:
+        updates, new_state = tx.update(grads, state, params)
+    u_leaves, treedef = _flatten(updates)
+    try:
+        p_leaves = treedef.flatten_up_to(params)
+    except (ValueError, TypeError):
+        return apply_updates(params, updates), new_state
+    position = {_ids(u): j for j, (_, u) in enumerate(u_leaves) if is_sparse(u)}
+    in_state = {id(x) for x in jax.tree.leaves(new_state)}
+    done: dict[int, jax.Array] = {}
+    replaced: dict[int, jax.Array] = {}
+    for call in calls:
+        fusable = _fusable(call.fusion)
+        if fusable is None:
+            continue
+        fused = _fusable_leaves(fusable, call.grads, call.state, call.params)
+        if not fused:
+            continue
+        call_treedef = _flatten(call.grads)[1]
+        c_updates = call_treedef.flatten_up_to(call.updates)
+        c_params = call_treedef.flatten_up_to(call.params)
+        c_old = [call_treedef.flatten_up_to(tree) for tree in fusable.trees(call.state)]
+        c_new = [call_treedef.flatten_up_to(tree) for tree in fusable.trees(call.new_state)]
+        targets = {}
+        for i in fused:
+            j = position.get(_ids(c_updates[i])) if is_sparse(c_updates[i]) else None
+            news = [leaves[i] for leaves in c_new]
+            if j is not None and j not in done and p_leaves[j] is c_params[i] and all(id(x) in in_state for x in news):
+                targets[i] = j
+        if not targets:
+            continue
+        lr = fusable.learning_rate
+        if callable(lr):
+            lr = lr(optax.tree.get(call.state, fusable.count_owner).count)
+        scalars = fusable.scalars(call.new_state, -1 * lr)
+
+        def native(
+            scalars: Any = scalars,
+            fusable: _Fusable = fusable,
+            fused: Any = fused,
+            old: Any = c_old,
+            ps: Any = c_params,
+            ts: Any = targets,
+        ) -> list[tuple[jax.Array, ...]]:
+            return [fusable.apply(ps[i], tuple(leaves[i] for leaves in old), fused[i], scalars) for i in ts]
+
+        def xla(ps: Any = c_params, us: Any = c_updates, new: Any = c_new, ts: Any = targets) -> list[Any]:
+            return [(apply_updates(ps[i], us[i]), *(leaves[i] for leaves in new)) for i in ts]
+
+        for (i, j), (p, *st) in zip(targets.items(), _kernel_path.select(native, xla), strict=True):
+            done[j] = p
+            replaced.update((id(leaves[i]), x) for leaves, x in zip(c_new, st, strict=True))
+    if not done:
+        return apply_updates(params, updates), new_state
+    rest = treedef.unflatten([None if j in done else u for j, (_, u) in enumerate(u_leaves)])
+    out_p = treedef.flatten_up_to(apply_updates(params, rest))
+    for j, p in done.items():
+        out_p[j] = p
+    return treedef.unflatten(out_p), jax.tree.map(lambda x: replaced.get(id(x), x), new_state)
+
+
+def _ids(leaf: Any) -> tuple[int, ...]:
+    """What identifies a sparse update leaf: its arrays, by identity."""
+    return tuple(id(x) for x in jax.tree.leaves(leaf))
 
 
 def _flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:

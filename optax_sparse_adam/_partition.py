@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 
-from optax_sparse_adam._adam import FusableUpdate
+from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._row_grad import select_tables
 
 __all__ = ["PartitionFusion", "partition_tables"]

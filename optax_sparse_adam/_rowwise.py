@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
-from optax_sparse_adam._adam import FusableUpdate
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
+from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_mean_square, row_shape
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf

@@ -227,7 +227,7 @@ def _catch_up_sgd(
     rows = RowReplay(
         CatchUpSgdState, ("trace",), lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count)
     )
-    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, rows))
+    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, None, rows=rows))
 
 
 def sparse_sgd(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -185,14 +186,83 @@ def test_schedule_and_mixed_dtypes_fuse_where_they_can():
 
 
 def test_update_and_apply_runs_any_transformation(kernel_path):
-    """For a tx it does not recognise, update_and_apply is exactly the two calls."""
-    tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(0.1))
+    """For a tx whose updates it cannot take over (a stage after the optimizer), update_and_apply is exactly the
+    two calls."""
+    tx = optax.chain(osa.sparse_adam(0.1), osa.sparse_aware(optax.scale(0.5)))
     params = {"table": jnp.ones((NUM_ROWS, WIDTH), jnp.float32)}
     g = {"table": osa.IndexedRows(jnp.array([1, 1, -1], jnp.int32), jnp.ones((3, WIDTH), jnp.float32), NUM_ROWS)}
     state = tx.init(params)
     p1, s1 = jax.jit(lambda p, s: osa.update_and_apply(tx, g, s, p))(params, state)
     u, s2 = tx.update(g, state, params)
     assert_trees_equal((p1, s1), (osa.apply_updates(params, u), s2))
+
+
+def _kernel_targets(fn, *args) -> set[str]:
+    """The library's custom calls in ``fn``'s compiled HLO, by handler name."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return set(re.findall(r'custom_call_target="optax_sparse_adam_v1_(\w+)"', text))
+
+
+_SCHEDULE = optax.linear_schedule(0.05, 0.005, 3)
+WRAPPED = {
+    "inject_hyperparams": (lambda: optax.inject_hyperparams(osa.sparse_adam)(learning_rate=0.05, b1=0.8), 1),
+    "inject_hyperparams, schedule": (lambda: optax.inject_hyperparams(osa.sparse_adam)(learning_rate=_SCHEDULE), 1),
+    "clip_by_global_norm before": (
+        lambda: optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(0.05)),
+        1,
+    ),
+    "multi_transform": (
+        lambda: optax.multi_transform(
+            {"rows": osa.sparse_adam(0.05, eps_placement="torch"), "dense": optax.adam(0.05)},
+            {"table": "rows", "w": "dense"},
+        ),
+        1,
+    ),
+    "inject_hyperparams in multi_transform": (
+        lambda: optax.multi_transform(
+            {"rows": optax.inject_hyperparams(osa.sparse_adam)(learning_rate=_SCHEDULE), "dense": optax.sgd(0.1)},
+            {"table": "rows", "w": "dense"},
+        ),
+        1,
+    ),
+    "inject_hyperparams, row-wise Adagrad": (
+        lambda: optax.inject_hyperparams(osa.sparse_rowwise_adagrad)(learning_rate=0.05, weight_decay=0.01),
+        1,
+    ),
+    "catch-up, multi_transform": (
+        lambda: optax.multi_transform(
+            {"rows": osa.sparse_adam(0.05, catch_up=True), "dense": optax.sgd(0.1)}, {"table": "rows", "w": "dense"}
+        ),
+        1,
+    ),
+    "apply_if_finite (not fused)": (lambda: optax.apply_if_finite(osa.sparse_adam(0.05), 2), 0),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", list(WRAPPED))
+def test_update_and_apply_fuses_through_optax_wrappers(case):
+    """Wrapped in optax's inject_hyperparams, chained after a stage that transforms the gradients, or partitioned
+    by multi_transform, the optimizer still takes one fused pass per row, with the two calls' numbers; a wrapper
+    that changes what the optimizer returned (apply_if_finite's selection) keeps the two calls."""
+    make, fused_calls = WRAPPED[case]
+    tx = make()
+    steps = _steps("dups", 64, n=3, seed=11)
+    with osa.use_kernels(True):
+        native = _run(tx, steps, fused=True)
+        params = {"table": jnp.zeros((NUM_ROWS, WIDTH), jnp.float32), "w": jnp.zeros((3,), jnp.float32)}
+        grads = {"table": osa.IndexedRows(*map(jnp.asarray, steps[0]), NUM_ROWS), "w": params["w"]}
+        targets = _kernel_targets(lambda p, s, g: osa.update_and_apply(tx, g, s, p), params, tx.init(params), grads)
+    applies = {t for t in targets if t.endswith("_apply")}
+    assert len(applies) == fused_calls, targets
+    assert not fused_calls or not any(t.endswith("_rows") for t in targets), targets  # none of the two calls' work
+    if "Adagrad" in case:  # its kernels order a row's sum apart from XLA (test_rowwise_kernels): the two calls on them
+        with osa.use_kernels(True):
+            assert_trees_equal(native[:2], _run(tx, steps, fused=False)[:2])
+        return
+    with osa.use_kernels(False):
+        xla = _run(tx, steps, fused=False)
+    _assert_same((*native[:2], None), xla, len(steps), 0.05)
 
 
 @needs_kernels

@@ -46,8 +46,10 @@ def test_variants_benchmark_runs_small_and_its_page_renders(tmp_path: pathlib.Pa
     small = ("--rows", "1000", "--batch", "64", "--steps", "2", "--warmup", "1", "--json", str(results))
     out = _run("benchmarks/variants.py", *small)
     names = ("sparse_adam (plain)", "sparse_adamw, catch_up", "sparse_amsgrad, catch_up", "sparse_rowwise_adagrad")
+    names += ("inject_hyperparams(sparse_adam)", "chain(sparse_aware(clip_by_global_norm), sparse_adam)")
+    row = r"\| ([\d.]+) \| [\d.]+x \| ([\d.]+) \| [\d.]+x \| \d+ \|$"
     for name in names:
-        assert re.search(rf"^\| {re.escape(name)} \| [\d.]+ \| [\d.]+x \| \d+ \|$", out, re.M), out
+        assert re.search(rf"^\| {re.escape(name)} {row}", out, re.M), out
     sys.path.insert(0, str(ROOT / "docs"))
     try:
         import generate  # docs/generate.py, which renders benchmarks/results/variants.json into the site
@@ -55,5 +57,5 @@ def test_variants_benchmark_runs_small_and_its_page_renders(tmp_path: pathlib.Pa
         sys.path.remove(str(ROOT / "docs"))
     page = generate.variants_page(json.loads(results.read_text()))
     for name in names:
-        assert re.search(rf"^\| `{re.escape(name)}` \| [\d.]+ \| [\d.]+x \| \d+ \|$", page, re.M), page
+        assert re.search(rf"^\| `{re.escape(name)}` {row}", page, re.M), page
     assert "--steps 2 --warmup 1 --json" in page, page  # the command that made the results
