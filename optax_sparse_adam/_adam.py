@@ -134,10 +134,11 @@ def _as_dense_struct(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype) if is_sparse(x) else x
 
 
-def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 0.0) -> jax.Array:
+def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 0.0, *extra: Any) -> jax.Array:
     """The kernels' scalar operand at step ``count``, each value rounded to float32 as the rule rounds it.
 
-    ``neg_lr`` is the learning-rate scale of the fused step (:func:`update_and_apply`).
+    ``neg_lr`` is the learning-rate scale of the fused step (:func:`update_and_apply`); ``extra`` follow it
+    (the AdamW kernel's weight decay).
     """
 
     def f32(x: Any) -> jax.Array:
@@ -148,7 +149,7 @@ def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 0.0) -> 
     else:
         bc1, bc2 = _torch_corrections(hp, count)  # as _step computes them
     values = (hp.b1, 1 - hp.b1, hp.b2, 1 - hp.b2, hp.eps, hp.eps_root, bc1, bc2, jnp.sqrt(bc2) / bc1, neg_lr)
-    return jnp.stack([f32(x) for x in values])
+    return jnp.stack([f32(x) for x in (*values, *extra)])
 
 
 def _kernel(hp: AdamHyperparams, count: jax.Array) -> Kernel:
@@ -561,7 +562,10 @@ def _catch_up_hyperparams(
 
 
 class AdamFusion(NamedTuple):
-    """What :func:`update_and_apply` needs of a :func:`sparse_adam` to run its step in one pass per row."""
+    """What :func:`update_and_apply` needs of a :func:`sparse_adam` (or a lazy :func:`sparse_adamw`: its
+    ``weight_decay`` and ``mask``) to run its step in one pass per row."""
 
     learning_rate: optax.ScalarOrSchedule
     hp: AdamHyperparams
+    weight_decay: Any = None
+    mask: Any = None

@@ -8,8 +8,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._adam import EpsPlacement, _catch_up_hyperparams, scale_by_sparse_adam
+from optax_sparse_adam._adam import (
+    AdamFusion,
+    EpsPlacement,
+    _catch_up_hyperparams,
+    _hyperparams,
+    scale_by_sparse_adam,
+)
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state, mask_tree
+from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows
@@ -213,8 +220,11 @@ def sparse_adamw(
     adam = scale_by_sparse_adam(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, maximize=maximize, eps_placement=eps_placement
     )
-    return optax.chain(
+    tx = optax.chain(
         adam,
         sparse_aware(optax.add_decayed_weights(weight_decay, mask)),
         sparse_aware(optax.scale_by_learning_rate(learning_rate)),
     )
+    # update_and_apply runs the step in one pass per row: Adam's, with the decay of the row's parameters.
+    fusion = AdamFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, maximize, eps_placement), weight_decay, mask)
+    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))

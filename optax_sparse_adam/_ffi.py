@@ -155,14 +155,20 @@ def sparse_adam_apply(
     torch_eps: bool,
     maximize: bool,
     unique: int,
+    decay: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The sparse leaf rule and ``p += neg_lr * step`` in one pass over each touched row: ``(p, m, v)``."""
+    """The sparse leaf rule and ``p += neg_lr * step`` in one pass over each touched row: ``(p, m, v)``.
+
+    With ``decay``, ``sparse_adamw``'s lazy step ``p += neg_lr * (step + weight_decay * p)``, the weight decay
+    an eleventh scalar.
+    """
     attrs = _attrs(p.shape[0], torch_eps=torch_eps, maximize=maximize, unique=unique)
+    target = PREFIX + ("sparse_adamw_apply" if decay else "sparse_adam_apply")
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(p.shape, p.dtype)
         return jax.ffi.ffi_call(
-            PREFIX + "sparse_adam_apply",
+            target,
             (table, table, table),
             input_output_aliases={0: 0, 1: 1, 2: 2},
             vmap_method="sequential",

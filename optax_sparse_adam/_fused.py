@@ -13,6 +13,7 @@ from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._catch_up import CatchUpFusion, fused_apply
+from optax_sparse_adam._checks import mask_tree
 from optax_sparse_adam._fusion import recording
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
@@ -37,7 +38,8 @@ def update_and_apply(
       params = osa.apply_updates(params, updates)
 
     for any ``tx``. Where ``tx`` is an optimizer built by
-    :func:`~optax_sparse_adam.sparse_adam` (``catch_up`` too) or
+    :func:`~optax_sparse_adam.sparse_adam` (``catch_up`` too),
+    :func:`~optax_sparse_adam.sparse_adamw` (lazy) or
     :func:`~optax_sparse_adam.sparse_rowwise_adagrad`, or wraps one in a way
     that passes its updates and state through untouched
     (``optax.inject_hyperparams``, stages such as
@@ -114,10 +116,11 @@ def update_and_apply(
     scalars = fusable.scalars(new_state, -1 * lr)
     p_leaves = treedef.flatten_up_to(params)
     state_leaves = [treedef.flatten_up_to(tree) for tree in fusable.trees(state)]
+    options = fusable.leaf_options(treedef, params)
 
     def native() -> list[tuple[jax.Array, ...]]:
         return [
-            fusable.apply(p_leaves[i], tuple(leaves[i] for leaves in state_leaves), sp, scalars)
+            fusable.apply(p_leaves[i], tuple(leaves[i] for leaves in state_leaves), sp, scalars, options[i])
             for i, sp in fused.items()
         ]
 
@@ -149,8 +152,9 @@ class _Fusable(NamedTuple):
       fields: Their field names, one state leaf per parameter each.
       fits: ``fits(p, state_leaves)``: whether the state leaves are the parameter's.
       scalars: ``scalars(new_state, neg_lr)``: the kernel's scalar operand, from the chain's state after the step.
-      apply: ``apply(p, state_leaves, leaf, scalars) -> (p, *state_leaves)``: the fused kernel on one leaf.
+      apply: ``apply(p, state_leaves, leaf, scalars, option) -> (p, *state_leaves)``: the fused kernel on one leaf.
       count_owner: The name of the state class whose ``count`` a schedule reads.
+      options: ``options(params)``: a tree of static per-parameter options for ``apply`` (AdamW's mask).
     """
 
     learning_rate: optax.ScalarOrSchedule
@@ -159,8 +163,13 @@ class _Fusable(NamedTuple):
     fields: tuple[str, ...]
     fits: Callable[[jax.Array, Arrays], bool]
     scalars: Callable[[Any, Any], Any]
-    apply: Callable[[jax.Array, Arrays, SparseLeaf, Any], tuple[jax.Array, ...]]
+    apply: Callable[[jax.Array, Arrays, SparseLeaf, Any, Any], tuple[jax.Array, ...]]
     count_owner: str = "ScaleByScheduleState"
+    options: Callable[[Any], Any] = lambda params: jax.tree.map(lambda _: None, params, is_leaf=is_leaf)
+
+    def leaf_options(self, treedef: Any, params: Any) -> list[Any]:
+        """``options(params)``, a static option per parameter for ``apply``, as a list along ``treedef``."""
+        return treedef.flatten_up_to(self.options(params))
 
     def trees(self, state: Any) -> tuple[Any, ...]:
         """The state trees the kernel updates, found by name in the chain's state."""
@@ -171,7 +180,15 @@ class _Fusable(NamedTuple):
 def _fusable(fusion: Any) -> _Fusable | None:
     """How to fuse the optimizer that carries ``fusion``; ``None`` for one this module does not fuse."""
     if isinstance(fusion, AdamFusion):
-        hp = fusion.hp
+        hp, wd, mask = fusion.hp, fusion.weight_decay, fusion.mask
+        decayed = () if wd is None else (wd,)
+
+        def adam_apply(p: jax.Array, st: Arrays, sp: SparseLeaf, scalars: Any, decays: Any) -> tuple[jax.Array, ...]:
+            if wd is not None and not decays:
+                scalars = scalars[:-1]  # a parameter the mask leaves out of the decay: plain Adam
+            flags = kernel_flags(hp, sp)
+            return _ffi.sparse_adam_apply(p, st[0], st[1], sp.keys[:, 0], sp.values, scalars, **flags, decay=decays)
+
         return _Fusable(
             fusion.learning_rate,
             "scale_by_sparse_adam",
@@ -179,10 +196,11 @@ def _fusable(fusion: Any) -> _Fusable | None:
             ("mu", "nu"),
             fits=lambda p, st: p.shape == st[0].shape == st[1].shape,
             scalars=lambda new_state, neg_lr: kernel_scalars(
-                hp, optax.tree.get(new_state, "ScaleByAdamState").count, neg_lr
+                hp, optax.tree.get(new_state, "ScaleByAdamState").count, neg_lr, *decayed
             ),
-            apply=lambda p, st, sp, scalars: _ffi.sparse_adam_apply(
-                p, st[0], st[1], sp.keys[:, 0], sp.values, scalars, **kernel_flags(hp, sp)
+            apply=adam_apply,
+            options=lambda params: mask_tree(
+                wd is not None and (True if mask is None else mask), params, "mask", "sparse_adamw"
             ),
         )
     if isinstance(fusion, CatchUpFusion) and fusion.fusable():
@@ -197,7 +215,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
                 kernel_scalars(replayer.hp, optax.tree.get(new_state, "CatchUpAdamState").count, neg_lr),
                 optax.tree.get(new_state, "CatchUpAdamState").count,
             ),
-            apply=lambda p, st, sp, scalars: fused_apply(replayer, p, st, sp, *scalars),
+            apply=lambda p, st, sp, scalars, _: fused_apply(replayer, p, st, sp, *scalars),
             count_owner="CatchUpAdamState",
         )
     if isinstance(fusion, RowwiseAdagradFusion):
@@ -209,7 +227,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             ("sum_of_squares",),
             fits=lambda p, st: st[0].shape == row_shape(p.shape),
             scalars=lambda new_state, neg_lr: adagrad_scalars(eps, weight_decay, neg_lr),
-            apply=lambda p, st, sp, scalars: _ffi.rowwise_adagrad_apply(
+            apply=lambda p, st, sp, scalars, _: _ffi.rowwise_adagrad_apply(
                 p, st[0], sp.keys[:, 0], sp.values, scalars, decay=decay, unique=_kernel_path.unique_flag(sp)
             ),
         )
@@ -281,20 +299,10 @@ def _wrapped(
             lr = lr(optax.tree.get(call.state, fusable.count_owner).count)
         scalars = fusable.scalars(call.new_state, -1 * lr)
 
-        def native(
-            scalars: Any = scalars,
-            fusable: _Fusable = fusable,
-            fused: Any = fused,
-            old: Any = c_old,
-            ps: Any = c_params,
-            ts: Any = targets,
-        ) -> list[tuple[jax.Array, ...]]:
-            return [fusable.apply(ps[i], tuple(leaves[i] for leaves in old), fused[i], scalars) for i in ts]
-
-        def xla(ps: Any = c_params, us: Any = c_updates, new: Any = c_new, ts: Any = targets) -> list[Any]:
-            return [(apply_updates(ps[i], us[i]), *(leaves[i] for leaves in new)) for i in ts]
-
-        for (i, j), (p, *st) in zip(targets.items(), _kernel_path.select(native, xla), strict=True):
+        options = fusable.leaf_options(call_treedef, call.params)
+        args = [(c_params[i], tuple(leaves[i] for leaves in c_old), fused[i], options[i]) for i in targets]
+        xla_args = [(c_params[i], c_updates[i], tuple(leaves[i] for leaves in c_new)) for i in targets]
+        for (i, j), (p, *st) in zip(targets.items(), _select(fusable, scalars, args, xla_args), strict=True):
             done[j] = p
             replaced.update((id(leaves[i]), x) for leaves, x in zip(c_new, st, strict=True))
     if not done:
@@ -304,6 +312,19 @@ def _wrapped(
     for j, p in done.items():
         out_p[j] = p
     return treedef.unflatten(out_p), jax.tree.map(lambda x: replaced.get(id(x), x), new_state)
+
+
+def _select(fusable: _Fusable, scalars: Any, args: list[Any], xla_args: list[Any]) -> list[tuple[jax.Array, ...]]:
+    """The fused kernel on each ``(p, state_leaves, leaf, option)`` of ``args``; where it does not run, the two
+    calls' results, ``apply_updates(p, updates)`` and the new state leaves of each ``(p, updates, new)``."""
+
+    def native() -> list[tuple[jax.Array, ...]]:
+        return [fusable.apply(p, st, sp, scalars, option) for p, st, sp, option in args]
+
+    def xla() -> list[tuple[jax.Array, ...]]:
+        return [(apply_updates(p, u), *new) for p, u, new in xla_args]
+
+    return _kernel_path.select(native, xla)
 
 
 def _ids(leaf: Any) -> tuple[int, ...]:

@@ -60,6 +60,7 @@ PREFIX = "optax_sparse_adam_v1_"  # bump when a handler's operands or attributes
 _SYMBOLS = {
     "sparse_adam_rows": "OptaxSparseAdamRows",
     "sparse_adam_apply": "OptaxSparseAdamApply",
+    "sparse_adamw_apply": "OptaxSparseAdamWApply",
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "scatter_add": "OptaxSparseAdamScatterAdd",
     "rowwise_adagrad_rows": "OptaxSparseAdamRowwiseAdagradRows",

@@ -17,6 +17,11 @@ from optax_sparse_adam import _kernel_path
 from tests.helpers import assert_trees_equal, jit_once
 
 NUM_ROWS, WIDTH = 97, 5
+# The optimizers on the Adam kernels: plain lazy Adam, and lazy AdamW (the decay of each touched row fused in).
+ADAMS = {
+    "adam": lambda lr, **kw: osa.sparse_adam(lr, **kw),
+    "adamw": lambda lr, **kw: osa.sparse_adamw(lr, weight_decay=0.3, **kw),
+}
 
 needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 
@@ -105,10 +110,12 @@ def _assert_same(a, b, n_steps, lr):
 @pytest.mark.parametrize("eps_placement", ["optax", "torch"])
 @pytest.mark.parametrize("maximize", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_native_equals_xla(kind, eps_placement, maximize, fused):
+@pytest.mark.parametrize("adam", sorted(ADAMS))
+def test_native_equals_xla(kind, eps_placement, maximize, fused, adam):
     k = {"dups": 64, "distinct": 40, "all_padding": 8, "extreme": 6}[kind]
     steps = _steps(kind, k)
-    tx = osa.sparse_adam(0.05, eps_root=1e-12 if maximize else 0.0, maximize=maximize, eps_placement=eps_placement)
+    eps_root = 1e-12 if maximize else 0.0
+    tx = ADAMS[adam](0.05, eps_root=eps_root, maximize=maximize, eps_placement=eps_placement)
     with osa.use_kernels(True):
         native = _run(tx, steps, fused=fused, unique=kind == "distinct")
     with osa.use_kernels(False):
@@ -120,12 +127,14 @@ def test_native_equals_xla(kind, eps_placement, maximize, fused):
 
 @needs_kernels
 @pytest.mark.parametrize("k", [0, 1])
-def test_empty_and_single_entry_batches(k):
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("adam", sorted(ADAMS))
+def test_empty_and_single_entry_batches(k, fused, adam):
     steps = _steps("dups", max(k, 1))
     steps = [(ids[:k], values[:k]) for ids, values in steps]
-    tx = osa.sparse_adam(0.1)
+    tx = ADAMS[adam](0.1)
     with osa.use_kernels(True):
-        native = _run(tx, steps, fused=False)
+        native = _run(tx, steps, fused=fused)
     with osa.use_kernels(False):
         xla = _run(tx, steps, fused=False)
     _assert_same(native, xla, len(steps), 0.1)
@@ -134,12 +143,13 @@ def test_empty_and_single_entry_batches(k):
 
 @needs_kernels
 @pytest.mark.parametrize("fused", [False, True])
-def test_one_id_repeated_65536_times(fused):
+@pytest.mark.parametrize("adam", sorted(ADAMS))
+def test_one_id_repeated_65536_times(fused, adam):
     rng = np.random.default_rng(4)
     k = 65_536
     ids = np.full(k, 7, np.int32)
     values = rng.standard_normal((k, WIDTH)).astype(np.float32)
-    tx = osa.sparse_adam(0.1)
+    tx = ADAMS[adam](0.1)
     with osa.use_kernels(True):
         native = _run(tx, [(ids, values)], fused=fused)
     with osa.use_kernels(False):
@@ -266,9 +276,10 @@ def test_update_and_apply_fuses_through_optax_wrappers(case):
 
 
 @needs_kernels
-def test_threads_give_the_same_numbers():
+@pytest.mark.parametrize("adam", sorted(ADAMS))
+def test_threads_give_the_same_numbers(adam):
     steps = _steps("dups", 4096, n=2, seed=6)
-    tx = osa.sparse_adam(0.1)
+    tx = ADAMS[adam](0.1)
     with osa.use_kernels(True, threads=1):
         one = _run(tx, steps, fused=True)
         one_unfused = _run(tx, steps, fused=False)
@@ -342,15 +353,18 @@ def test_lowers_for_gpu_and_tpu_without_the_cpu_kernel(fused, platform):
 
 @needs_kernels
 @pytest.mark.parametrize("fused", [False, True])
-def test_in_place_and_compiled_once(fused):
+@pytest.mark.parametrize("adam", sorted(ADAMS))
+def test_in_place_and_compiled_once(fused, adam):
     """With donation the kernel updates the tables in place: temporaries do not grow with the table."""
-    tx = osa.sparse_adam(0.1)
+    tx = ADAMS[adam](0.1)
     sizes = {}
     for rows in (1_000, 100_000):
         table = jnp.zeros((rows, 16), jnp.float32)
         args = (table, tx.init(table), jnp.zeros((256,), jnp.int32), jnp.ones((256, 16), jnp.float32))
         compiled = jax.jit(_step_fn(tx, fused, rows), donate_argnums=(0, 1)).lower(*args).compile()
-        assert "optax_sparse_adam_v1" in compiled.as_text()
+        text = compiled.as_text()
+        assert "optax_sparse_adam_v1" in text
+        assert not fused or f"optax_sparse_adam_v1_sparse_{adam}_apply" in text
         sizes[rows] = compiled.memory_analysis().temp_size_in_bytes
     assert sizes[100_000] == sizes[1_000] < 1_000 * 16 * 4
 
@@ -391,9 +405,10 @@ def test_row_sharded_table_stays_sharded_on_both_calls():
 
 @needs_kernels
 @pytest.mark.parametrize("fused", [False, True])
-def test_vmapped_step_equals_xla(fused):
+@pytest.mark.parametrize("adam", sorted(ADAMS))
+def test_vmapped_step_equals_xla(fused, adam):
     """Under vmap the kernel runs once per batch element (no batching rule is needed from the caller)."""
-    tx = osa.sparse_adam(0.1)
+    tx = ADAMS[adam](0.1)
     step = _step_fn(tx, fused)
     tables = jnp.linspace(-1.0, 1.0, 2 * NUM_ROWS * WIDTH, dtype=jnp.float32).reshape(2, NUM_ROWS, WIDTH)
     ids = jnp.asarray([[1, 1, 2, -1], [3, NUM_ROWS, 3, 5]], jnp.int32)

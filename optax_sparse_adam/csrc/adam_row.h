@@ -17,6 +17,7 @@ namespace {
 // Order of the scalars operand, as _adam.kernel_scalars stacks it.
 struct Scalars {
   float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, bc1, bc2, torch_scale, neg_lr;
+  float weight_decay = 0.0f;  // an eleventh scalar, for the AdamW handler only
 };
 constexpr int64_t kNumScalars = 10;
 constexpr int kPrefetchDistance = 4;
@@ -28,14 +29,16 @@ struct Options {
 };
 
 // One row: m and v updated in place from the gradient row g; the step
-// written to `out`, or with kApply added times neg_lr to the parameter row `out`.
-template <bool kTorch, bool kMaximize, bool kApply>
+// written to `out`, or with kApply added times neg_lr to the parameter row `out`
+// (with kDecay, the step plus weight_decay times the parameter, as AdamW).
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay = false>
 inline void UpdateRow(const Scalars& s, const float* __restrict g, float* __restrict m, float* __restrict v,
                       float* __restrict out, int64_t width) {
   // Locals, not loads through `s`: the rows written might alias it, which
   // would keep the compiler from vectorizing the loop.
   const float b1 = s.b1, one_minus_b1 = s.one_minus_b1, b2 = s.b2, one_minus_b2 = s.one_minus_b2;
   const float eps = s.eps, eps_root = s.eps_root, torch_scale = s.torch_scale, neg_lr = s.neg_lr;
+  const float weight_decay = s.weight_decay;
   const float inv_bc1 = 1.0f / s.bc1;
   const float inv_bc2 = 1.0f / s.bc2;
   for (int64_t j = 0; j < width; ++j) {
@@ -50,7 +53,9 @@ inline void UpdateRow(const Scalars& s, const float* __restrict g, float* __rest
     }
     m[j] = mn;
     v[j] = vn;
-    if constexpr (kApply) {
+    if constexpr (kApply && kDecay) {
+      out[j] = out[j] + neg_lr * std::fma(weight_decay, out[j], step);
+    } else if constexpr (kApply) {
       out[j] = out[j] + neg_lr * step;
     } else {
       out[j] = step;

@@ -6,7 +6,10 @@
 //     the step rows packed as the XLA path packs them (distinct keys first,
 //     padding after; with `unique`, in the entries' own slots);
 //   optax_sparse_adam_v1_sparse_adam_apply  (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
-//     the same and p += neg_lr * step, touching each row of p, mu and nu once.
+//     the same and p += neg_lr * step, touching each row of p, mu and nu once;
+//   optax_sparse_adam_v1_sparse_adamw_apply (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
+//     sparse_adamw's lazy step: p += neg_lr * fma(weight_decay, p, step), the
+//     weight decay an eleventh scalar.
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
@@ -20,6 +23,7 @@
 //   v'  = fma(1 - b2, g g, b2 v)
 //   optax: s = (m' (1 / bc1)) / (sqrt(v' (1 / bc2) + eps_root) + eps)
 //   torch: s = (torch_scale m') / (sqrt(v' + eps_root) + eps)
+//   p'  = p + neg_lr s                (AdamW: p + neg_lr fma(weight_decay, p, s))
 // The tests compare both paths bitwise.
 #include <cmath>
 #include <cstdint>
@@ -36,7 +40,7 @@ namespace optax_sparse_adam {
 namespace {
 
 // The distinct rows [lo, hi) of a coalesced batch.
-template <bool kTorch, bool kMaximize, bool kApply>
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const Shard& shard, const float* values,
                                      float* m, float* v, float* out, int64_t width, int64_t lo, int64_t hi) {
   std::vector<float> g(static_cast<size_t>(width));
@@ -60,12 +64,12 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
       for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
     }
     float* dst = kApply ? out + r * width : out + d * width;
-    UpdateRow<kTorch, kMaximize, kApply>(s, g.data(), m + r * width, v + r * width, dst, width);
+    UpdateRow<kTorch, kMaximize, kApply, kDecay>(s, g.data(), m + r * width, v + r * width, dst, width);
   }
 }
 
 // The entries [lo, hi) of a batch whose in-range keys are distinct.
-template <bool kTorch, bool kMaximize, bool kApply>
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const Shard& shard, const float* values,
                                   float* m, float* v, float* out, int64_t width, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; ++i) {
@@ -81,11 +85,11 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
     }
     const int64_t r = shard.Local(keys[i]);
     float* dst = kApply ? out + r * width : out + i * width;
-    UpdateRow<kTorch, kMaximize, kApply>(s, values + i * width, m + r * width, v + r * width, dst, width);
+    UpdateRow<kTorch, kMaximize, kApply, kDecay>(s, values + i * width, m + r * width, v + r * width, dst, width);
   }
 }
 
-template <bool kTorch, bool kMaximize, bool kApply>
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k, const Shard& shard,
          const float* values, float* m, float* v, float* out, int32_t* out_keys, int64_t width) {
   const auto pad = static_cast<int32_t>(shard.num_rows);
@@ -97,7 +101,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
       for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
     }
     ParallelFor(pool, k, std::min<int64_t>(o.threads, k / 32 + 1), [&](int64_t lo, int64_t hi) {
-      UniqueRows<kTorch, kMaximize, kApply>(s, keys, shard, values, m, v, out, width, lo, hi);
+      UniqueRows<kTorch, kMaximize, kApply, kDecay>(s, keys, shard, values, m, v, out, width, lo, hi);
     });
     return;
   }
@@ -113,13 +117,13 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
   }
   // A thread is worth its scheduling past a few dozen rows.
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows<kTorch, kMaximize, kApply>(s, c, shard, values, m, v, out, width, lo, hi);
+    CoalescedRows<kTorch, kMaximize, kApply, kDecay>(s, c, shard, values, m, v, out, width, lo, hi);
   });
 }
 
 // Checks the shapes shared by both handlers; sets the shard's local rows and the width.
 ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t nu_count, int64_t k,
-                       size_t values_count, size_t scalars_count, Shard& shard, int64_t& width) {
+                       size_t values_count, size_t scalars_count, int64_t num_scalars, Shard& shard, int64_t& width) {
   if (table.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
   shard.local_rows = table[0];
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
@@ -128,17 +132,18 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t n
     return ffi::Error::InvalidArgument("mu and nu must have the parameter's shape");
   if (static_cast<int64_t>(values_count) != k * width)
     return ffi::Error::InvalidArgument("values must have one row per key");
-  if (static_cast<int64_t>(scalars_count) != kNumScalars)
-    return ffi::Error::InvalidArgument("scalars must hold 10 values");
+  if (static_cast<int64_t>(scalars_count) != num_scalars)
+    return ffi::Error::InvalidArgument(num_scalars == kNumScalars ? "scalars must hold 10 values"
+                                                                  : "scalars must hold 11 values");
   return ffi::Error::Success();
 }
 
-template <bool kApply>
+template <bool kApply, bool kDecay = false>
 void Dispatch(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k,
               const Shard& shard, const float* values, float* m, float* v, float* out, int32_t* out_keys,
               int64_t width) {
   auto run = [&](auto torch_eps, auto maximize) {
-    Run<decltype(torch_eps)::value, decltype(maximize)::value, kApply>(pool, s, o, keys, k, shard, values, m, v,
+    Run<decltype(torch_eps)::value, decltype(maximize)::value, kApply, kDecay>(pool, s, o, keys, k, shard, values, m, v,
                                                                        out, out_keys, width);
   };
   using T = std::true_type;
@@ -159,7 +164,7 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
   if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
-                                 scalars.element_count(), shard, width);
+                                 scalars.element_count(), kNumScalars, shard, width);
       e.failure())
     return e;
   if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
@@ -174,6 +179,7 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+template <bool kDecay>
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
                      ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
@@ -183,7 +189,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
   if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
-                                 scalars.element_count(), shard, width);
+                                 scalars.element_count(), kDecay ? kNumScalars + 1 : kNumScalars, shard, width);
       e.failure())
     return e;
   if (p.element_count() != mu.element_count()) return ffi::Error::InvalidArgument("p must have mu's shape");
@@ -194,8 +200,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
-  Dispatch<true>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr,
-                 width);
+  Scalars s = ReadScalars(scalars);
+  if constexpr (kDecay) s.weight_decay = scalars.typed_data()[kNumScalars];
+  Dispatch<true, kDecay>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr, width);
   return ffi::Error::Success();
 }
 
@@ -221,21 +228,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRows, optax_sparse_adam::RowsImpl,
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamApply, optax_sparse_adam::ApplyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // p
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // mu
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // nu
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
-                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // p
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // mu
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // nu
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<int64_t>("torch_eps")
-                                  .Attr<int64_t>("maximize")
-                                  .Attr<int64_t>("unique")
-                                  .Attr<int64_t>("threads"));
+#define OSA_APPLY_BINDING                                               \
+  ffi::Ffi::Bind()                                                      \
+      .Ctx<ffi::ThreadPool>()                                           \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* p */                           \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* mu */                          \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* nu */                          \
+      .Arg<ffi::BufferR1<ffi::S32>>() /* keys */                        \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* values */                      \
+      .Arg<ffi::BufferR1<ffi::F32>>() /* scalars */                     \
+      .Arg<ffi::BufferR0<ffi::S32>>() /* row_begin: first row held */   \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* p */                           \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* mu */                          \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* nu */                          \
+      .Attr<int64_t>("num_rows")                                        \
+      .Attr<int64_t>("torch_eps")                                       \
+      .Attr<int64_t>("maximize")                                        \
+      .Attr<int64_t>("unique")                                          \
+      .Attr<int64_t>("threads")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamApply, optax_sparse_adam::ApplyImpl<false>, OSA_APPLY_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamWApply, optax_sparse_adam::ApplyImpl<true>, OSA_APPLY_BINDING);
