@@ -21,7 +21,9 @@ import numpy as np
 import optax
 
 from optax_sparse_adam import _catch_up
+from optax_sparse_adam._adam import _hyperparams
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
+from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows
@@ -222,10 +224,20 @@ def sparse_amsgrad(
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
     if check_bool("catch_up", catch_up):
         return _catch_up_amsgrad(learning_rate, b1, b2, eps, eps_root, mu_dtype)
-    return optax.chain(
+    tx = optax.chain(
         scale_by_sparse_amsgrad(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype),
         sparse_aware(optax.scale_by_learning_rate(learning_rate)),
     )
+    # update_and_apply runs the step in one pass per row on the AMSGrad kernel: the Adam kernel's scalars serve it.
+    fusion = AmsgradFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, False, "optax"))
+    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))
+
+
+class AmsgradFusion(NamedTuple):
+    """What :func:`update_and_apply` needs of a lazy :func:`sparse_amsgrad` to run its step in one pass per row."""
+
+    learning_rate: optax.ScalarOrSchedule
+    hp: Any  # the Adam kernels' hyperparameters (_adam.AdamHyperparams)
 
 
 def idle_cap(b1: float) -> int:

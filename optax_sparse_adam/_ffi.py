@@ -180,6 +180,36 @@ def sparse_adam_apply(
     return new_p, new_m, new_v
 
 
+def sparse_amsgrad_apply(
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    v_max: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    *,
+    unique: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``sparse_amsgrad``'s lazy step and ``p += neg_lr * step`` in one pass over each touched row:
+    ``(p, m, v, v_max)``; ``scalars`` as the Adam kernels take them."""
+    attrs = _attrs(p.shape[0], unique=unique)
+
+    def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, *rest: jax.Array):
+        table = jax.ShapeDtypeStruct(p.shape, p.dtype)
+        return jax.ffi.ffi_call(
+            PREFIX + "sparse_amsgrad_apply",
+            (table, table, table, table),
+            input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
+            vmap_method="sequential",
+        )(p, m, v, v_max, *rest, row_begin, **attrs)
+
+    rule = "n w, n w, n w, n w, k, k w, s -> n w, n w, n w, n w"
+    out = _by_row_shards(fn, rule)(_rows2d(p), _rows2d(m), _rows2d(v), _rows2d(v_max), keys, _rows2d(values), scalars)
+    new_p, new_m, new_v, new_v_max = (x.reshape(p.shape) for x in out)
+    return new_p, new_m, new_v, new_v_max
+
+
 def catch_up_adam_apply(
     p: jax.Array,
     m: jax.Array,

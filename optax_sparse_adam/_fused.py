@@ -11,6 +11,7 @@ import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
+from optax_sparse_adam._amsgrad import AmsgradFusion
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._catch_up import CatchUpFusion, fused_apply
 from optax_sparse_adam._checks import mask_tree
@@ -39,7 +40,8 @@ def update_and_apply(
 
     for any ``tx``. Where ``tx`` is an optimizer built by
     :func:`~optax_sparse_adam.sparse_adam` (``catch_up`` too),
-    :func:`~optax_sparse_adam.sparse_adamw` (lazy) or
+    :func:`~optax_sparse_adam.sparse_adamw` (lazy),
+    :func:`~optax_sparse_adam.sparse_amsgrad` (lazy) or
     :func:`~optax_sparse_adam.sparse_rowwise_adagrad`, or wraps one in a way
     that passes its updates and state through untouched
     (``optax.inject_hyperparams``, stages such as
@@ -217,6 +219,21 @@ def _fusable(fusion: Any) -> _Fusable | None:
             ),
             apply=lambda p, st, sp, scalars, _: fused_apply(replayer, p, st, sp, *scalars),
             count_owner="CatchUpAdamState",
+        )
+    if isinstance(fusion, AmsgradFusion):
+        hp = fusion.hp
+        return _Fusable(
+            fusion.learning_rate,
+            "scale_by_sparse_amsgrad",
+            "ScaleByAmsgradState",
+            ("mu", "nu", "nu_max"),
+            fits=lambda p, st: p.shape == st[0].shape == st[1].shape == st[2].shape,
+            scalars=lambda new_state, neg_lr: kernel_scalars(
+                hp, optax.tree.get(new_state, "ScaleByAmsgradState").count, neg_lr
+            ),
+            apply=lambda p, st, sp, scalars, _: _ffi.sparse_amsgrad_apply(
+                p, st[0], st[1], st[2], sp.keys[:, 0], sp.values, scalars, unique=_kernel_path.unique_flag(sp)
+            ),
         )
     if isinstance(fusion, RowwiseAdagradFusion):
         eps, weight_decay, decay = fusion.eps, fusion.weight_decay, fusion.decay

@@ -61,6 +61,7 @@ _SYMBOLS = {
     "sparse_adam_rows": "OptaxSparseAdamRows",
     "sparse_adam_apply": "OptaxSparseAdamApply",
     "sparse_adamw_apply": "OptaxSparseAdamWApply",
+    "sparse_amsgrad_apply": "OptaxSparseAmsgradApply",
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "scatter_add": "OptaxSparseAdamScatterAdd",
     "rowwise_adagrad_rows": "OptaxSparseAdamRowwiseAdagradRows",

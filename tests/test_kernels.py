@@ -17,11 +17,20 @@ from optax_sparse_adam import _kernel_path
 from tests.helpers import assert_trees_equal, jit_once
 
 NUM_ROWS, WIDTH = 97, 5
-# The optimizers on the Adam kernels: plain lazy Adam, and lazy AdamW (the decay of each touched row fused in).
+# The optimizers on the Adam kernels: plain lazy Adam, lazy AdamW (the decay of each touched row fused in) and
+# lazy AMSGrad (a third moment; optax's eps placement, no maximize).
 ADAMS = {
     "adam": lambda lr, **kw: osa.sparse_adam(lr, **kw),
     "adamw": lambda lr, **kw: osa.sparse_adamw(lr, weight_decay=0.3, **kw),
+    "amsgrad": lambda lr, **kw: osa.sparse_amsgrad(lr, **kw),
 }
+ADAM_OPTIONS = [
+    (adam, placement, maximize)
+    for adam in sorted(ADAMS)
+    for placement in ("optax", "torch")
+    for maximize in (False, True)
+    if adam != "amsgrad" or (placement == "optax" and not maximize)
+]
 
 needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 
@@ -107,15 +116,15 @@ def _assert_same(a, b, n_steps, lr):
 
 @needs_kernels
 @pytest.mark.parametrize("kind", ["dups", "distinct", "all_padding", "extreme"])
-@pytest.mark.parametrize("eps_placement", ["optax", "torch"])
-@pytest.mark.parametrize("maximize", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("adam", sorted(ADAMS))
+@pytest.mark.parametrize(("adam", "eps_placement", "maximize"), ADAM_OPTIONS)
 def test_native_equals_xla(kind, eps_placement, maximize, fused, adam):
     k = {"dups": 64, "distinct": 40, "all_padding": 8, "extreme": 6}[kind]
     steps = _steps(kind, k)
-    eps_root = 1e-12 if maximize else 0.0
-    tx = ADAMS[adam](0.05, eps_root=eps_root, maximize=maximize, eps_placement=eps_placement)
+    options = {"eps_root": 1e-12} if maximize else {}
+    if adam != "amsgrad":
+        options |= {"maximize": maximize, "eps_placement": eps_placement}
+    tx = ADAMS[adam](0.05, **options)
     with osa.use_kernels(True):
         native = _run(tx, steps, fused=fused, unique=kind == "distinct")
     with osa.use_kernels(False):
@@ -366,7 +375,7 @@ def test_in_place_and_compiled_once(fused, adam):
         assert "optax_sparse_adam_v1" in text
         assert not fused or f"optax_sparse_adam_v1_sparse_{adam}_apply" in text
         sizes[rows] = compiled.memory_analysis().temp_size_in_bytes
-    assert sizes[100_000] == sizes[1_000] < 1_000 * 16 * 4
+    assert sizes[100_000] == sizes[1_000] < 100_000 * 16 * 4 / 10  # independent of the table, and small
 
     traced_once = jit_once(_step_fn(tx, fused))
 

@@ -31,9 +31,11 @@ struct Options {
 // One row: m and v updated in place from the gradient row g; the step
 // written to `out`, or with kApply added times neg_lr to the parameter row `out`
 // (with kDecay, the step plus weight_decay times the parameter, as AdamW).
-template <bool kTorch, bool kMaximize, bool kApply, bool kDecay = false>
+// With kAmsgrad, AMSGrad's rule (optax's placement): vm, the largest
+// bias-corrected v, rises to v' / bc2, and the step divides by its root.
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay = false, bool kAmsgrad = false>
 inline void UpdateRow(const Scalars& s, const float* __restrict g, float* __restrict m, float* __restrict v,
-                      float* __restrict out, int64_t width) {
+                      float* __restrict out, int64_t width, float* __restrict vm = nullptr) {
   // Locals, not loads through `s`: the rows written might alias it, which
   // would keep the compiler from vectorizing the loop.
   const float b1 = s.b1, one_minus_b1 = s.one_minus_b1, b2 = s.b2, one_minus_b2 = s.one_minus_b2;
@@ -46,7 +48,13 @@ inline void UpdateRow(const Scalars& s, const float* __restrict g, float* __rest
     const float mn = kMaximize ? std::fma(b1, m[j], -(one_minus_b1 * gj)) : std::fma(one_minus_b1, gj, b1 * m[j]);
     const float vn = std::fma(one_minus_b2, gj * gj, b2 * v[j]);
     float step;
-    if constexpr (kTorch) {
+    if constexpr (kAmsgrad) {
+      // XLA's maximum: NaN if either is.
+      const float vc = vn * inv_bc2, old = vm[j];
+      const float vmn = (old >= vc || std::isnan(old)) ? old : vc;
+      vm[j] = vmn;
+      step = (mn * inv_bc1) / (std::sqrt(vmn + eps_root) + eps);
+    } else if constexpr (kTorch) {
       step = (torch_scale * mn) / (std::sqrt(vn + eps_root) + eps);
     } else {
       step = (mn * inv_bc1) / (std::sqrt(vn * inv_bc2 + eps_root) + eps);

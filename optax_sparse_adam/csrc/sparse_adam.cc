@@ -9,7 +9,10 @@
 //     the same and p += neg_lr * step, touching each row of p, mu and nu once;
 //   optax_sparse_adam_v1_sparse_adamw_apply (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
 //     sparse_adamw's lazy step: p += neg_lr * fma(weight_decay, p, step), the
-//     weight decay an eleventh scalar.
+//     weight decay an eleventh scalar;
+//   optax_sparse_adam_v1_sparse_amsgrad_apply (p, mu, nu, nu_max, keys, values, scalars) -> (p, mu, nu, nu_max)
+//     sparse_amsgrad's lazy step: nu_max' = max(nu_max, v' (1 / bc2)),
+//     s = (m' (1 / bc1)) / (sqrt(nu_max' + eps_root) + eps), p += neg_lr s.
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
@@ -40,15 +43,17 @@ namespace optax_sparse_adam {
 namespace {
 
 // The distinct rows [lo, hi) of a coalesced batch.
-template <bool kTorch, bool kMaximize, bool kApply, bool kDecay>
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const Shard& shard, const float* values,
-                                     float* m, float* v, float* out, int64_t width, int64_t lo, int64_t hi) {
+                                     float* m, float* v, float* vm, float* out, int64_t width, int64_t lo,
+                                     int64_t hi) {
   std::vector<float> g(static_cast<size_t>(width));
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
       const int64_t r = shard.Local(c.row[d + kPrefetchDistance]);
       PrefetchRow(m + r * width, width);
       PrefetchRow(v + r * width, width);
+      if constexpr (kAmsgrad) PrefetchRow(vm + r * width, width);
       if constexpr (kApply) PrefetchRow(out + r * width, width);
     }
     if (!shard.Owns(c.row[d])) {  // another shard's row
@@ -64,19 +69,21 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
       for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
     }
     float* dst = kApply ? out + r * width : out + d * width;
-    UpdateRow<kTorch, kMaximize, kApply, kDecay>(s, g.data(), m + r * width, v + r * width, dst, width);
+    UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g.data(), m + r * width, v + r * width, dst, width,
+                                                           kAmsgrad ? vm + r * width : nullptr);
   }
 }
 
 // The entries [lo, hi) of a batch whose in-range keys are distinct.
-template <bool kTorch, bool kMaximize, bool kApply, bool kDecay>
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const Shard& shard, const float* values,
-                                  float* m, float* v, float* out, int64_t width, int64_t lo, int64_t hi) {
+                                  float* m, float* v, float* vm, float* out, int64_t width, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
       const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
       PrefetchRow(m + r * width, width);
       PrefetchRow(v + r * width, width);
+      if constexpr (kAmsgrad) PrefetchRow(vm + r * width, width);
       if constexpr (kApply) PrefetchRow(out + r * width, width);
     }
     if (!shard.Owns(keys[i])) {
@@ -85,13 +92,14 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
     }
     const int64_t r = shard.Local(keys[i]);
     float* dst = kApply ? out + r * width : out + i * width;
-    UpdateRow<kTorch, kMaximize, kApply, kDecay>(s, values + i * width, m + r * width, v + r * width, dst, width);
+    UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, values + i * width, m + r * width, v + r * width, dst,
+                                                           width, kAmsgrad ? vm + r * width : nullptr);
   }
 }
 
-template <bool kTorch, bool kMaximize, bool kApply, bool kDecay>
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k, const Shard& shard,
-         const float* values, float* m, float* v, float* out, int32_t* out_keys, int64_t width) {
+         const float* values, float* m, float* v, float* vm, float* out, int32_t* out_keys, int64_t width) {
   const auto pad = static_cast<int32_t>(shard.num_rows);
   // A broken promise (a key twice) takes the coalescing path: its rows are
   // summed as without it, and no two threads ever write one row. Keys the
@@ -101,7 +109,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
       for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
     }
     ParallelFor(pool, k, std::min<int64_t>(o.threads, k / 32 + 1), [&](int64_t lo, int64_t hi) {
-      UniqueRows<kTorch, kMaximize, kApply, kDecay>(s, keys, shard, values, m, v, out, width, lo, hi);
+      UniqueRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, keys, shard, values, m, v, vm, out, width, lo, hi);
     });
     return;
   }
@@ -117,7 +125,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
   }
   // A thread is worth its scheduling past a few dozen rows.
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows<kTorch, kMaximize, kApply, kDecay>(s, c, shard, values, m, v, out, width, lo, hi);
+    CoalescedRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, c, shard, values, m, v, vm, out, width, lo, hi);
   });
 }
 
@@ -143,8 +151,8 @@ void Dispatch(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const i
               const Shard& shard, const float* values, float* m, float* v, float* out, int32_t* out_keys,
               int64_t width) {
   auto run = [&](auto torch_eps, auto maximize) {
-    Run<decltype(torch_eps)::value, decltype(maximize)::value, kApply, kDecay>(pool, s, o, keys, k, shard, values, m, v,
-                                                                       out, out_keys, width);
+    Run<decltype(torch_eps)::value, decltype(maximize)::value, kApply, kDecay, false>(
+        pool, s, o, keys, k, shard, values, m, v, nullptr, out, out_keys, width);
   };
   using T = std::true_type;
   using F = std::false_type;
@@ -206,6 +214,37 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// sparse_amsgrad's fused step: (p, mu, nu, nu_max) updated in place on the touched rows.
+ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+                            ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max, ffi::BufferR1<ffi::S32> keys,
+                            ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                            ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
+                            ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                            ffi::ResultBuffer<ffi::F32> nu_max_out, int64_t num_rows, int64_t unique,
+                            int64_t threads) {
+  const int64_t k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
+                                 scalars.element_count(), kNumScalars, shard, width);
+      e.failure())
+    return e;
+  if (p.element_count() != mu.element_count() || nu_max.element_count() != mu.element_count())
+    return ffi::Error::InvalidArgument("p and nu_max must have mu's shape");
+  float* q = p_out->typed_data();
+  float* m = mu_out->typed_data();
+  float* v = nu_out->typed_data();
+  float* vm = nu_max_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
+  CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
+  CopyIfNotAliased(vm, nu_max.typed_data(), nu_max.element_count());
+  const Options o{false, false, unique, threads};
+  Run<false, false, true, false, true>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard, values.typed_data(),
+                                       m, v, vm, q, nullptr, width);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace optax_sparse_adam
 
@@ -249,3 +288,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRows, optax_sparse_adam::RowsImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamApply, optax_sparse_adam::ApplyImpl<false>, OSA_APPLY_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamWApply, optax_sparse_adam::ApplyImpl<true>, OSA_APPLY_BINDING);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradApply, optax_sparse_adam::AmsgradApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu_max
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu_max
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
