@@ -27,6 +27,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
 _BYTES |= {"s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _COPY = re.compile(r"%(\S+) = (\w+)\[([\d,]*)\]\S* copy\(")
 _KERNEL_CALL = 'custom_call_target="optax_sparse_adam_v'
+_KERNEL_NAME = re.compile(r'custom_call_target="optax_sparse_adam_v\d+_(\w+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,8 @@ class StepReport:
       threshold_bytes: What counts as table-sized below.
       not_donated: ``(path, bytes)`` of each table-sized argument the step does not donate.
       copies: ``(hlo name, bytes)`` of each table-sized copy in the compiled step.
+      kernels: The library's native kernels the compiled step calls, by name (``"sparse_adam_apply"``: a fused
+        step; ``"sparse_adam_rows"`` and ``"scatter_add"``: the two calls), each once, in the order they appear.
     """
 
     kernel_path: str
@@ -50,6 +53,12 @@ class StepReport:
     threshold_bytes: int
     not_donated: tuple[tuple[str, int], ...]
     copies: tuple[tuple[str, int], ...]
+    kernels: tuple[str, ...] = ()
+
+    @property
+    def fused(self) -> bool:
+        """Whether an optimizer's step runs fused: one native pass per row over its parameters and state."""
+        return any(name.endswith("_apply") for name in self.kernels)
 
     @property
     def in_place(self) -> bool:
@@ -58,10 +67,28 @@ class StepReport:
 
     def __str__(self) -> str:
         lines = [
-            f"kernel path: {self.kernel_path} ({self.kernel_calls} native kernel call(s) in the compiled step)",
+            f"kernel path: {self.kernel_path} ({self.kernel_calls} native kernel call(s) in the compiled step"
+            + (f": {', '.join(self.kernels)})" if self.kernels else ")"),
             f"arguments: {_mb(self.argument_bytes)}; temporaries: {_mb(self.temp_bytes)} "
             f"(table-sized: {_mb(self.threshold_bytes)} or more)",
         ]
+        if self.fused:
+            lines.append("fused: the optimizer's step is one native pass over each touched row")
+        elif any(name.endswith("_rows") for name in self.kernels):
+            lines.append(
+                "two calls: the optimizer's rows, then a scatter into the parameters; osa.update_and_apply fuses "
+                "them for the optimizers the kernels cover, also inside inject_hyperparams, stages before the "
+                "optimizer and multi_transform, but not where a wrapper changes the updates or the state "
+                "(apply_if_finite, stages after the optimizer): see 'One pass through optax wrappers' in "
+                "docs/guides/optax_pipelines.md"
+            )
+        elif self.kernel_path == "native-cpu":
+            lines.append(
+                "no native kernel for the optimizer: its rows run the XLA path (an optimizer or dtype the kernels "
+                "do not cover, a step inside shard_map, or one without sparse leaves); see 'What the kernels "
+                "cover' in "
+                "docs/guides/native_kernels.md"
+            )
         for path, size in self.not_donated:
             lines.append(
                 f"not donated: {path} ({_mb(size)}): XLA keeps the caller's copy and writes a new one every step; "
@@ -149,6 +176,7 @@ def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = No
         threshold_bytes=threshold,
         not_donated=not_donated,
         copies=tuple(copies),
+        kernels=tuple(dict.fromkeys(_KERNEL_NAME.findall(hlo))),
     )
 
 

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import optax_sparse_adam as osa
@@ -123,3 +124,24 @@ def test_sharded_tables_are_judged_by_one_devices_block():
     kept = osa.step_report(jax.jit(step), params, state, ids)
     assert len(kept.copies) >= 3 and all(size == 10_000 * 32 * 4 for _, size in kept.copies), str(kept)
     assert {p for p, _ in kept.not_donated} == {"args[0]['emb']", "args[1][0].mu['emb']", "args[1][0].nu['emb']"}
+
+
+@pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
+@pytest.mark.parametrize(
+    ("name", "tx", "fused", "says"),
+    [
+        ("sparse_adam", osa.sparse_adam(1e-2), True, "fused: "),
+        ("apply_if_finite", optax.apply_if_finite(osa.sparse_adam(1e-2), 3), False, "two calls: "),
+        ("rowwise adam", osa.sparse_rowwise_adam(1e-2), False, "no native kernel for the optimizer: "),
+    ],
+)
+def test_the_report_says_whether_the_step_runs_fused(name, tx, fused, says):
+    """The report names the kernels the compiled step calls and says whether the optimizer's step is one pass,
+    the two calls (and how to fuse them), or the XLA path (and why)."""
+    step = jax.jit(_step(tx, _nonlinear), donate_argnums=(0, 1))
+    report = osa.step_report(step, *_args(tx))
+    assert report.fused is fused
+    assert says in str(report), str(report)
+    if fused:
+        assert report.kernels == ("sparse_adam_apply",), report.kernels
+    assert len(report.kernels) <= report.kernel_calls
