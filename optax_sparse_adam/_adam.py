@@ -134,11 +134,11 @@ def _as_dense_struct(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype) if is_sparse(x) else x
 
 
-def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 0.0, *extra: Any) -> jax.Array:
+def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 1.0, *extra: Any) -> jax.Array:
     """The kernels' scalar operand at step ``count``, each value rounded to float32 as the rule rounds it.
 
-    ``neg_lr`` is the learning-rate scale of the fused step (:func:`update_and_apply`); ``extra`` follow it
-    (the AdamW kernel's weight decay).
+    ``neg_lr`` is the learning-rate scale: of the fused step (:func:`update_and_apply`), or the factor the rows
+    kernel multiplies its step rows by (1: the step itself); ``extra`` follow it (the AdamW kernel's weight decay).
     """
 
     def f32(x: Any) -> jax.Array:
@@ -152,14 +152,15 @@ def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 0.0, *ex
     return jnp.stack([f32(x) for x in (*values, *extra)])
 
 
-def _kernel(hp: AdamHyperparams, count: jax.Array) -> Kernel:
-    """The native CPU kernel in the rule's place."""
+def _kernel(hp: AdamHyperparams, count: jax.Array, scale: Any = 1.0) -> Kernel:
+    """The native CPU kernel in the rule's place; its step rows come out multiplied by ``scale`` (rounded to
+    float32 first, as ``optax.scale`` rounds it to the update's dtype)."""
 
     def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
         return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-        scalars = kernel_scalars(hp, count)
+        scalars = kernel_scalars(hp, count, scale)
         m, v, keys, step = _ffi.sparse_adam_rows(
             state[0], state[1], leaf.keys[:, 0], leaf.values, scalars, **kernel_flags(hp, leaf)
         )
@@ -209,6 +210,63 @@ def _dense_adam(grads: Any, mu: Any, nu: Any, state_count: jax.Array, hp: AdamHy
         updates = jax.tree.map(step, new_mu, new_nu)
     cast = lambda new, old: jax.tree.map(lambda x, y: x.astype(y.dtype), new, old)  # noqa: E731
     return cast(updates, grads), cast(new_mu, mu), cast(new_nu, nu)
+
+
+def _update(
+    hp: AdamHyperparams, lazy_dense: Any, updates: Any, state: optax.ScaleByAdamState, params: Any, scale: Any = None
+) -> tuple[optax.Updates, optax.ScaleByAdamState]:
+    """:func:`scale_by_sparse_adam`'s update; with ``scale``, its updates multiplied by it as ``optax.scale`` would
+    (``jnp.array(scale, dtype) * u``), on the rows kernel inside its pass (:func:`sparse_adam`'s learning rate)."""
+    check_state(state, optax.ScaleByAdamState, _WHERE)
+    count = optax.safe_increment(state.count)
+    # Without params, a mask function sees the gradients with each sparse leaf as the array it stands for.
+    like = params if params is not None else jax.tree.map(_as_dense_struct, updates, is_leaf=is_leaf)
+    lazy = mask_tree(lazy_dense, like, "lazy_dense", _WHERE)
+    trees = [(state.mu, "optimizer state's mu"), (state.nu, "optimizer state's nu"), (lazy, "lazy_dense mask")]
+
+    def plain(path: Any, g: Any, m: Any, v: Any, lazy: bool, *p: Any) -> tuple[Any, Any, Any]:
+        """The leaf's gradient, ``mu`` and ``nu`` if it takes plain dense Adam, else ``None``s."""
+        if p and p[0] is not None and g is not None and jnp.shape(p[0]) != jnp.shape(m):
+            raise param_error(
+                ValueError,
+                _WHERE,
+                path,
+                f"the optimizer state's mu has shape {jnp.shape(m)} but the parameter has shape "
+                f"{jnp.shape(p[0])}: the state was built for other parameters; build it with `tx.init(params)`",
+            )
+        if g is None or is_sparse(g) or lazy:
+            return None, None, None
+        return check_dense_gradient(path, g, jnp.shape(m), _WHERE), m, v
+
+    with_params = trees + ([] if params is None else [(params, "parameters")])
+    plain_g, plain_m, plain_v = map_rule(plain, updates, with_params, _WHERE, 3)
+    dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # all at once, as optax.adam does
+    rule, lazy_rule = _scaled(_rule(hp, count), scale), _scaled(_lazy_rule(hp, count), scale)
+    kernel = _kernel(hp, count, 1.0 if scale is None else scale)
+
+    def leaf(path: Any, g: Any, m: Any, v: Any, lazy: bool, *dense: Any) -> tuple[Any, Any, Any]:
+        if g is not None and not is_sparse(g) and not lazy:
+            u, m, v = dense
+            return (u if scale is None else jnp.asarray(scale, u.dtype) * u), m, v
+        leaf_rule = lazy_rule if lazy and not is_sparse(g) else rule
+        out, (m, v) = apply_rule(path, g, jnp.shape(m), (m, v), (), leaf_rule, _WHERE, whole_rows=False, kernel=kernel)
+        return out, m, v
+
+    trees += [(tree, "dense step") for tree in dense]
+    updates, mu, nu = map_rule(leaf, updates, trees, _WHERE, 3)
+    return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+
+def _scaled(rule: Rule, scale: Any) -> Rule:
+    """``rule`` with its updates multiplied by ``scale`` as ``optax.scale`` multiplies them (``None``: as it is)."""
+    if scale is None:
+        return rule
+
+    def scaled(g: jax.Array, state: Arrays, reads: Arrays) -> tuple[jax.Array, Arrays]:
+        out, new = rule(g, state, reads)
+        return jnp.asarray(scale, out.dtype) * out, new
+
+    return scaled
 
 
 def scale_by_sparse_adam(
@@ -326,44 +384,7 @@ def scale_by_sparse_adam(
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
         del extra_args
-        check_state(state, optax.ScaleByAdamState, _WHERE)
-        count = optax.safe_increment(state.count)
-        # Without params, a mask function sees the gradients with each sparse leaf as the array it stands for.
-        like = params if params is not None else jax.tree.map(_as_dense_struct, updates, is_leaf=is_leaf)
-        lazy = mask_tree(lazy_dense, like, "lazy_dense", _WHERE)
-        trees = [(state.mu, "optimizer state's mu"), (state.nu, "optimizer state's nu"), (lazy, "lazy_dense mask")]
-
-        def plain(path: Any, g: Any, m: Any, v: Any, lazy: bool, *p: Any) -> tuple[Any, Any, Any]:
-            """The leaf's gradient, ``mu`` and ``nu`` if it takes plain dense Adam, else ``None``s."""
-            if p and p[0] is not None and g is not None and jnp.shape(p[0]) != jnp.shape(m):
-                raise param_error(
-                    ValueError,
-                    _WHERE,
-                    path,
-                    f"the optimizer state's mu has shape {jnp.shape(m)} but the parameter has shape "
-                    f"{jnp.shape(p[0])}: the state was built for other parameters; build it with `tx.init(params)`",
-                )
-            if g is None or is_sparse(g) or lazy:
-                return None, None, None
-            return check_dense_gradient(path, g, jnp.shape(m), _WHERE), m, v
-
-        with_params = trees + ([] if params is None else [(params, "parameters")])
-        plain_g, plain_m, plain_v = map_rule(plain, updates, with_params, _WHERE, 3)
-        dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # all at once, as optax.adam does
-        rule, lazy_rule, kernel = _rule(hp, count), _lazy_rule(hp, count), _kernel(hp, count)
-
-        def leaf(path: Any, g: Any, m: Any, v: Any, lazy: bool, *dense: Any) -> tuple[Any, Any, Any]:
-            if g is not None and not is_sparse(g) and not lazy:
-                return dense
-            leaf_rule = lazy_rule if lazy and not is_sparse(g) else rule
-            out, (m, v) = apply_rule(
-                path, g, jnp.shape(m), (m, v), (), leaf_rule, _WHERE, whole_rows=False, kernel=kernel
-            )
-            return out, m, v
-
-        trees += [(tree, "dense step") for tree in dense]
-        updates, mu, nu = map_rule(leaf, updates, trees, _WHERE, 3)
-        return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+        return _update(hp, lazy_dense, updates, state, params)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -516,22 +537,36 @@ def sparse_adam(
             _catch_up_hyperparams(b1, b2, eps, eps_root, maximize, eps_placement, lazy_dense),
             check_dtype(mu_dtype, "mu_dtype"),
         )
-    tx = optax.chain(
-        scale_by_sparse_adam(
-            b1=b1,
-            b2=b2,
-            eps=eps,
-            eps_root=eps_root,
-            mu_dtype=mu_dtype,
-            maximize=maximize,
-            eps_placement=eps_placement,
-            lazy_dense=lazy_dense,
-        ),
-        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
+    hp = _hyperparams(b1, b2, eps, eps_root, maximize, eps_placement)
+    adam = scale_by_sparse_adam(
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        eps_root=eps_root,
+        mu_dtype=mu_dtype,
+        maximize=maximize,
+        eps_placement=eps_placement,
+        lazy_dense=lazy_dense,
     )
+    scale = sparse_aware(optax.scale_by_learning_rate(learning_rate))
+    tx = optax.chain(adam, scale)
+
+    def update_fn(
+        updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
+    ) -> tuple[optax.Updates, Any]:
+        """The chain's update, the learning rate applied inside Adam's pass (on the rows kernel, to its step rows)
+        rather than in a second pass over them: the same numbers and the same state."""
+        if not (isinstance(state, tuple) and len(state) == 2):
+            return tx.update(updates, state, params, **extra_args)  # the chain reports what is wrong
+        adam_state, scale_state = state
+        step_size = -1 * (learning_rate(scale_state.count) if callable(learning_rate) else learning_rate)
+        updates, adam_state = _update(hp, lazy_dense, updates, adam_state, params, step_size)
+        _, scale_state = scale.update(jax.tree.map(lambda _: None, updates, is_leaf=is_leaf), scale_state)
+        return updates, (adam_state, scale_state)
+
     # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
-    fusion = AdamFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, maximize, eps_placement))
-    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))
+    fusion = AdamFusion(learning_rate, hp)
+    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(update_fn, fusion))
 
 
 def _hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any, maximize: Any, eps_placement: Any) -> AdamHyperparams:

@@ -496,3 +496,37 @@ def test_lazy_adam_repeated_indices_as_tf_addons(kernel_path):
             p, s = jax.jit(osa.update_and_apply, static_argnums=0)(tx, g, s, p)
         results.append((p, s))
     assert_trees_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("learning_rate", [0.05, optax.linear_schedule(0.05, 0.01, 4)], ids=["constant", "schedule"])
+def test_the_learning_rate_inside_adams_pass_is_the_chain(kernel_path, learning_rate):
+    """sparse_adam applies its learning rate inside Adam's pass (on the rows kernel, to the step rows it writes);
+    its updates and state are bitwise those of chain(scale_by_sparse_adam, sparse_aware(scale_by_learning_rate)),
+    on sparse leaves with duplicates and padding, a lazy_dense leaf and a dense one, step after step."""
+    is_lazy = {"emb": False, "lazy": True, "w": False}
+    ours = osa.sparse_adam(learning_rate, lazy_dense=is_lazy)
+    chain = optax.chain(
+        osa.scale_by_sparse_adam(lazy_dense=is_lazy), osa.sparse_aware(optax.scale_by_learning_rate(learning_rate))
+    )
+    rng = np.random.default_rng(3)
+    params = {
+        "emb": jnp.asarray(rng.standard_normal((50, 4)), jnp.float32),
+        "lazy": jnp.asarray(rng.standard_normal((6, 4)), jnp.float32),
+        "w": jnp.asarray(rng.standard_normal((3,)), jnp.float32),
+    }
+    states = [ours.init(params), chain.init(params)]
+    for _ in range(4):
+        ids = jnp.asarray(rng.integers(-2, 53, 24), jnp.int32)
+        lazy = np.zeros((6, 4), np.float32)
+        lazy[rng.integers(0, 6, 2)] = rng.standard_normal((2, 4))
+        grads = {
+            "emb": osa.IndexedRows(ids, jnp.asarray(rng.standard_normal((24, 4)), jnp.float32), 50),
+            "lazy": jnp.asarray(lazy),
+            "w": jnp.asarray(rng.standard_normal((3,)), jnp.float32),
+        }
+        out = [jax.jit(tx.update)(grads, s, params) for tx, s in zip((ours, chain), states, strict=True)]
+        (u1, s1), (u2, s2) = out
+        assert_trees_equal((s1, u1["lazy"], u1["w"]), (s2, u2["lazy"], u2["w"]))
+        np.testing.assert_array_equal(u1["emb"].todense(), u2["emb"].todense())
+        states = [s1, s2]
+        params = osa.apply_updates(params, u1)

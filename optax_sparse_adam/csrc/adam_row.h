@@ -28,8 +28,8 @@ struct Options {
   int64_t threads;
 };
 
-// One row: m and v updated in place from the gradient row g; the step
-// written to `out`, or with kApply added times neg_lr to the parameter row `out`
+// One row: m and v updated in place from the gradient row g; the step times
+// neg_lr written to `out`, or with kApply added times neg_lr to the parameter row `out`
 // (with kDecay, the step plus weight_decay times the parameter, as AdamW).
 // With kAmsgrad, AMSGrad's rule (optax's placement): vm, the largest
 // bias-corrected v, rises to v' / bc2, and the step divides by its root.
@@ -66,7 +66,7 @@ inline void UpdateRow(const Scalars& s, const float* __restrict g, float* __rest
     } else if constexpr (kApply) {
       out[j] = out[j] + neg_lr * step;
     } else {
-      out[j] = step;
+      out[j] = neg_lr * step;  // the step times a scale: 1, or sparse_adam's learning rate (a product, exact at 1)
     }
   }
 }

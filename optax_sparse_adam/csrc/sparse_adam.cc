@@ -3,8 +3,9 @@
 // Two handlers share one row loop:
 //   optax_sparse_adam_v1_sparse_adam_rows   (mu, nu, keys, values, scalars) -> (mu, nu, keys, step)
 //     the sparse leaf rule of scale_by_sparse_adam: new moments in place, and
-//     the step rows packed as the XLA path packs them (distinct keys first,
-//     padding after; with `unique`, in the entries' own slots);
+//     the step rows times the scalar neg_lr (1, or sparse_adam's -lr) packed
+//     as the XLA path packs them (distinct keys first, padding after; with
+//     `unique`, in the entries' own slots);
 //   optax_sparse_adam_v1_sparse_adam_apply  (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
 //     the same and p += neg_lr * step, touching each row of p, mu and nu once;
 //   optax_sparse_adam_v1_sparse_adamw_apply (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
