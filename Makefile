@@ -3,6 +3,7 @@
 #   make test   lint, type check, the docs site, and the whole test suite (installs the test and docs extras)
 #   make docs   the docs site, into docs/_build/html (warnings are errors)
 #   make test-jax-range   the quick tests at the oldest and the newest supported jax (not part of `make test`)
+#   make sanitize   the native kernels' tests under ASan and UBSan, on a copy built in build/sanitize (not part of `make test`)
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -79,3 +80,10 @@ test-jax-range: build/jax-oldest/.installed build/jax-newest/.installed
 
 clean:
 	rm -rf $(VENV) build/jax-oldest build/jax-newest .pytest_cache .mypy_cache .ruff_cache docs/_build docs/_generated docs/_autosummary
+
+# tools/sanitize.sh: the working tree copied into build/sanitize/src, its kernels built there with
+# -fsanitize=address,undefined, and the kernel tests run from the copy (the in-place _kernels.so is left alone,
+# so this does not depend on $(STAMP), whose install would rebuild it; it needs .venv with the test extra).
+.PHONY: sanitize
+sanitize:
+	PY=$(PY) tools/sanitize.sh
