@@ -8,7 +8,8 @@ table and state. The figure is the median of ``--steps`` steps after
 ``--warmup``; variants and doors take turns ``--block`` steps at a time, so that
 slow phases of a shared machine hit them alike (a step taken right after
 another function's pays for the switch between the native kernels' threads
-and XLA's: about 0.3 ms, which a block of steps leaves to its first). It also
+and XLA's: about 0.3 ms, which a block of steps leaves to its first), and
+each round of blocks starts one variant further on. It also
 prints each variant's optimizer-state bytes, and with ``--json`` writes the run
 (machine, commit, medians) for the docs' generated page.
 
@@ -101,8 +102,11 @@ def main() -> None:
     steppers = {name: make_steppers(make(), args.rows, args.width) for name, make in VARIANTS.items()}
     sizes = {name: state_bytes(held[1]) for name, (_, held) in steppers.items()}
     times: dict[tuple[str, str], list[float]] = {(name, door): [] for name in steppers for door in DOORS}
-    for start in range(0, len(pool), args.block):
-        for name, (doors, held) in steppers.items():
+    names = list(steppers)
+    for cycle, start in enumerate(range(0, len(pool), args.block)):
+        # Each cycle starts one variant further on, so that no variant always follows the same one.
+        for name in names[cycle % len(names) :] + names[: cycle % len(names)]:
+            doors, held = steppers[name]
             for door, step in doors.items():
                 for i in range(start, min(start + args.block, len(pool))):
                     t0 = time.perf_counter()

@@ -274,7 +274,8 @@ def variants_page(doc: dict[str, Any]) -> str:
         "(`tx.update` then `apply_updates`) and `update_and_apply`, taking turns on the same table and state. "
         f"Variants and doors take turns {s['block']} steps at a time; the median of the steps after {s['warmup']} "
         "(the catch-up variants' rows have idle histories by then), each block's first step left out (it pays for "
-        "the switch between the native kernels' threads and XLA's). Ratios are to the plain `sparse_adam` step "
+        "the switch between the native kernels' threads and XLA's), each round of blocks starting one variant "
+        "further on. Ratios are to the plain `sparse_adam` step "
         "through `update_and_apply`. The last rows wrap `sparse_adam` in optax's wrappers: `update_and_apply` "
         "fuses through those that pass its updates and state through untouched (see "
         "[optax pipelines](../guides/optax_pipelines.md#one-pass-through-optax-wrappers)).",
