@@ -57,7 +57,7 @@ class StepReport:
 
     @property
     def fused(self) -> bool:
-        """Whether an optimizer's step runs fused: one native pass per row over its parameters and state."""
+        """True where the optimizer's step runs fused, in one native pass per row over its parameters and state."""
         return any(name.endswith("_apply") for name in self.kernels)
 
     @property
