@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._sparse_leaf import SparseLeaf, padding_key
 
 
@@ -84,6 +85,10 @@ def pack_distinct(keys: jax.Array, valid: jax.Array, pad: jax.Array) -> tuple[ja
 def coalesce(leaf: SparseLeaf) -> SparseLeaf:
     """Sums duplicate keys into one entry each, packed into the leading slots.
 
+    On the CPU a native kernel where it applies (float32 values, one sparse axis; see :mod:`._kernel_path`): the
+    same keys and, key by key, bitwise the same sums (both add a key's entries from zero in entry order), in
+    another slot order (first occurrence, where the XLA path's hash rounds give an order of their own).
+
     The capacity ``k`` is kept, so shapes stay fixed under ``jit``: the
     distinct keys fill the first slots and padding with zero values the rest,
     which lets :func:`~optax_sparse_adam._sparse_leaf.for_each_chunk` stop after the
@@ -92,8 +97,20 @@ def coalesce(leaf: SparseLeaf) -> SparseLeaf:
     """
     if leaf.distinct:
         return leaf
-    target, keys = pack_distinct(leaf.keys, leaf.valid(), padding_key(leaf.shape, leaf.n_sparse))
-    values = sum_into_slots(target, leaf.values)
+
+    def xla() -> tuple[jax.Array, jax.Array]:
+        target, keys = pack_distinct(leaf.keys, leaf.valid(), padding_key(leaf.shape, leaf.n_sparse))
+        return keys, sum_into_slots(target, leaf.values)
+
+    if leaf.n_sparse == 1 and _kernel_path.supports(leaf.shape, 1, leaf.values):
+
+        def native() -> tuple[jax.Array, jax.Array]:
+            keys, values = _ffi.coalesce(leaf.keys[:, 0], leaf.values, leaf.shape[0])
+            return keys[:, None], values
+
+        keys, values = _kernel_path.select(native, xla)
+    else:
+        keys, values = xla()
     return leaf._replace(keys=keys, values=values, distinct=True, sorted=False, promised=False)
 
 

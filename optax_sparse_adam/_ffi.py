@@ -270,6 +270,16 @@ def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Arr
     return out.reshape(table.shape)
 
 
+def coalesce(keys: jax.Array, values: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """Each distinct key in ``[0, num_rows)`` once, first, its entries' values summed in entry order; then the
+    padding key ``num_rows`` with zero rows: ``(keys, values)`` of the input's shapes."""
+    out = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(values.shape, values.dtype))
+    new_keys, new_values = jax.ffi.ffi_call(PREFIX + "coalesce", out, vmap_method="sequential")(
+        keys, _rows2d(values), **_attrs(num_rows)
+    )
+    return new_keys, new_values.reshape(values.shape)
+
+
 def rowwise_adagrad_rows(
     acc: jax.Array,
     keys: jax.Array,

@@ -64,6 +64,7 @@ _SYMBOLS = {
     "sparse_amsgrad_apply": "OptaxSparseAmsgradApply",
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "scatter_add": "OptaxSparseAdamScatterAdd",
+    "coalesce": "OptaxSparseAdamCoalesce",
     "rowwise_adagrad_rows": "OptaxSparseAdamRowwiseAdagradRows",
     "rowwise_adagrad_apply": "OptaxSparseAdamRowwiseAdagradApply",
 }

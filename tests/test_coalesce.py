@@ -68,18 +68,60 @@ def _leaves(draw):
     return np.array(keys, np.int32).reshape(capacity, n_sparse), shape
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "xla"])
 @settings(max_examples=80, deadline=None)
 @given(_leaves(), st.integers(0, 2**31 - 1))
-def test_matches_numpy_on_random_keys(leaf, seed):
+def test_matches_numpy_on_random_keys(kernels, leaf, seed):
     keys, shape = leaf
     values = np.random.default_rng(seed).standard_normal((len(keys), *shape[keys.shape[1] :])).astype(np.float32)
-    _assert_coalesced(coalesce(_internal(keys, values, shape)), keys, values, shape)
+    with osa.use_kernels(kernels):
+        _assert_coalesced(coalesce(_internal(keys, values, shape)), keys, values, shape)
 
 
-def test_duplicates_that_sum_to_zero_keep_their_slot():
+@pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
+@pytest.mark.parametrize("kind", ["zipf", "all padding", "extremes", "empty"])
+def test_the_native_kernel_sums_as_the_xla_path(kind):
+    """The native coalescing kernel packs the same keys with, key by key, bitwise the same sums as the XLA path
+    (entry order from zero), padding after them; under jit, once per batch shape."""
+    rng = np.random.default_rng(7)
+    rows, width = 5_000, 16
+    keys = {
+        "zipf": (rng.zipf(1.2, 8192) - 1) % (rows + 40) - 20,  # hot keys hundreds of times, padding both sides
+        "all padding": np.where(np.arange(64) % 2 == 0, -1, rows),
+        "extremes": np.array([np.iinfo(np.int32).min, np.iinfo(np.int32).max, 3, rows, -1, 3]),
+        "empty": np.zeros(0, np.int64),
+    }[kind].astype(np.int32)
+    values = rng.standard_normal((len(keys), width)).astype(np.float32)
+
+    def step(keys, values):
+        out = coalesce(to_sparse_leaf(osa.IndexedRows(keys, values, rows), (rows, width), (), "test"))
+        return out.keys[:, 0], out.values
+
+    results = {}
+    for kernels in (True, False):
+        with osa.use_kernels(kernels):
+            compiled = jax.jit(step).lower(jnp.asarray(keys), jnp.asarray(values)).compile()
+            if len(keys):  # XLA folds a call with empty results away
+                assert ("optax_sparse_adam_v1_coalesce" in compiled.as_text()) is kernels
+            results[kernels] = [np.asarray(x) for x in compiled(jnp.asarray(keys), jnp.asarray(values))]
+    dense = {}
+    for kernels, (got_keys, got_values) in results.items():
+        table = np.zeros((rows + 1, width), np.float32)
+        table[got_keys] = got_values  # distinct keys: a plain assignment; padding lands in the last row
+        n = int(np.sum(got_keys < rows))
+        np.testing.assert_array_equal(got_keys[n:], rows)
+        np.testing.assert_array_equal(got_values[n:], 0.0)
+        dense[kernels] = table[:rows]
+    np.testing.assert_array_equal(dense[True], dense[False])
+    _assert_packed(results[True][0][:, None], results[True][1], keys[:, None], values, (rows, width))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "xla"])
+def test_duplicates_that_sum_to_zero_keep_their_slot(kernels):
     keys = np.array([[2], [5], [2], [-1], [5]], np.int32)
     values = np.array([[1.0, -2.0], [3.0, 3.0], [-1.0, 2.0], [9.0, 9.0], [0.5, 0.5]], np.float32)
-    out = coalesce(_internal(keys, values, (6, 2)))
+    with osa.use_kernels(kernels):
+        out = coalesce(_internal(keys, values, (6, 2)))
     _assert_coalesced(out, keys, values, (6, 2))
     assert 2 in np.asarray(out.keys)[:2, 0]  # touched with a zero sum: still a key
 

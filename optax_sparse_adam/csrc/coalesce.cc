@@ -1,0 +1,69 @@
+// Summing a batch's duplicate keys, as an XLA FFI handler for the CPU:
+//   optax_sparse_adam_v1_coalesce  (keys, values) -> (keys, values)
+// Each distinct key in [0, num_rows) once, in order of first occurrence, in
+// the leading slots, its entries' values summed from 0 in entry order (the
+// order of XLA's scatter-add, so each sum is bitwise the XLA path's); the
+// slots after the last distinct key hold the padding key num_rows and zeros.
+// The XLA path (_coalesce.pack_distinct) packs the same keys and sums in
+// another slot order.
+#include <cstdint>
+#include <cstring>
+
+#include "rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace optax_sparse_adam {
+namespace {
+
+// The distinct keys [lo, hi): each one's entries summed into its slot.
+OSA_TARGET_CLONES void SumRows(const Coalesced& c, const float* values, float* out, int64_t width, int64_t lo,
+                               int64_t hi) {
+  for (int64_t d = lo; d < hi; ++d) {
+    float* __restrict row = out + d * width;
+    const float* first = values + static_cast<int64_t>(c.first[d]) * width;
+    for (int64_t j = 0; j < width; ++j) row[j] = 0.0f + first[j];
+    for (int32_t e = c.next[c.first[d]]; e >= 0; e = c.next[e]) {
+      const float* __restrict u = values + static_cast<int64_t>(e) * width;
+      for (int64_t j = 0; j < width; ++j) row[j] = row[j] + u[j];
+    }
+  }
+}
+
+ffi::Error CoalesceImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                        ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> values_out,
+                        int64_t num_rows, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  if (num_rows < 0 || num_rows > INT32_MAX) return ffi::Error::InvalidArgument("at most 2**31 - 1 rows");
+  auto dims = values.dimensions();
+  if (dims.size() < 1 || dims[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
+  const int64_t width = RowWidth(dims);
+  if (keys_out->element_count() != keys.element_count() || values_out->element_count() != values.element_count())
+    return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
+  Coalesced c;
+  Coalesce(keys.typed_data(), k, num_rows, 0, c);
+  int32_t* out_keys = keys_out->typed_data();
+  const auto pad = static_cast<int32_t>(num_rows);
+  for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
+  float* out = values_out->typed_data();
+  std::memset(out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
+  // A thread is worth its scheduling past a few dozen rows.
+  ParallelFor(pool, c.size, std::min<int64_t>(threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+    SumRows(c, values.typed_data(), out, width, lo, hi);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace optax_sparse_adam
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCoalesce, optax_sparse_adam::CoalesceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
+                                  .Ret<ffi::BufferR1<ffi::S32>>()   // keys: distinct first, then padding
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // values summed per distinct key
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("threads"));
