@@ -61,9 +61,10 @@ chmod +x "$OUT/bin/c++-sanitize"
 LIB=$SRC/optax_sparse_adam/_kernels.so
 [ -f "$LIB" ] || { echo "sanitize: $LIB was not built (see $OUT/build.log)"; exit 1; }
 for rt in libasan libubsan; do
-  readelf -d "$LIB" | grep -q "NEEDED.*$rt" || { echo "sanitize: $LIB does not need $rt: not instrumented"; exit 1; }
+  # grep -c reads all its input: grep -q would stop early and, under pipefail, fail the pipeline by SIGPIPE.
+  [ "$(readelf -d "$LIB" | grep -c "NEEDED.*$rt")" -gt 0 ] || { echo "sanitize: $LIB does not need $rt: not instrumented"; exit 1; }
 done
-nm -D "$LIB" | grep -q "__asan_report" || { echo "sanitize: $LIB has no ASan checks"; exit 1; }
+[ "$(nm -D "$LIB" | grep -c "__asan_report")" -gt 0 ] || { echo "sanitize: $LIB has no ASan checks"; exit 1; }
 
 # 3. The runtime environment.
 LD_PRELOAD="$($CXX_REAL -print-file-name=libasan.so) $($CXX_REAL -print-file-name=libubsan.so)"
