@@ -7,6 +7,7 @@ None of them is committed:
 - ``docs/benchmarks/dlrm.md`` and ``dlrm.png``: ``benchmarks/dlrm.py`` (``results_markdown``, ``plot``) on
   ``benchmarks/results/dlrm.json``;
 - ``docs/benchmarks/sharding.md``: the tables of ``benchmarks/results/sharding.json``;
+- ``docs/benchmarks/gpu.md``: ``benchmarks/gpu.py`` (``render``) on ``benchmarks/results/gpu.json``;
 - ``docs/_generated/costs.md``: the measured costs on the "Which path do I use" page, from ``results.json``;
 - ``docs/gallery/*.ipynb``: the notebooks of ``notebooks/``, copied with their stored outputs (the build does not
   execute them);
@@ -307,8 +308,8 @@ def _digest(paths: list[pathlib.Path]) -> str:
 def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
     their renderers changed."""
-    inputs = [RESULTS / n for n in ("results.json", "dlrm.json", "sharding.json", "variants.json")]
-    inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py")] + [pathlib.Path(__file__)]
+    inputs = [RESULTS / n for n in ("results.json", "dlrm.json", "sharding.json", "variants.json", "gpu.json")]
+    inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py", "gpu.py")] + [pathlib.Path(__file__)]
     stamp = pages / ".inputs"
     digest = _digest(inputs)
     if stamp.exists() and stamp.read_text() == digest and (out / "costs.md").exists():
@@ -318,6 +319,9 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
         write_if_changed(pages / "step.md", step_page(report, results, pages))
         dlrm_doc = json.loads((RESULTS / "dlrm.json").read_text())
         write_if_changed(pages / "dlrm.md", dlrm_page(dlrm, dlrm_doc, pages))
+        import gpu  # benchmarks/gpu.py, on the path here
+
+        write_if_changed(pages / "gpu.md", gpu.render(json.loads((RESULTS / "gpu.json").read_text())))
     write_if_changed(out / "costs.md", costs_page(results))
     sharding = json.loads((RESULTS / "sharding.json").read_text())
     write_if_changed(pages / "sharding.md", sharding_page(sharding))

@@ -117,7 +117,11 @@ def as_index_array(x: Any) -> jax.Array:
         return x
     arr = np.asarray(x)
     if arr.dtype.kind in "iu" and arr.dtype.itemsize > 4 and not jax.config.read("jax_enable_x64"):
-        arr = np.where((arr >= 0) & (arr <= np.iinfo(np.int32).max), arr, -1).astype(np.int32)
+        # Not np.where(..., arr, -1): under NumPy 2's promotion rules -1 does not fit a uint64 array (an
+        # OverflowError from NumPy 2.5 on).
+        fits = (arr >= 0) & (arr <= np.iinfo(np.int32).max)
+        arr = np.where(fits, arr, 0).astype(np.int32)
+        arr[~fits] = -1
     return jnp.asarray(arr)
 
 

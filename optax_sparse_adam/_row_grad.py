@@ -435,7 +435,7 @@ def _loop(eqn: Any, ins: list[_Kind], guard: _Guard) -> list[_Kind]:
     """``scan`` and ``while``: positions may be loop constants or scanned over, never carried."""
     name, params = eqn.primitive.name, eqn.params
     if name == "scan":
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        n_consts, n_carry = _scan_counts(params)
         consts, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
     else:
         n_consts = params["cond_nconsts"] + params["body_nconsts"]
@@ -465,6 +465,18 @@ def _loop(eqn: Any, ins: list[_Kind], guard: _Guard) -> list[_Kind]:
         if _tracked(k) and not _flat_positions(k):
             raise _refusal(name, [k], guard)
     return [*(k if _tracked(k) else None for k in carry), *(k if _tracked(k) else None for k in ys)]
+
+
+def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """How many of a ``scan``'s operands are loop constants and how many the carry, the scanned ``xs`` after them.
+
+    Up to jax 0.10 the equation counts them (``num_consts``, ``num_carry``); from jax 0.11 its ``ft_in`` holds the
+    three groups as a flat tree of (consts, carry, xs), the structure jax's own scan rules unpack.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _inner(jaxpr: Any) -> Any:

@@ -50,6 +50,11 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
       1.001
     """
     x = jnp.asarray(x, jnp.float32)
+    return _round_with(x, dtype, jax.random.uniform(key, x.shape, jnp.float32))
+
+
+def _round_with(x: jax.Array, dtype: Any, uniform: jax.Array) -> jax.Array:
+    """:func:`stochastic_round` with its uniform draws in ``[0, 1)`` given, one per element of float32 ``x``."""
     nearest = x.astype(dtype)
     near = nearest.astype(jnp.float32)
     toward = jnp.where(near < x, jnp.asarray(jnp.inf, dtype), jnp.asarray(-jnp.inf, dtype))
@@ -57,13 +62,31 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     far = other.astype(jnp.float32)
     lo, hi = jnp.minimum(near, far), jnp.maximum(near, far)
     p_hi = (x - lo) / (hi - lo)
-    up = jax.random.uniform(key, x.shape, jnp.float32) < p_hi
+    up = uniform < p_hi
     rounded = jnp.where(up == (hi == near), nearest, other)
     # Round to nearest where dtype holds x exactly, where x is not finite, and at the ends of dtype's range:
     # beyond the largest finite value (where round to nearest overflows to +-inf, as apply_updates does)
     # and between it and the overflow threshold (where round to nearest gives the largest finite value).
     exact = (near == x) | ~jnp.isfinite(x) | ~jnp.isfinite(near) | ~jnp.isfinite(far)
     return jnp.where(exact, nearest, rounded)
+
+
+def _draws_by_key(key: jax.Array, keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform draws for each entry of a coalesced sparse leaf, from ``key`` folded with the entry's own key.
+
+    Keyed by the row (or element) a draw rounds rather than by its packed slot: the slots' order depends on the
+    order of the ids, on the path that summed them (the native kernel packs ids in order of first occurrence, the
+    XLA path by its hash rounds) and, on GPUs, on which of the colliding writes of the hash rounds lands, so draws
+    by slot would change with any of them.
+    """
+
+    def one(entry_keys: jax.Array) -> jax.Array:
+        k = key
+        for j in range(entry_keys.shape[0]):
+            k = jax.random.fold_in(k, entry_keys[j])
+        return jax.random.uniform(k, shape, jnp.float32)
+
+    return jax.vmap(one)(keys)
 
 
 def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: jax.Array) -> optax.Params:
@@ -76,8 +99,11 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
     average. For a sparse update only the touched entries are rounded (and
     written); other parameters are added as :func:`apply_updates` adds them.
     The result is a function of ``key``: each parameter leaf draws from
-    ``jax.random.fold_in(key, i)``, ``i`` its position in the tree; pass a new
-    key every step (``jax.random.fold_in(key, step)``).
+    ``jax.random.fold_in(key, i)``, ``i`` its position in the tree, and each
+    row a sparse update touches from that key folded with the row's id, so
+    the result does not depend on the order of the ids, on duplicates or
+    padding, or on the platform's order of summing them; pass a new key every
+    step (``jax.random.fold_in(key, step)``).
 
     Args:
       params: A tree of parameters.
@@ -122,7 +148,9 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
         leaf = coalesce(to_sparse_leaf(u, p.shape, path, _WHERE))  # padding: zero values, dropped keys
         idx = leaf.row_index()
         x = take_rows(p, idx).astype(jnp.float32) + leaf.values.astype(jnp.float32)
-        return (scatter_rows(p, idx, stochastic_round(x, p.dtype, k), "set", unique=True),)
+        return (
+            scatter_rows(p, idx, _round_with(x, p.dtype, _draws_by_key(k, leaf.keys, x.shape[1:])), "set", unique=True),
+        )
 
     (new,) = map_leaves(
         leaf, updates, [(params, "parameters"), (index, "parameters")], where=_WHERE, tree_name="updates", n_out=1
