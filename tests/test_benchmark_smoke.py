@@ -38,3 +38,28 @@ def test_benchmark_smoke_writes_report(tmp_path: pathlib.Path) -> None:
     for record in doc["configs"]:
         assert set(record["results"]) == set(doc["contenders"])
     assert doc["compiles_once"]["traces"] == 1
+
+
+def test_gpu_benchmark_smoke_runs_on_the_cpu_and_renders(tmp_path: pathlib.Path) -> None:
+    """benchmarks/gpu.py at tiny sizes on whatever device there is: every contender runs, the page renders."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--json", str(out), "--resident-gb", "1e-4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    (record,) = doc["configs"]
+    assert set(record["results"]) == {
+        "osa_fused",
+        "osa_two_calls",
+        "xla_floor",
+        "torch_sparse_adam",
+        "optax_adam",
+        "torch_adam",
+    }
+    assert "| configuration |" in proc.stdout and "Summing duplicate ids" in proc.stdout
