@@ -270,6 +270,33 @@ def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Arr
     return out.reshape(table.shape)
 
 
+def gather(table: jax.Array, keys: jax.Array) -> jax.Array:
+    """``table[keys]`` as ``table.at[keys].get(mode="fill", fill_value=0)`` reads it: a negative key counts from
+    the end, a key out of range after that reads zeros. Any dtype; a row-sharded table gathers on each shard."""
+    k = keys.shape[0]
+    attrs = _attrs(table.shape[0])
+
+    def fn(row_begin: jax.Array, table: jax.Array, keys: jax.Array):
+        return (
+            jax.ffi.ffi_call(
+                PREFIX + "gather", jax.ShapeDtypeStruct((k, table.shape[1]), table.dtype), vmap_method="sequential"
+            )(table, keys, row_begin, **attrs),
+        )
+
+    (rows,) = _by_row_shards(fn, "n w, k -> k w", summed=(0,))(_rows2d(table), keys)
+    return rows.reshape((k, *table.shape[1:]))
+
+
+def distinct(keys: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """Each distinct key in ``[0, num_rows)`` once, in order of first occurrence, then ``num_rows``; and each
+    entry's slot (``k - 1`` for a padding entry)."""
+    out = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(keys.shape, jnp.int32))
+    packed, inverse = jax.ffi.ffi_call(PREFIX + "distinct", out, vmap_method="sequential")(
+        keys, num_rows=np.int64(num_rows)
+    )
+    return packed, inverse
+
+
 def coalesce(keys: jax.Array, values: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """Each distinct key in ``[0, num_rows)`` once, first, its entries' values summed in entry order; then the
     padding key ``num_rows`` with zero rows: ``(keys, values)`` of the input's shapes."""

@@ -65,6 +65,8 @@ _SYMBOLS = {
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "scatter_add": "OptaxSparseAdamScatterAdd",
     "coalesce": "OptaxSparseAdamCoalesce",
+    "distinct": "OptaxSparseAdamDistinct",
+    "gather": "OptaxSparseAdamGather",
     "rowwise_adagrad_rows": "OptaxSparseAdamRowwiseAdagradRows",
     "rowwise_adagrad_apply": "OptaxSparseAdamRowwiseAdagradApply",
 }
@@ -309,12 +311,16 @@ def supports(shape: tuple[int, ...], n_sparse: int, *arrays: Any) -> bool:
     there the XLA path's sharding rules apply, which a custom call does not
     follow (the routed steps of ``RowSharding`` run the XLA path).
     """
+    return n_sparse == 1 and all(jnp.dtype(a.dtype) == jnp.float32 for a in arrays) and supports_rows(shape, *arrays)
+
+
+def supports_rows(shape: tuple[int, ...], *arrays: Any) -> bool:
+    """Whether the row kernels that copy rows of any dtype (the gather) handle a table of ``shape`` with these
+    operands: :func:`supports` without its dtype and sparse-axis conditions."""
     return (
         enabled()
-        and n_sparse == 1
         and len(shape) >= 1
         and shape[0] <= _MAX_ROWS
-        and all(jnp.dtype(a.dtype) == jnp.float32 for a in arrays)
         and not any(explicit_sharding(a) is not None for a in arrays)
         and not _in_manual_axes()
     )

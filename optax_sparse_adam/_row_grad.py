@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_sparse_adam import _catch_up
+from optax_sparse_adam import _catch_up, _ffi, _kernel_path
 from optax_sparse_adam._coalesce import pack_distinct
 from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, normalise_keys
 from optax_sparse_adam._pooled import Bags
@@ -159,7 +159,9 @@ def distinct_ids(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """The distinct in-range ids of a flat batch, packed into the leading slots, and each id's slot.
 
     Sort-free (:func:`~optax_sparse_adam._coalesce.pack_distinct`), O(k) for
-    ``k`` ids whatever the table's size.
+    ``k`` ids whatever the table's size. On the CPU a native kernel packs the
+    same ids in order of first occurrence (the XLA path's hash rounds give an
+    order of their own).
 
     Args:
       ids: ``(k,)`` integer ids; ids ``< 0`` or ``>= num_rows`` are padding.
@@ -171,10 +173,17 @@ def distinct_ids(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
       gets the last slot (padding whenever there is a padding id).
     """
     keys = normalise_keys(ids[:, None], (num_rows,))
-    valid = keys[:, 0] < num_rows
-    # The distinct ids go into the leading slots, so that the optimizer stops after the last one (for_each_chunk).
-    target, packed = pack_distinct(keys, valid, padding_key((num_rows,), 1))
-    return packed[:, 0], jnp.where(valid, target, ids.shape[0] - 1)
+
+    def xla(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+        valid = keys[:, 0] < num_rows
+        # The distinct ids go into the leading slots, so that the optimizer stops after the last one
+        # (for_each_chunk).
+        target, packed = pack_distinct(keys, valid, padding_key((num_rows,), 1))
+        return packed[:, 0], jnp.where(valid, target, ids.shape[0] - 1)
+
+    if ids.shape[0] > 0 and _kernel_path.supports_rows((num_rows,), keys):
+        return _kernel_path.select(lambda keys: _ffi.distinct(keys[:, 0], num_rows), xla, keys)
+    return xla(keys)
 
 
 # What the guard knows of a value in the loss's jaxpr. A value it knows nothing of (None) is an ordinary one: it may
@@ -291,6 +300,9 @@ def _eqn_kinds(eqn: Any, ins: list[_Kind], guard: _Guard) -> list[_Kind]:
         return _loop(eqn, ins, guard)
     if name == "pvary":  # marks values as varying over mesh axes (inside shard_map), unchanged
         return ins
+    if name == _kernel_path.select_p.name:  # a kernel or the XLA path, computing alike: judged by the XLA path
+        xla = _inner(eqn.params["xla"])
+        return _check_uses(xla, dict(zip(xla.invars, ins, strict=True)), guard)
     subs = [p for p in eqn.params.values() if isinstance(p, jex.ClosedJaxpr | jex.Jaxpr)]
     if len(subs) == 1 and len(_inner(subs[0]).invars) == len(ins):  # jit, custom_jvp/vjp, remat: forward into it
         inner = _inner(subs[0])

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = ["explicit_sharding", "replicate", "scatter_rows", "take_rows"]
@@ -52,10 +53,15 @@ def replicate(x: jax.Array, like: jax.Array | None = None) -> jax.Array:
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
-def take_rows(x: jax.Array, index: Any, fill_value: Any = 0) -> jax.Array:
+def take_rows(x: jax.Array, index: Any, fill_value: Any = 0, *, native: bool = True) -> jax.Array:
     """``x.at[index].get(mode="fill")``, replicated when ``x`` is sharded over an ``Explicit`` axis.
 
-    An out-of-range index (padding) reads ``fill_value``.
+    An out-of-range index (padding) reads ``fill_value``. On the CPU, rows read by one ``int32`` vector of ids
+    with a zero fill come from the native gather kernel (the same bits; XLA:CPU's gather copies a row element by
+    element), chosen where every kernel is (:func:`._kernel_path.select`). ``native=False`` keeps XLA's gather:
+    XLA:CPU fuses a gather with the arithmetic that reads its rows and decides by that fusion which multiply-adds
+    it contracts, so arithmetic on rows a kernel gathered may round an ulp apart from the XLA path's; where the
+    numbers must equal the XLA path's bitwise (the ``sparse_aware`` stages beside a kernel), the gather stays XLA's.
     """
     x = jnp.asarray(x)
     sharding = explicit_sharding(x)
@@ -64,7 +70,33 @@ def take_rows(x: jax.Array, index: Any, fill_value: Any = 0) -> jax.Array:
     if any(n == 0 for n in x.shape[: len(idx)]):  # an empty axis: every index is padding (XLA refuses the gather)
         shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in idx)) + x.shape[len(idx) :]
         return jnp.full(shape, fill_value, x.dtype, device=out_sharding)
-    return x.at[index].get(mode="fill", fill_value=fill_value, out_sharding=out_sharding)
+
+    def xla(x: jax.Array, index: Any) -> jax.Array:
+        return x.at[index].get(mode="fill", fill_value=fill_value, out_sharding=out_sharding)
+
+    if native and _native_gather(x, idx, fill_value):
+        from optax_sparse_adam import _ffi, _kernel_path  # they import this module
+
+        return _kernel_path.select(_ffi.gather, xla, x, idx[0])
+    return xla(x, index)
+
+
+def _native_gather(x: jax.Array, idx: tuple[Any, ...], fill_value: Any) -> bool:
+    from optax_sparse_adam import _kernel_path
+
+    (i, *more) = idx
+    return (
+        not more
+        and isinstance(i, jax.Array | np.ndarray)
+        and i.ndim == 1
+        and i.dtype == jnp.int32
+        and i.shape[0] > 0
+        and isinstance(fill_value, int | float)
+        and fill_value == 0
+        and x.ndim >= 1
+        and all(n > 0 for n in x.shape[1:])
+        and _kernel_path.supports_rows(x.shape, x, i)
+    )
 
 
 def scatter_rows(

@@ -115,7 +115,8 @@ def sparse_aware(
                 return u, p, None
             sp = to_sparse_leaf(u, u.shape if p is None else p.shape, path, _WHERE, emits=True)
             sp = (coalesce_leaf(sp) if coalesce else sp).zero_padding()
-            rows = None if p is None else take_rows(p, sp.row_index())
+            # XLA's gather: the stage's arithmetic on these rows rounds as on the XLA path (see take_rows).
+            rows = None if p is None else take_rows(p, sp.row_index(), native=False)
             return sp.values, rows, sp
 
         others = [] if params is None else [(params, "parameters")]

@@ -6,7 +6,8 @@
 # and the kernel tests run from there, so that `import optax_sparse_adam` is the copy and the repository's own
 # in-place optax_sparse_adam/_kernels.so is never touched.
 #
-# The tests: tests/test_kernels.py, tests/test_rowwise_kernels.py and tests/test_catch_up.py, and every other
+# The tests: tests/test_kernels.py, tests/test_rowwise_kernels.py, tests/test_catch_up.py, tests/test_row_ops.py
+# (the gather and distinct-ids kernels), and every other
 # test under tests/ whose name mentions "kernel" or starts "test_catch_up" (the catch-up kernel's tests in the
 # other optimizers' files), all without the slow ones (-m "not slow"); no -x, so every
 # failure is reported. A sanitizer finding aborts the run (abort_on_error, halt_on_error) with its report.
@@ -101,7 +102,7 @@ PLUGINS=()
 start=$(date +%s)
 set +e
 timeout "$TIMEOUT" "$PY" -m pytest "${PLUGINS[@]}" -p no:cacheprovider -o addopts="" -v -rfEs \
-  -m "not slow" -k "kernel or test_catch_up" tests "$@" 2>&1 | tee "$OUT/pytest.log"
+  -m "not slow" -k "kernel or test_catch_up or test_row_ops" tests "$@" 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 set -e
 echo "sanitize: pytest exited $rc after $(($(date +%s) - start)) s (log: $OUT/pytest.log)"

@@ -1,11 +1,14 @@
-// Summing a batch's duplicate keys, as an XLA FFI handler for the CPU:
+// Summing a batch's duplicate keys, and finding its distinct keys, as XLA FFI handlers for the CPU:
 //   optax_sparse_adam_v1_coalesce  (keys, values) -> (keys, values)
+//   optax_sparse_adam_v1_distinct  (keys) -> (keys, inverse)
 // Each distinct key in [0, num_rows) once, in order of first occurrence, in
 // the leading slots, its entries' values summed from 0 in entry order (the
 // order of XLA's scatter-add, so each sum is bitwise the XLA path's); the
 // slots after the last distinct key hold the padding key num_rows and zeros.
 // The XLA path (_coalesce.pack_distinct) packs the same keys and sums in
-// another slot order.
+// another slot order. `distinct` packs the keys alike (for the lookups,
+// _row_grad.distinct_ids) and gives each entry its key's slot, the last slot
+// (k - 1) for a padding entry.
 #include <cstdint>
 #include <cstring>
 
@@ -55,6 +58,23 @@ ffi::Error CoalesceImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi:
   return ffi::Error::Success();
 }
 
+ffi::Error DistinctImpl(ffi::BufferR1<ffi::S32> keys, ffi::ResultBufferR1<ffi::S32> keys_out,
+                        ffi::ResultBufferR1<ffi::S32> inverse, int64_t num_rows) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  if (num_rows < 0 || num_rows > INT32_MAX) return ffi::Error::InvalidArgument("at most 2**31 - 1 rows");
+  if (static_cast<int64_t>(keys_out->element_count()) != k || static_cast<int64_t>(inverse->element_count()) != k)
+    return ffi::Error::InvalidArgument("results must have the shape of keys");
+  Coalesced c;
+  int32_t* slot = inverse->typed_data();
+  Coalesce(keys.typed_data(), k, num_rows, 0, c, slot);
+  int32_t* out_keys = keys_out->typed_data();
+  const auto pad = static_cast<int32_t>(num_rows);
+  for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
+  for (int64_t i = 0; i < k; ++i)
+    if (slot[i] < 0) slot[i] = static_cast<int32_t>(k - 1);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace optax_sparse_adam
 
@@ -67,3 +87,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCoalesce, optax_sparse_adam::Coales
                                   .Ret<ffi::Buffer<ffi::F32>>()     // values summed per distinct key
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamDistinct, optax_sparse_adam::DistinctImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // keys: distinct first, then padding
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // inverse: each entry's slot
+                                  .Attr<int64_t>("num_rows"));

@@ -1,0 +1,136 @@
+"""The row gather (take_rows) and the distinct ids of a batch (distinct_ids), on the native kernels and the XLA path.
+
+The gather copies rows, so the two paths must agree bit for bit, in every dtype; the distinct ids are the same set
+on both paths, in order of first occurrence on the kernels and in the hash rounds' order on the XLA path.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import optax_sparse_adam as osa
+from optax_sparse_adam._row_grad import distinct_ids
+from optax_sparse_adam._row_ops import take_rows
+
+
+def _gather_reference(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``table.at[ids].get(mode="fill", fill_value=0)`` in NumPy: negative ids count from the end."""
+    n = table.shape[0]
+    wrapped = np.where(ids < 0, ids.astype(np.int64) + n, ids)
+    out = np.zeros((ids.shape[0], *table.shape[1:]), table.dtype)
+    ok = (wrapped >= 0) & (wrapped < n)
+    out[ok] = table[wrapped[ok]]
+    return out
+
+
+def _ids(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    ids = rng.integers(-n - 3, n + 3, k).astype(np.int32)  # wrapped negatives, out of range both ways
+    ids[: k // 3] = rng.integers(0, max(n // 10, 1), k // 3)  # duplicates
+    ids[-1] = np.iinfo(np.int32).min  # never wraps into range
+    return ids
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((50, 8), jnp.float32),
+        ((50,), jnp.float32),  # a scalar per row (row-wise state)
+        ((50, 3, 5), jnp.float32),
+        ((50, 7), jnp.bfloat16),
+        ((50, 4), jnp.float16),
+        ((50, 2), jnp.int32),
+        ((50, 3), jnp.uint8),
+    ],
+)
+def test_take_rows_equals_the_xla_gather_bitwise(shape, dtype, kernel_path):
+    rng = np.random.default_rng(0)
+    table = np.asarray(rng.standard_normal(shape) * 100).astype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        table.reshape(-1)[:4] = np.array([0, -0.0, np.inf, np.nan]).astype(dtype)
+    ids = _ids(rng, shape[0], 40)
+    got = jax.jit(take_rows)(jnp.asarray(table), jnp.asarray(ids))
+    want = _gather_reference(table, ids)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert np.asarray(got).tobytes() == want.tobytes()
+
+
+def test_take_rows_runs_the_kernel_on_the_cpu(kernel_path):
+    table = jnp.ones((100, 4), jnp.float32)
+    hlo = jax.jit(take_rows).lower(table, jnp.arange(10, dtype=jnp.int32)).compile().as_text()
+    assert ("optax_sparse_adam_v1_gather" in hlo) == (kernel_path == "native-cpu")
+
+
+def test_take_rows_with_many_ids_on_several_threads(kernel_path):
+    """Enough ids to split the copy over threads; and an empty table axis, and a nonzero fill, stay on XLA."""
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((10_000, 16)).astype(np.float32)
+    ids = _ids(rng, 10_000, 20_000)
+    with osa.use_kernels(kernel_path == "native-cpu", threads=4):
+        got = jax.jit(take_rows)(jnp.asarray(table), jnp.asarray(ids))
+    assert np.asarray(got).tobytes() == _gather_reference(table, ids).tobytes()
+    np.testing.assert_array_equal(take_rows(jnp.ones((5, 2), jnp.float32), jnp.array([7], jnp.int32), 3.0), [[3, 3]])
+    assert take_rows(jnp.ones((0, 2), jnp.float32), jnp.array([0, 1], jnp.int32)).shape == (2, 2)
+
+
+def test_take_rows_under_vmap_and_grad(kernel_path):
+    rng = np.random.default_rng(2)
+    tables = jnp.asarray(rng.standard_normal((3, 20, 4)), jnp.float32)
+    ids = jnp.asarray(rng.integers(-2, 22, (3, 9)), jnp.int32)
+    got = jax.jit(jax.vmap(take_rows))(tables, ids)
+    for b in range(3):
+        np.testing.assert_array_equal(got[b], _gather_reference(np.asarray(tables[b]), np.asarray(ids[b])))
+    # Differentiated, the XLA path runs: the gradient is XLA's scatter-add of the cotangent.
+    grad = jax.jit(jax.grad(lambda t, i: jnp.sum(take_rows(t, i) * 2.0)))(tables[0], ids[0])
+    want = np.zeros((20, 4), np.float32)
+    i = np.asarray(ids[0])
+    i = np.where(i < 0, i + 20, i)
+    np.add.at(want, i[(i >= 0) & (i < 20)], 2.0)
+    np.testing.assert_array_equal(grad, want)
+
+
+def test_take_rows_from_a_row_sharded_table(kernel_path):
+    """Each device gathers the rows it holds, the others read zeros there, and the shards' results add up."""
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((64, 6)).astype(np.float32)
+    ids = _ids(rng, 64, 30)
+    sharded = jax.device_put(table, jax.NamedSharding(mesh, jax.P("rows", None)))
+    got = jax.jit(take_rows)(sharded, jnp.asarray(ids))
+    np.testing.assert_array_equal(got, _gather_reference(table, ids))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    ids=st.lists(st.integers(-12, 40), min_size=1, max_size=64),
+    num_rows=st.integers(1, 30),
+)
+def test_distinct_ids_on_both_paths(ids, num_rows):
+    ids = np.asarray(ids, np.int32)
+    valid = (ids >= 0) & (ids < num_rows)
+    k = ids.shape[0]
+    results = {}
+    for native in (True, False):
+        with osa.use_kernels(native):
+            packed, inverse = (np.asarray(a) for a in jax.jit(distinct_ids, static_argnums=1)(ids, num_rows))
+        distinct = np.unique(ids[valid]).size
+        assert sorted(packed[:distinct].tolist()) == sorted(set(ids[valid].tolist()))
+        assert (packed[distinct:] == num_rows).all()
+        np.testing.assert_array_equal(packed[inverse[valid]], ids[valid])
+        assert (inverse[~valid] == k - 1).all()
+        results[native] = packed
+    if osa.kernel_path() == "native-cpu":  # the kernel packs in order of first occurrence
+        _, first = np.unique(ids[valid], return_index=True)
+        np.testing.assert_array_equal(results[True][: first.size], ids[valid][np.sort(first)])
+
+
+def test_lookup_on_both_paths_reads_the_same_rows(kernel_path):
+    rng = np.random.default_rng(4)
+    table = jnp.asarray(rng.standard_normal((1000, 8)), jnp.float32)
+    ids = jnp.asarray(rng.integers(-5, 1005, (16, 4)), jnp.int32)
+    lk = jax.jit(osa.lookup)(table, ids)
+    flat = np.asarray(ids)
+    want = np.where(((flat >= 0) & (flat < 1000))[..., None], np.asarray(table)[np.clip(flat, 0, 999)], 0)
+    np.testing.assert_array_equal(np.asarray(lk.rows)[np.asarray(lk.inverse)], want)
