@@ -81,6 +81,17 @@ def take_rows(x: jax.Array, index: Any, fill_value: Any = 0, *, native: bool = T
     return xla(x, index)
 
 
+def _bytes_rows(dtype: Any) -> bool:
+    """Whether the kernel gathers ``dtype``: whole bytes an element (XLA packs narrower ones several to a byte),
+    not a PRNG key (an extended dtype), not bool (a sharded table's shards are summed, and a sum of bools is an
+    integer)."""
+    return (
+        not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+        and dtype != jnp.bool_
+        and jax.dtypes.itemsize_bits(dtype) % 8 == 0
+    )
+
+
 def _native_gather(x: jax.Array, idx: tuple[Any, ...], fill_value: Any) -> bool:
     from optax_sparse_adam import _kernel_path
 
@@ -93,6 +104,8 @@ def _native_gather(x: jax.Array, idx: tuple[Any, ...], fill_value: Any) -> bool:
         and i.shape[0] > 0
         and isinstance(fill_value, int | float)
         and fill_value == 0
+        and not np.signbit(fill_value)  # the kernel fills +0.0
+        and _bytes_rows(x.dtype)
         and x.ndim >= 1
         and all(n > 0 for n in x.shape[1:])
         and _kernel_path.supports_rows(x.shape, x, i)

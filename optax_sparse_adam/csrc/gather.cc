@@ -5,7 +5,8 @@
 // [0, num_rows) after that, and of rows this call does not hold (a row shard
 // holds rows [row_begin, row_begin + table rows)), are zeros, so that the
 // shards' results sum to the whole gather. Rows are copied as bytes, so any
-// dtype gathers bitwise as XLA's gather does.
+// dtype of whole bytes gathers bitwise as XLA's gather does (the caller keeps
+// sub-byte dtypes, which XLA packs, on XLA's gather; they are refused here).
 #include <cstdint>
 #include <cstring>
 
@@ -47,6 +48,19 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::BufferR1<
   const Shard shard{num_rows, *row_begin.typed_data(), dims[0]};
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
   if (rows->element_type() != table.element_type()) return ffi::Error::InvalidArgument("rows must be of the table's dtype");
+  switch (table.element_type()) {  // packed several to a byte, where ByteWidth counts one byte each
+    case ffi::DataType::S1:
+    case ffi::DataType::S2:
+    case ffi::DataType::S4:
+    case ffi::DataType::U1:
+    case ffi::DataType::U2:
+    case ffi::DataType::U4:
+    case ffi::DataType::F4E2M1FN:
+    case ffi::DataType::TOKEN:
+      return ffi::Error::InvalidArgument("the gather copies whole bytes: no dtype narrower than a byte");
+    default:
+      break;
+  }
   const auto k = static_cast<int64_t>(keys.element_count());
   const int64_t row_bytes = dims[0] > 0 ? static_cast<int64_t>(table.size_bytes()) / dims[0] : 0;
   if (static_cast<int64_t>(rows->size_bytes()) != k * row_bytes)
