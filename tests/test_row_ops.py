@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
+from optax_sparse_adam import _kernel_path
 from optax_sparse_adam._row_grad import distinct_ids
 from optax_sparse_adam._row_ops import take_rows
 
@@ -142,3 +143,12 @@ def test_lookup_on_both_paths_reads_the_same_rows(kernel_path):
     flat = np.asarray(ids)
     want = np.where(((flat >= 0) & (flat < 1000))[..., None], np.asarray(table)[np.clip(flat, 0, 999)], 0)
     np.testing.assert_array_equal(np.asarray(lk.rows)[np.asarray(lk.inverse)], want)
+
+
+@pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+def test_the_gather_kernel_refuses_sub_byte_dtypes():
+    """XLA packs int4 two to a byte; the kernel, which copies whole bytes, refuses it rather than overrun."""
+    from optax_sparse_adam import _ffi
+
+    with pytest.raises(Exception, match="whole bytes"):
+        jax.block_until_ready(jax.jit(_ffi.gather)(jnp.zeros((8, 4), jnp.int4), jnp.arange(3, dtype=jnp.int32)))
