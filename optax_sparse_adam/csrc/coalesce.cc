@@ -11,6 +11,7 @@
 // (k - 1) for a padding entry.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "rows.h"
 #include "xla/ffi/api/ffi.h"
@@ -64,14 +65,31 @@ ffi::Error DistinctImpl(ffi::BufferR1<ffi::S32> keys, ffi::ResultBufferR1<ffi::S
   if (num_rows < 0 || num_rows > INT32_MAX) return ffi::Error::InvalidArgument("at most 2**31 - 1 rows");
   if (static_cast<int64_t>(keys_out->element_count()) != k || static_cast<int64_t>(inverse->element_count()) != k)
     return ffi::Error::InvalidArgument("results must have the shape of keys");
-  Coalesced c;
-  int32_t* slot = inverse->typed_data();
-  Coalesce(keys.typed_data(), k, num_rows, 0, c, slot);
+  // Coalesce's hashing without its chains of entries: each key's slot is all a lookup needs.
+  const int32_t* in = keys.typed_data();
   int32_t* out_keys = keys_out->typed_data();
+  int32_t* slot = inverse->typed_data();
+  int log_t = 4;
+  while ((int64_t{1} << log_t) < 2 * k) ++log_t;
+  const uint32_t mask = (uint32_t{1} << log_t) - 1;
+  std::vector<int64_t> table(size_t{1} << log_t, -1);  // (distinct index << 32) | key, or -1 for an empty slot
+  int32_t size = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const int32_t key = in[i];
+    if (!InRange(key, num_rows)) {
+      slot[i] = static_cast<int32_t>(k - 1);
+      continue;
+    }
+    uint32_t h = Mix(static_cast<uint32_t>(key)) & mask;
+    while (table[h] >= 0 && static_cast<int32_t>(table[h] & 0xFFFFFFFF) != key) h = (h + 1) & mask;
+    if (table[h] < 0) {
+      table[h] = (int64_t{size} << 32) | static_cast<uint32_t>(key);
+      out_keys[size++] = key;
+    }
+    slot[i] = static_cast<int32_t>(table[h] >> 32);
+  }
   const auto pad = static_cast<int32_t>(num_rows);
-  for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
-  for (int64_t i = 0; i < k; ++i)
-    if (slot[i] < 0) slot[i] = static_cast<int32_t>(k - 1);
+  for (int64_t d = size; d < k; ++d) out_keys[d] = pad;
   return ffi::Error::Success();
 }
 

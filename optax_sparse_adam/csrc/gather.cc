@@ -18,7 +18,7 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-constexpr int64_t kPrefetchDistance = 8;
+constexpr int64_t kPrefetchDistance = 16;  // rows ahead: a random row is a trip to memory
 
 inline int64_t Wrapped(int32_t key, int64_t num_rows) { return key < 0 ? int64_t{key} + num_rows : int64_t{key}; }
 
@@ -67,8 +67,11 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::BufferR1<
     return ffi::Error::InvalidArgument("rows must hold one table row per key");
   const char* src = static_cast<const char*>(table.untyped_data());
   char* out = static_cast<char*>(rows->untyped_data());
-  // A thread is worth its scheduling past a few hundred rows.
-  ParallelFor(pool, k, std::min<int64_t>(threads, k / 256 + 1), [&](int64_t lo, int64_t hi) {
+  // A part is worth its scheduling past a few hundred rows. The parts are claimed as threads come free, and
+  // there are several per thread: a lookup's distinct ids come first and its padding after, so equal halves
+  // would leave one thread every trip to memory and the other the zeros.
+  const int64_t parts = std::min<int64_t>(threads > 1 ? 8 * threads : 1, k / 256 + 1);
+  ParallelFor(pool, k, parts, [&](int64_t lo, int64_t hi) {
     GatherRange(src, keys.typed_data(), shard, row_bytes, out, lo, hi);
   });
   return ffi::Error::Success();

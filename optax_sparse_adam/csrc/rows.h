@@ -99,10 +99,8 @@ inline bool HasDuplicate(const int32_t* keys, int64_t k, int64_t num_rows) {
 }
 
 // The keys in [lo, hi) are coalesced, the others skipped. Open addressing over
-// a table of at least 2k slots: O(k) expected. With `slot_of`, slot_of[i] is
-// the distinct index of entry i's key, or -1 for a skipped entry.
-inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coalesced& out,
-                     int32_t* slot_of = nullptr) {
+// a table of at least 2k slots: O(k) expected.
+inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coalesced& out) {
   out.row.resize(k);
   out.first.resize(k);
   out.next.assign(k, -1);
@@ -115,26 +113,21 @@ inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coa
   std::vector<int32_t> last(k);
   for (int64_t i = 0; i < k; ++i) {
     const int32_t key = keys[i];
-    if (key < lo || key >= hi) {
-      if (slot_of != nullptr) slot_of[i] = -1;
-      continue;
-    }
+    if (key < lo || key >= hi) continue;
     uint32_t h = Mix(static_cast<uint32_t>(key)) & mask;
     while (slot_key[h] >= 0 && slot_key[h] != key) h = (h + 1) & mask;
-    int32_t d;
     if (slot_key[h] == key) {
-      d = slot_distinct[h];
+      const int32_t d = slot_distinct[h];
       out.next[last[d]] = static_cast<int32_t>(i);
       last[d] = static_cast<int32_t>(i);
     } else {
-      d = static_cast<int32_t>(out.size++);
+      const auto d = static_cast<int32_t>(out.size++);
       slot_key[h] = key;
       slot_distinct[h] = d;
       out.row[d] = key;
       out.first[d] = static_cast<int32_t>(i);
       last[d] = static_cast<int32_t>(i);
     }
-    if (slot_of != nullptr) slot_of[i] = d;
   }
 }
 
