@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_sparse_adam import _catch_up
-from optax_sparse_adam._adam import _hyperparams
+from optax_sparse_adam import _catch_up, _ffi, _kernel_path
+from optax_sparse_adam._adam import _hyperparams, kernel_scalars
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape, stamp
+from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_shape, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows
 
 __all__ = ["CatchUpAmsgradState", "scale_by_sparse_amsgrad", "sparse_amsgrad"]
@@ -58,6 +59,21 @@ def _amsgrad_moments(g: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array,
     m = optax.tree.update_moment(g, m, b1, 1)
     v = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
     return m, v, jnp.maximum(v_max, optax.tree.bias_correction(v, b2, count))
+
+
+def _amsgrad_kernel(hp: Any, count: jax.Array) -> Kernel:
+    """The native CPU kernel in the rule's place: the Adam kernels' scalars, its step rows unscaled."""
+
+    def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
+        return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
+
+    def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
+        m, v, v_max, keys, step = _ffi.sparse_amsgrad_rows(
+            *state, leaf.keys[:, 0], leaf.values, kernel_scalars(hp, count), unique=_kernel_path.unique_flag(leaf)
+        )
+        return keys[:, None], step, (m, v, v_max)
+
+    return Kernel(supports, run)
 
 
 def scale_by_sparse_amsgrad(
@@ -140,10 +156,14 @@ def scale_by_sparse_amsgrad(
             m_hat = optax.tree.bias_correction(m, b1, count)
             return m_hat / (jnp.sqrt(v_max + eps_root) + eps), (m, v, v_max)
 
+        kernel = _amsgrad_kernel(_hyperparams(b1, b2, eps, eps_root, False, "optax"), count)
+
         def leaf(path: Any, g: Any, m: Any, v: Any, v_max: Any) -> tuple[Any, ...]:
             if g is None:
                 return None, m, v, v_max
-            out, new = apply_rule(path, g, jnp.shape(v), (m, v, v_max), (), rule, _WHERE, whole_rows=False)
+            out, new = apply_rule(
+                path, g, jnp.shape(v), (m, v, v_max), (), rule, _WHERE, whole_rows=False, kernel=kernel
+            )
             return (out, *new)
 
         trees = [(state.mu, "mu"), (state.nu, "nu"), (state.nu_max, "nu_max")]

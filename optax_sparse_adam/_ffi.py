@@ -210,6 +210,30 @@ def sparse_amsgrad_apply(
     return new_p, new_m, new_v, new_v_max
 
 
+def sparse_amsgrad_rows(
+    m: jax.Array, v: jax.Array, v_max: jax.Array, keys: jax.Array, values: jax.Array, scalars: jax.Array, *, unique: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``sparse_amsgrad``'s leaf rule on the CPU: ``(m, v, v_max, keys, step)``, the moments updated in place and
+    the step rows (times ``scalars``' ``neg_lr``) packed as in :func:`sparse_adam_rows`."""
+    attrs = _attrs(m.shape[0], unique=unique)
+    shape = values.shape
+
+    def fn(row_begin: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, *rest: jax.Array):
+        table = jax.ShapeDtypeStruct(m.shape, m.dtype)
+        rows = (jax.ShapeDtypeStruct(rest[0].shape, jnp.int32), jax.ShapeDtypeStruct(rest[1].shape, rest[1].dtype))
+        return jax.ffi.ffi_call(
+            PREFIX + "sparse_amsgrad_rows",
+            (table, table, table, *rows),
+            input_output_aliases={0: 0, 1: 1, 2: 2},
+            vmap_method="sequential",
+        )(m, v, v_max, *rest, row_begin, **attrs)
+
+    rule = "n w, n w, n w, k, k w, s -> n w, n w, n w, k, k w"
+    out = _by_row_shards(fn, rule, summed=(4,))(_rows2d(m), _rows2d(v), _rows2d(v_max), keys, _rows2d(values), scalars)
+    new_m, new_v, new_v_max, keys, step = out
+    return new_m.reshape(m.shape), new_v.reshape(m.shape), new_v_max.reshape(m.shape), keys, step.reshape(shape)
+
+
 def catch_up_adam_apply(
     p: jax.Array,
     m: jax.Array,
@@ -373,3 +397,75 @@ def rowwise_adagrad_apply(
     rule = "n w, n, k, k w, s -> n w, n"
     new_p, new_acc = _by_row_shards(fn, rule)(_rows2d(p), acc, keys, _rows2d(values), scalars)
     return new_p.reshape(p.shape), new_acc
+
+
+def rowwise_adam_rows(
+    mu: jax.Array,
+    nu: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    per_row: tuple[jax.Array, jax.Array] | None = None,
+    *,
+    unique: int,
+) -> tuple[jax.Array, ...]:
+    """The row-wise Adam leaf rule on the CPU: ``(mu, nu, keys, step[, row_count])``, the state updated in place.
+
+    ``per_row``: with per-row bias correction, the row counts and the corrections (``(k, 2)``: ``1 - b1^c``,
+    ``1 - b2^c`` for each key's row at its new count). The keys and step rows come back packed as in
+    :func:`sparse_adam_rows`.
+    """
+    attrs = _attrs(mu.shape[0], unique=unique)
+    shape = values.shape
+    extra = () if per_row is None else per_row
+
+    def fn(row_begin: jax.Array, mu: jax.Array, nu: jax.Array, keys: jax.Array, values: jax.Array, scalars, *rest):
+        results = [
+            jax.ShapeDtypeStruct(mu.shape, mu.dtype),
+            jax.ShapeDtypeStruct(nu.shape, nu.dtype),
+            jax.ShapeDtypeStruct(keys.shape, jnp.int32),
+            jax.ShapeDtypeStruct(values.shape, values.dtype),
+        ]
+        aliases = {0: 0, 1: 1}
+        if rest:
+            results.append(jax.ShapeDtypeStruct(rest[0].shape, rest[0].dtype))
+            aliases[6] = 4
+        return jax.ffi.ffi_call(
+            PREFIX + "rowwise_adam_rows", tuple(results), input_output_aliases=aliases, vmap_method="sequential"
+        )(mu, nu, keys, values, scalars, row_begin, *rest, **attrs)
+
+    rule = "n w, n, k, k w, s" + (", n, k c" if extra else "") + " -> n w, n, k, k w" + (", n" if extra else "")
+    out = _by_row_shards(fn, rule, summed=(3,))(_rows2d(mu), nu, keys, _rows2d(values), scalars, *extra)
+    m, v, keys, step, *count = out
+    return (m.reshape(mu.shape), v, keys, step.reshape(shape), *count)
+
+
+def rowwise_adam_apply(
+    p: jax.Array,
+    mu: jax.Array,
+    nu: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    per_row: tuple[jax.Array, jax.Array] | None = None,
+    *,
+    unique: int,
+) -> tuple[jax.Array, ...]:
+    """The row-wise Adam leaf rule and ``p += neg_lr * step`` in one pass over each touched row:
+    ``(p, mu, nu[, row_count])``; ``per_row`` as in :func:`rowwise_adam_rows`."""
+    attrs = _attrs(p.shape[0], unique=unique)
+    extra = () if per_row is None else per_row
+
+    def fn(row_begin: jax.Array, p: jax.Array, mu: jax.Array, nu: jax.Array, *rest: jax.Array):
+        results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, mu, nu)]
+        aliases = {0: 0, 1: 1, 2: 2}
+        if len(rest) > 3:
+            results.append(jax.ShapeDtypeStruct(rest[3].shape, rest[3].dtype))
+            aliases[7] = 3
+        return jax.ffi.ffi_call(
+            PREFIX + "rowwise_adam_apply", tuple(results), input_output_aliases=aliases, vmap_method="sequential"
+        )(p, mu, nu, *rest[:3], row_begin, *rest[3:], **attrs)
+
+    rule = "n w, n w, n, k, k w, s" + (", n, k c" if extra else "") + " -> n w, n w, n" + (", n" if extra else "")
+    new_p, m, v, *count = _by_row_shards(fn, rule)(_rows2d(p), _rows2d(mu), nu, keys, _rows2d(values), scalars, *extra)
+    return (new_p.reshape(p.shape), m.reshape(mu.shape), v, *count)

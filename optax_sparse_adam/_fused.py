@@ -19,7 +19,7 @@ from optax_sparse_adam._fusion import recording
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
 from optax_sparse_adam._row_engine import Arrays, row_shape
-from optax_sparse_adam._rowwise import RowwiseAdagradFusion, adagrad_scalars
+from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, adagrad_scalars, rowwise_adam_scalars
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._tree import is_leaf
 
@@ -41,7 +41,8 @@ def update_and_apply(
     for any ``tx``. Where ``tx`` is an optimizer built by
     :func:`~optax_sparse_adam.sparse_adam` (``catch_up`` too),
     :func:`~optax_sparse_adam.sparse_adamw` (lazy),
-    :func:`~optax_sparse_adam.sparse_amsgrad` (lazy) or
+    :func:`~optax_sparse_adam.sparse_amsgrad` (lazy),
+    :func:`~optax_sparse_adam.sparse_rowwise_adam` or
     :func:`~optax_sparse_adam.sparse_rowwise_adagrad`, or wraps one in a way
     that passes its updates and state through untouched
     (``optax.inject_hyperparams``, stages such as
@@ -57,7 +58,7 @@ def update_and_apply(
       p_S \leftarrow p_S - \alpha_t \, u_S
 
     with :math:`u_S` the step of :func:`scale_by_sparse_adam` (of
-    :func:`scale_by_rowwise_adagrad`, plus :math:`\lambda p_S` with decoupled
+    :func:`scale_by_rowwise_adam`; of :func:`scale_by_rowwise_adagrad`, plus :math:`\lambda p_S` with decoupled
     weight decay). It checks
     what the two calls check (int8 or uint8 indices too narrow to mark a
     table's padding are refused on every path). Its numbers are those of the
@@ -66,8 +67,8 @@ def update_and_apply(
     of its old and new values, the parameters within two ulps of themselves
     plus one of the largest update, because XLA:CPU chooses by shape which
     multiply-adds it fuses (and where ``maximize`` negates the gradient). For
-    row-wise Adagrad see :func:`scale_by_rowwise_adagrad` for how its numbers
-    relate to the two calls'. On
+    the row-wise optimizers see :func:`scale_by_rowwise_adam` and
+    :func:`scale_by_rowwise_adagrad` for how their numbers relate to the two calls'. On
     other platforms, for other leaves, under differentiation and in
     :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
@@ -247,6 +248,25 @@ def _fusable(fusion: Any) -> _Fusable | None:
             apply=lambda p, st, sp, scalars, _: _ffi.rowwise_adagrad_apply(
                 p, st[0], sp.keys[:, 0], sp.values, scalars, decay=decay, unique=_kernel_path.unique_flag(sp)
             ),
+        )
+    if isinstance(fusion, RowwiseAdamFusion):
+        adam = fusion
+        per_row = adam.per_row_bias_correction
+        return _Fusable(
+            adam.learning_rate,
+            "scale_by_rowwise_adam",
+            "ScaleByRowwiseAdamState",
+            ("mu", "nu", "row_count") if per_row else ("mu", "nu"),
+            fits=lambda p, st: p.shape == st[0].shape and all(x.shape == row_shape(p.shape) for x in st[1:]),
+            scalars=lambda new_state, neg_lr: rowwise_adam_scalars(
+                adam.b1,
+                adam.b2,
+                adam.eps,
+                adam.eps_root,
+                optax.tree.get(new_state, "ScaleByRowwiseAdamState").count,
+                neg_lr,
+            ),
+            apply=lambda p, st, sp, scalars, _: adam.apply(p, st, sp, scalars),
         )
     return None
 

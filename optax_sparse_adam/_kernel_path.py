@@ -62,6 +62,7 @@ _SYMBOLS = {
     "sparse_adam_apply": "OptaxSparseAdamApply",
     "sparse_adamw_apply": "OptaxSparseAdamWApply",
     "sparse_amsgrad_apply": "OptaxSparseAmsgradApply",
+    "sparse_amsgrad_rows": "OptaxSparseAmsgradRows",
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "scatter_add": "OptaxSparseAdamScatterAdd",
     "coalesce": "OptaxSparseAdamCoalesce",
@@ -69,6 +70,8 @@ _SYMBOLS = {
     "gather": "OptaxSparseAdamGather",
     "rowwise_adagrad_rows": "OptaxSparseAdamRowwiseAdagradRows",
     "rowwise_adagrad_apply": "OptaxSparseAdamRowwiseAdagradApply",
+    "rowwise_adam_rows": "OptaxSparseAdamRowwiseAdamRows",
+    "rowwise_adam_apply": "OptaxSparseAdamRowwiseAdamApply",
 }
 _MAX_ROWS = 2**31 - 1  # keys are int32, and the padding key num_rows must be one too
 

@@ -248,6 +248,13 @@ WRAPPED = {
         lambda: optax.inject_hyperparams(osa.sparse_rowwise_adagrad)(learning_rate=0.05, weight_decay=0.01),
         1,
     ),
+    "multi_transform, row-wise Adam": (
+        lambda: optax.multi_transform(
+            {"rows": osa.sparse_rowwise_adam(0.05, per_row_bias_correction=True), "dense": optax.sgd(0.1)},
+            {"table": "rows", "w": "dense"},
+        ),
+        1,
+    ),
     "catch-up, multi_transform": (
         lambda: optax.multi_transform(
             {"rows": osa.sparse_adam(0.05, catch_up=True), "dense": optax.sgd(0.1)}, {"table": "rows", "w": "dense"}
@@ -275,8 +282,8 @@ def test_update_and_apply_fuses_through_optax_wrappers(case):
     applies = {t for t in targets if t.endswith("_apply")}
     assert len(applies) == fused_calls, targets
     assert not fused_calls or not any(t.endswith("_rows") for t in targets), targets  # none of the two calls' work
-    if "Adagrad" in case or "clip" in case:
-        # Row-wise Adagrad's kernels order a row's sum apart from XLA (test_rowwise_kernels), and the native
+    if "row-wise" in case or "clip" in case:
+        # The row-wise kernels order a row's sum apart from XLA (test_rowwise_kernels), and the native
         # coalescing packs the clipped rows in another order than the XLA path (so the global norm may round
         # apart): the reference is the two calls on the kernels.
         with osa.use_kernels(True):

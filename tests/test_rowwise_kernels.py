@@ -1,6 +1,6 @@
 """Row-wise Adagrad's native CPU kernels: against a NumPy loop of their arithmetic, and against the XLA path.
 
-The kernels (``csrc/rowwise_adagrad.cc``) compute the rule of ``scale_by_rowwise_adagrad`` with a fixed order
+The kernels (``csrc/rowwise.cc``) compute the rule of ``scale_by_rowwise_adagrad`` with a fixed order
 for each row's sum of squares; the XLA path sums in an order XLA chooses by shape and CPU. So the NumPy loop
 here (the kernel's documented arithmetic, float32 operation by operation) is compared bitwise, and the XLA
 path within the bounds ``scale_by_rowwise_adagrad`` states, one step from the same state.

@@ -132,7 +132,8 @@ def test_sharded_tables_are_judged_by_one_devices_block():
     [
         ("sparse_adam", osa.sparse_adam(1e-2), True, "fused: "),
         ("apply_if_finite", optax.apply_if_finite(osa.sparse_adam(1e-2), 3), False, "two calls: "),
-        ("rowwise adam", osa.sparse_rowwise_adam(1e-2), False, "no native kernel for the optimizer: "),
+        ("rowwise adam", osa.sparse_rowwise_adam(1e-2), True, "fused: "),
+        ("adagrad", osa.sparse_adagrad(1e-2), False, "no native kernel for the optimizer: "),
     ],
 )
 def test_the_report_says_whether_the_step_runs_fused(name, tx, fused, says):
@@ -144,5 +145,6 @@ def test_the_report_says_whether_the_step_runs_fused(name, tx, fused, says):
     assert says in str(report), str(report)
     if fused:
         # The lookup's distinct ids and gather, and the optimizer's one pass.
-        assert report.kernels == ("distinct", "gather", "sparse_adam_apply"), report.kernels
+        apply = "rowwise_adam_apply" if name == "rowwise adam" else "sparse_adam_apply"
+        assert report.kernels == ("distinct", "gather", apply), report.kernels
     assert len(report.kernels) <= report.kernel_calls

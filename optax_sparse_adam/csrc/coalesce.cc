@@ -69,10 +69,8 @@ ffi::Error DistinctImpl(ffi::BufferR1<ffi::S32> keys, ffi::ResultBufferR1<ffi::S
   const int32_t* in = keys.typed_data();
   int32_t* out_keys = keys_out->typed_data();
   int32_t* slot = inverse->typed_data();
-  int log_t = 4;
-  while ((int64_t{1} << log_t) < 2 * k) ++log_t;
-  const uint32_t mask = (uint32_t{1} << log_t) - 1;
-  std::vector<int64_t> table(size_t{1} << log_t, -1);  // (distinct index << 32) | key, or -1 for an empty slot
+  const uint32_t mask = HashMask(k);
+  std::vector<int64_t> table(size_t{mask} + 1, -1);  // (distinct index << 32) | key, or -1 for an empty slot
   int32_t size = 0;
   for (int64_t i = 0; i < k; ++i) {
     const int32_t key = in[i];

@@ -53,8 +53,9 @@ inline int64_t RowWidth(xla::ffi::Span<const int64_t> dims) {
 
 // XLA passes the operand's buffer when it may alias the result (it copies
 // beforehand otherwise); stay correct if it ever does not.
-inline void CopyIfNotAliased(float* dst, const float* src, size_t count) {
-  if (dst != src && count > 0) std::memcpy(dst, src, sizeof(float) * count);
+template <typename T>
+inline void CopyIfNotAliased(T* dst, const T* src, size_t count) {
+  if (dst != src && count > 0) std::memcpy(dst, src, sizeof(T) * count);
 }
 
 inline void PrefetchRow(const float* row, int64_t width) {
@@ -79,14 +80,21 @@ inline uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
   return x ^ (x >> 16);
 }
 
+// The slots of an open-addressing table for k keys: the smallest power of two
+// of at least 2k (and 16), so that probes stay short. Returns the mask of a
+// slot index; the table has mask + 1 slots.
+inline uint32_t HashMask(int64_t k) {
+  int log_t = 4;
+  while ((int64_t{1} << log_t) < 2 * k) ++log_t;
+  return (uint32_t{1} << log_t) - 1;
+}
+
 // Whether two of the keys in [0, num_rows) are equal: the check behind a
 // `unique` promise, so that a broken one is summed like any batch instead of
 // racing. Open addressing over at least 2k slots: O(k) expected.
 inline bool HasDuplicate(const int32_t* keys, int64_t k, int64_t num_rows) {
-  int log_t = 4;
-  while ((int64_t{1} << log_t) < 2 * k) ++log_t;
-  const uint32_t mask = (uint32_t{1} << log_t) - 1;
-  std::vector<int32_t> slot(size_t{1} << log_t, -1);
+  const uint32_t mask = HashMask(k);
+  std::vector<int32_t> slot(size_t{mask} + 1, -1);
   for (int64_t i = 0; i < k; ++i) {
     const int32_t key = keys[i];
     if (!InRange(key, num_rows)) continue;
@@ -105,11 +113,9 @@ inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coa
   out.first.resize(k);
   out.next.assign(k, -1);
   out.size = 0;
-  int log_t = 4;
-  while ((int64_t{1} << log_t) < 2 * k) ++log_t;
-  const uint32_t mask = (uint32_t{1} << log_t) - 1;
-  std::vector<int32_t> slot_key(size_t{1} << log_t, -1);
-  std::vector<int32_t> slot_distinct(size_t{1} << log_t);
+  const uint32_t mask = HashMask(k);
+  std::vector<int32_t> slot_key(size_t{mask} + 1, -1);
+  std::vector<int32_t> slot_distinct(size_t{mask} + 1);
   std::vector<int32_t> last(k);
   for (int64_t i = 0; i < k; ++i) {
     const int32_t key = keys[i];

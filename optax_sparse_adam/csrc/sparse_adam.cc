@@ -13,7 +13,9 @@
 //     weight decay an eleventh scalar;
 //   optax_sparse_adam_v1_sparse_amsgrad_apply (p, mu, nu, nu_max, keys, values, scalars) -> (p, mu, nu, nu_max)
 //     sparse_amsgrad's lazy step: nu_max' = max(nu_max, v' (1 / bc2)),
-//     s = (m' (1 / bc1)) / (sqrt(nu_max' + eps_root) + eps), p += neg_lr s.
+//     s = (m' (1 / bc1)) / (sqrt(nu_max' + eps_root) + eps), p += neg_lr s;
+//   optax_sparse_adam_v1_sparse_amsgrad_rows (mu, nu, nu_max, keys, values, scalars) -> (mu, nu, nu_max, keys, step)
+//     its leaf rule for tx.update: the moments in place, the step rows times neg_lr packed as above.
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
@@ -246,6 +248,37 @@ ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
   return ffi::Error::Success();
 }
 
+// sparse_amsgrad's leaf rule for tx.update: (mu, nu, nu_max) in place and the step rows packed as the rows
+// handler packs them.
+ffi::Error AmsgradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                           ffi::Buffer<ffi::F32> nu_max, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                           ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
+                           ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                           ffi::ResultBuffer<ffi::F32> nu_max_out, ffi::ResultBufferR1<ffi::S32> keys_out,
+                           ffi::ResultBuffer<ffi::F32> step_out, int64_t num_rows, int64_t unique, int64_t threads) {
+  const int64_t k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
+                                 scalars.element_count(), kNumScalars, shard, width);
+      e.failure())
+    return e;
+  if (nu_max.element_count() != mu.element_count()) return ffi::Error::InvalidArgument("nu_max must have mu's shape");
+  if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
+    return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
+  float* m = mu_out->typed_data();
+  float* v = nu_out->typed_data();
+  float* vm = nu_max_out->typed_data();
+  CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
+  CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
+  CopyIfNotAliased(vm, nu_max.typed_data(), nu_max.element_count());
+  const Options o{false, false, unique, threads};
+  Run<false, false, false, false, true>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard,
+                                        values.typed_data(), m, v, vm, step_out->typed_data(),
+                                        keys_out->typed_data(), width);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace optax_sparse_adam
 
@@ -305,6 +338,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradApply, optax_sparse_adam::Amsgra
                                   .Ret<ffi::Buffer<ffi::F32>>()    // mu
                                   .Ret<ffi::Buffer<ffi::F32>>()    // nu
                                   .Ret<ffi::Buffer<ffi::F32>>()    // nu_max
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradRows, optax_sparse_adam::AmsgradRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu_max
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu_max
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // keys, distinct first
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // step rows
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));

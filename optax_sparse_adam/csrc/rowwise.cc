@@ -1,0 +1,633 @@
+// Lazy row-wise optimizers on the rows a batch touches, as XLA FFI handlers for the CPU: one row loop
+// (duplicates summed, rows split over threads, the step packed as the XLA path packs it) and two rules.
+//
+// Row-wise Adagrad (scale_by_rowwise_adagrad; FBGEMM's EXACT_ROWWISE_ADAGRAD):
+//   optax_sparse_adam_v1_rowwise_adagrad_rows   (acc, keys, values, scalars[, p]) -> (acc, keys, step)
+//     the sparse leaf rule: the accumulators in place, and the step rows
+//     packed as the XLA path packs them (distinct keys first, padding after;
+//     with `unique`, in the entries' own slots); p (the parameters) is read
+//     for L2 weight decay only;
+//   optax_sparse_adam_v1_rowwise_adagrad_apply  (p, acc, keys, values, scalars) -> (p, acc)
+//     the rule and p += neg_lr * step (after decoupled weight decay, in that
+//     mode), touching each row of p and acc once.
+// Row-wise Adam (scale_by_rowwise_adam; FBGEMM's PARTIAL_ROWWISE_ADAM):
+//   optax_sparse_adam_v1_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count, bc]) -> (mu, nu, keys, step[, row_count])
+//   optax_sparse_adam_v1_rowwise_adam_apply (p, mu, nu, keys, values, scalars[, row_count, bc]) -> (p, mu, nu[, row_count])
+//     mu per entry, nu one scalar per row; with per-row bias correction each
+//     row's update count rises by one (saturating, as optax.safe_increment)
+//     and bc (k x 2, per entry: 1 - b1^c, 1 - b2^c for the entry's row at its
+//     new count, computed by XLA as the rule computes them) replaces the
+//     global corrections.
+// Tables are aliased to results (input_output_aliases), so under donation
+// nothing table-sized is copied. Keys outside [0, num_rows) are padding.
+//
+// Per touched row r of width d, with the expressions XLA:CPU compiles the XLA
+// path to (it contracts a product into the following add, and turns a
+// division by a broadcast scalar or by the constant d into a multiplication by
+// its reciprocal); build with -ffp-contract=off so that only the fused
+// multiply-adds written here occur:
+//   g   = ((0 + g_e1) + g_e2) + ...     over the entries of a row, in entry order
+//   S   = sum_j g_j g_j                 in the order of RowSumOfSquares
+// Adagrad:
+//   g   = fma(wd, p, g)                 (L2 decay, before S)
+//   a'  = fma(S, 1 / d, a)              (d = 1: fma(g, g, a))
+//   u   = g (1 / (sqrt(a') + eps))      (d = 1: g / (sqrt(a') + eps))
+//   u   = fma(wd, p, u)                 (decoupled decay, apply only; d = 1: u + wd p)
+// Adam:
+//   m'  = fma(1 - b1, g, b1 m)          per entry
+//   v'  = fma(1 - b2, S (1 / d), b2 v)  (d = 1: g g in place of S (1 / d))
+//   D   = sqrt(v' (1 / bc2) + eps_root) + eps   (per-row bias correction: v' / bc2)
+//   u   = (m' (1 / bc1)) (1 / D)        (d = 1: (m' (1 / bc1)) / D; per-row: m' / (bc1 D), as XLA
+//                                        rewrites (a / b) / c where all three have one shape)
+// and in the apply handlers p = p + neg_lr u.
+// XLA chooses the order of the row sum itself (a YNNPACK reduction or a loop
+// of its own, by shape and CPU), so S may differ from the XLA path's by the
+// rounding of a sum of d nonnegative terms; the tests bound it.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace optax_sparse_adam {
+namespace {
+
+constexpr int kPrefetchDistance = 4;
+
+// The rules' row functions are inlined into the loops of OSA_TARGET_CLONES so
+// that each clone vectorizes them for its own ISA (a call would reach the
+// baseline build, and std::fma there is a library call).
+#define OSA_ROW_INLINE inline __attribute__((always_inline))
+
+struct Options {
+  int64_t unique;  // 0: keys may repeat; 1: distinct by the user's promise, checked; 2: known distinct
+  int64_t threads;
+};
+
+// sum_j g_j^2 in a fixed order: 16 lanes, each summing its products (rounded,
+// not fused) over a block of 64 floats from zero, the blocks' lanes added
+// into running lanes, and the lanes folded in halves (lane l + lane l + h).
+// This is the order of XLA:CPU's reduction on AVX-512 for widths 31 to 448
+// (measured). Written with GCC/Clang vector types so that every clone keeps
+// the lanes in registers (one zmm, two ymm or four xmm).
+typedef float Lanes __attribute__((vector_size(64)));
+typedef float Half __attribute__((vector_size(32)));
+typedef float Quarter __attribute__((vector_size(16)));
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlock = 64;
+
+OSA_ROW_INLINE float RowSumOfSquares(const float* __restrict g, int64_t width) {
+  Lanes total = {};
+  for (int64_t b = 0; b < width; b += kBlock) {
+    Lanes block = {};
+    const int64_t end = std::min(width, b + kBlock);
+    int64_t j = b;
+    for (; j + kLanes <= end; j += kLanes) {
+      Lanes x;
+      std::memcpy(&x, g + j, sizeof(x));
+      block = block + x * x;
+    }
+    if (j < end) {  // the last lanes of a partial vector are zero
+      Lanes x = {};
+      std::memcpy(&x, g + j, sizeof(float) * static_cast<size_t>(end - j));
+      block = block + x * x;
+    }
+    total = total + block;
+  }
+  // Fold: lanes l + l + 8, then l + l + 4, l + l + 2, l + l + 1.
+  Half lo8, hi8;
+  std::memcpy(&lo8, &total, sizeof(Half));
+  std::memcpy(&hi8, reinterpret_cast<const char*>(&total) + sizeof(Half), sizeof(Half));
+  const Half t8 = lo8 + hi8;
+  Quarter lo4, hi4;
+  std::memcpy(&lo4, &t8, sizeof(Quarter));
+  std::memcpy(&hi4, reinterpret_cast<const char*>(&t8) + sizeof(Quarter), sizeof(Quarter));
+  const Quarter t4 = lo4 + hi4;
+  return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+// A rule updates one touched row. Its members: kApply (whether it adds the
+// step to the parameters, or writes the step rows to `out`), `out` and
+// `width`, Scratch() (floats of scratch a thread needs), Prefetch(r) (the
+// local row r's state, ahead of time), and Row(g, r, slot, entry, scratch):
+// the row's state at local row r updated from its gradient row g (duplicates
+// summed), the step written to `out` at `slot` or added to the parameters'
+// row r; `entry` is one of the row's entries (for per-entry operands).
+
+// ---- Row-wise Adagrad.
+
+// Order of the scalars operand, as _rowwise.adagrad_scalars stacks it.
+struct AdagradScalars {
+  float eps, weight_decay, neg_lr;
+};
+constexpr int64_t kAdagradScalars = 3;
+
+// How weight decay enters: not at all, folded into the gradient (L2), or added
+// to the step (decoupled; the apply handler only).
+enum Decay : int64_t { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
+
+template <int64_t kDecay, bool kApplies>
+struct AdagradRule {
+  static constexpr bool kApply = kApplies;
+  static constexpr bool kReadsP = kApply || kDecay == kL2;
+  AdagradScalars s;
+  float* acc;
+  const float* p;  // the parameters: read for L2 decay, written by apply (then p == out); null otherwise
+  float* out;
+  int64_t width;
+
+  int64_t Scratch() const { return kDecay == kL2 ? width : 0; }
+
+  OSA_ROW_INLINE void Prefetch(int64_t r) const {
+    __builtin_prefetch(acc + r, 1, 3);
+    if (kReadsP) PrefetchRow(p + r * width, width);
+  }
+
+  OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t slot, int64_t, float* __restrict buf) const {
+    // Locals, not loads through `s`: the rows written might alias it, which
+    // would keep the compiler from vectorizing the loops.
+    const float eps = s.eps, wd = s.weight_decay, neg_lr = s.neg_lr;
+    if constexpr (kDecay == kL2) {  // the gradient the rule sees: g + wd p
+      const float* __restrict pr = p + r * width;
+      for (int64_t j = 0; j < width; ++j) buf[j] = std::fma(wd, pr[j], g[j]);
+      g = buf;
+    }
+    float* __restrict dst = kApply ? out + r * width : out + slot * width;
+    float* __restrict a = acc + r;
+    if (width == 1) {  // element-wise Adagrad: XLA divides, no row mean
+      const float an = std::fma(g[0], g[0], *a);
+      *a = an;
+      float step = g[0] / (std::sqrt(an) + eps);
+      if constexpr (kApply) {
+        if constexpr (kDecay == kDecoupled) step = step + wd * dst[0];
+        dst[0] = dst[0] + neg_lr * step;
+      } else {
+        dst[0] = step;
+      }
+      return;
+    }
+    const float inv_width = 1.0f / static_cast<float>(width);
+    const float an = std::fma(RowSumOfSquares(g, width), inv_width, *a);
+    *a = an;
+    const float rcp = 1.0f / (std::sqrt(an) + eps);
+    for (int64_t j = 0; j < width; ++j) {
+      float step = g[j] * rcp;
+      if constexpr (kApply) {
+        if constexpr (kDecay == kDecoupled) step = std::fma(wd, dst[j], step);
+        dst[j] = dst[j] + neg_lr * step;
+      } else {
+        dst[j] = step;
+      }
+    }
+  }
+};
+
+// ---- Row-wise Adam.
+
+// Order of the scalars operand, as _rowwise.rowwise_adam_scalars stacks it.
+struct AdamScalars {
+  float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, bc1, bc2, neg_lr;
+};
+constexpr int64_t kAdamScalars = 9;
+
+template <bool kPerRow, bool kApplies>
+struct AdamRule {
+  static constexpr bool kApply = kApplies;
+  AdamScalars s;
+  float* m;
+  float* v;
+  int32_t* count;   // per-row bias correction: each row's update count; null otherwise
+  const float* bc;  // per-row bias correction: (1 - b1^c, 1 - b2^c) per entry; null otherwise
+  float* out;
+  int64_t width;
+
+  int64_t Scratch() const { return 0; }
+
+  OSA_ROW_INLINE void Prefetch(int64_t r) const {
+    PrefetchRow(m + r * width, width);
+    __builtin_prefetch(v + r, 1, 3);
+    if (kPerRow) __builtin_prefetch(count + r, 1, 3);
+    if (kApply) PrefetchRow(out + r * width, width);
+  }
+
+  OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t slot, int64_t entry, float*) const {
+    const float b1 = s.b1, one_minus_b1 = s.one_minus_b1, b2 = s.b2, one_minus_b2 = s.one_minus_b2;
+    const float eps = s.eps, eps_root = s.eps_root, neg_lr = s.neg_lr;
+    float bc1 = s.bc1, bc2 = s.bc2;
+    if constexpr (kPerRow) {
+      bc1 = bc[2 * entry];
+      bc2 = bc[2 * entry + 1];
+      if (count[r] < INT32_MAX) count[r] += 1;  // optax.safe_increment
+    }
+    // The row's mean square: XLA divides the sum by the constant d as a
+    // multiplication by 1 / d (a row of one entry is its square).
+    const float ms = width == 1 ? g[0] * g[0] : RowSumOfSquares(g, width) * (1.0f / static_cast<float>(width));
+    const float vn = std::fma(one_minus_b2, ms, b2 * v[r]);
+    v[r] = vn;
+    // A global correction is a broadcast scalar (XLA multiplies by its
+    // reciprocal), a per-row one an array of nu's shape (XLA divides).
+    const float vc = kPerRow ? vn / bc2 : vn * (1.0f / bc2);
+    const float denom = std::sqrt(vc + eps_root) + eps;
+    float* __restrict mr = m + r * width;
+    float* __restrict dst = kApply ? out + r * width : out + slot * width;
+    if (width == 1) {  // nu and the corrections have the row's own shape: XLA divides
+      const float mn = std::fma(one_minus_b1, g[0], b1 * mr[0]);
+      mr[0] = mn;
+      const float step = kPerRow ? mn / (bc1 * denom) : (mn * (1.0f / bc1)) / denom;
+      dst[0] = kApply ? dst[0] + neg_lr * step : step;
+      return;
+    }
+    const float inv_bc1 = 1.0f / bc1;
+    const float rcp = 1.0f / denom;
+    for (int64_t j = 0; j < width; ++j) {
+      const float mn = std::fma(one_minus_b1, g[j], b1 * mr[j]);
+      mr[j] = mn;
+      const float step = (mn * inv_bc1) * rcp;
+      if constexpr (kApply) {
+        dst[j] = dst[j] + neg_lr * step;
+      } else {
+        dst[j] = step;
+      }
+    }
+  }
+};
+
+// ---- The row loop, shared by the rules.
+
+// For each entry, the distinct row of a coalesced batch it adds to (-1 for padding).
+inline std::vector<int32_t> EntryRows(const Coalesced& c, int64_t k) {
+  std::vector<int32_t> row_of(static_cast<size_t>(k), -1);
+  for (int64_t d = 0; d < c.size; ++d) {
+    for (int32_t e = c.first[d]; e >= 0; e = c.next[e]) row_of[e] = static_cast<int32_t>(d);
+  }
+  return row_of;
+}
+
+// The distinct rows [lo, hi) of a coalesced batch.
+template <class Rule>
+OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Coalesced& c, const int32_t* row_of, int64_t k,
+                                     const Shard& shard, const float* values, int64_t lo, int64_t hi) {
+  const int64_t width = rule.width;
+  // The gradient rows first: duplicates summed from 0 in entry order, as XLA's
+  // scatter-add sums them, reading the values in order (following each row's
+  // chain of entries instead would miss the cache at every entry).
+  std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t d = row_of[i];
+    if (d < lo || d >= hi) continue;
+    float* __restrict g = sums.data() + (d - lo) * width;
+    const float* __restrict v = values + i * width;
+    for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
+  }
+  std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
+  for (int64_t d = lo; d < hi; ++d) {
+    if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance]))
+      rule.Prefetch(shard.Local(c.row[d + kPrefetchDistance]));
+    if (!shard.Owns(c.row[d])) {  // another shard's row
+      if constexpr (!Rule::kApply) std::memset(rule.out + d * width, 0, sizeof(float) * static_cast<size_t>(width));
+      continue;
+    }
+    rule.Row(sums.data() + (d - lo) * width, shard.Local(c.row[d]), d, c.first[d], scratch.data());
+  }
+}
+
+// The entries [lo, hi) of a batch whose in-range keys are distinct.
+template <class Rule>
+OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const int32_t* keys, const Shard& shard, const float* values,
+                                  int64_t lo, int64_t hi) {
+  const int64_t width = rule.width;
+  std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
+  for (int64_t i = lo; i < hi; ++i) {
+    if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance]))
+      rule.Prefetch(shard.Local(keys[i + kPrefetchDistance]));
+    if (!shard.Owns(keys[i])) {
+      if constexpr (!Rule::kApply) std::memset(rule.out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
+      continue;
+    }
+    rule.Row(values + i * width, shard.Local(keys[i]), i, i, scratch.data());
+  }
+}
+
+// Runs `rule` on every row the batch touches; with out_keys (the rows
+// handlers), the keys packed as the step rows are.
+template <class Rule>
+void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_t* keys, int64_t k,
+         const Shard& shard, const float* values, int32_t* out_keys) {
+  const int64_t width = rule.width;
+  const auto pad = static_cast<int32_t>(shard.num_rows);
+  // A broken promise (a key twice) takes the coalescing path: its rows are
+  // summed as without it, and no two threads ever write one row. Keys the
+  // library made distinct itself skip the check.
+  if (o.unique == 2 || (o.unique == 1 && !HasDuplicate(keys, k, shard.num_rows))) {
+    if (out_keys != nullptr) {
+      for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
+    }
+    ParallelFor(pool, k, std::min<int64_t>(o.threads, k / 32 + 1),
+                [&](int64_t lo, int64_t hi) { UniqueRows(rule, keys, shard, values, lo, hi); });
+    return;
+  }
+  // The step rows are packed over all rows (so every shard packs alike); the
+  // tables only need this shard's.
+  constexpr bool kApply = Rule::kApply;
+  Coalesced c;
+  Coalesce(keys, k, kApply ? shard.begin + shard.local_rows : shard.num_rows, kApply ? shard.begin : 0, c);
+  if (out_keys != nullptr) {
+    for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
+  }
+  if constexpr (!kApply) {  // padding slots of the step
+    std::memset(rule.out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
+  }
+  const std::vector<int32_t> row_of = EntryRows(c, k);
+  // A thread is worth its scheduling past a few dozen rows.
+  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+    CoalescedRows(rule, c, row_of.data(), k, shard, values, lo, hi);
+  });
+}
+
+// ---- Row-wise Adagrad's handlers.
+
+template <bool kApply>
+void DispatchAdagrad(ffi::ThreadPool& pool, const AdagradScalars& s, int64_t decay, const Options& o,
+                     const int32_t* keys, int64_t k, const Shard& shard, const float* values, float* acc,
+                     const float* p, float* out, int32_t* out_keys, int64_t width) {
+  switch (decay) {
+    case kL2:
+      Run(pool, AdagradRule<kL2, kApply>{s, acc, p, out, width}, o, keys, k, shard, values, out_keys);
+      return;
+    case kDecoupled:
+      if constexpr (kApply) {
+        Run(pool, AdagradRule<kDecoupled, kApply>{s, acc, p, out, width}, o, keys, k, shard, values, out_keys);
+        return;
+      }
+      [[fallthrough]];  // unreachable: checked by the handlers
+    default:
+      Run(pool, AdagradRule<kNoDecay, kApply>{s, acc, p, out, width}, o, keys, k, shard, values, out_keys);
+  }
+}
+
+// Checks the shapes shared by the Adagrad handlers; sets the shard's local rows and the width.
+ffi::Error CheckAdagradShapes(ffi::Span<const int64_t> acc, ffi::Span<const int64_t> values, int64_t k,
+                              size_t scalars_count, int64_t decay, Shard& shard, int64_t& width) {
+  if (acc.size() != 1) return ffi::Error::InvalidArgument("the accumulators must be one per row");
+  shard.local_rows = acc[0];
+  if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
+  if (values.size() < 1 || values[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
+  width = RowWidth(values);
+  if (width < 1) return ffi::Error::InvalidArgument("rows must hold at least one entry");
+  if (static_cast<int64_t>(scalars_count) != kAdagradScalars)
+    return ffi::Error::InvalidArgument("scalars must hold 3 values");
+  if (decay < kNoDecay || decay > kDecoupled) return ffi::Error::InvalidArgument("decay must be 0, 1 or 2");
+  return ffi::Error::Success();
+}
+
+AdagradScalars ReadAdagradScalars(const ffi::BufferR1<ffi::F32>& b) {
+  const float* x = b.typed_data();
+  return AdagradScalars{x[0], x[1], x[2]};
+}
+
+ffi::Error AdagradRowsImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> acc, ffi::BufferR1<ffi::S32> keys,
+                           ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                           ffi::BufferR0<ffi::S32> row_begin, ffi::RemainingArgs params,
+                           ffi::ResultBufferR1<ffi::F32> acc_out, ffi::ResultBufferR1<ffi::S32> keys_out,
+                           ffi::ResultBuffer<ffi::F32> step_out, int64_t num_rows, int64_t decay, int64_t unique,
+                           int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e =
+          CheckAdagradShapes(acc.dimensions(), values.dimensions(), k, scalars.element_count(), decay, shard, width);
+      e.failure())
+    return e;
+  if (decay == kDecoupled) return ffi::Error::InvalidArgument("decoupled decay is the apply handler's");
+  if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
+    return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
+  const float* p = nullptr;
+  if (decay == kL2) {  // L2 decay reads the parameters, the one remaining operand
+    if (params.size() != 1) return ffi::Error::InvalidArgument("L2 decay needs the parameters");
+    auto p_buf = params.get<ffi::Buffer<ffi::F32>>(0);
+    if (p_buf.has_error()) return p_buf.error();
+    if (static_cast<int64_t>(p_buf->element_count()) != shard.local_rows * width)
+      return ffi::Error::InvalidArgument("p must have one row of the values' width per accumulator");
+    p = p_buf->typed_data();
+  } else if (!params.empty()) {
+    return ffi::Error::InvalidArgument("the parameters are read for L2 decay only");
+  }
+  float* a = acc_out->typed_data();
+  CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
+  DispatchAdagrad<false>(pool, ReadAdagradScalars(scalars), decay, Options{unique, threads}, keys.typed_data(), k,
+                         shard, values.typed_data(), a, p, step_out->typed_data(), keys_out->typed_data(), width);
+  return ffi::Error::Success();
+}
+
+ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::BufferR1<ffi::F32> acc,
+                            ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                            ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
+                            ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBufferR1<ffi::F32> acc_out,
+                            int64_t num_rows, int64_t decay, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e =
+          CheckAdagradShapes(acc.dimensions(), values.dimensions(), k, scalars.element_count(), decay, shard, width);
+      e.failure())
+    return e;
+  if (static_cast<int64_t>(p.element_count()) != shard.local_rows * width)
+    return ffi::Error::InvalidArgument("p must have one row of the values' width per accumulator");
+  float* q = p_out->typed_data();
+  float* a = acc_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
+  DispatchAdagrad<true>(pool, ReadAdagradScalars(scalars), decay, Options{unique, threads}, keys.typed_data(), k,
+                        shard, values.typed_data(), a, q, q, nullptr, width);
+  return ffi::Error::Success();
+}
+
+// ---- Row-wise Adam's handlers.
+
+// The tables of a row-wise Adam call, checked: mu (local rows x width), nu
+// (local rows), and with per-row bias correction the row counts (in the
+// first remaining operand, written to the first remaining result) and the
+// corrections (k x 2, the second remaining operand).
+struct AdamTables {
+  float* m;
+  float* v;
+  int32_t* count = nullptr;
+  const float* bc = nullptr;
+};
+
+ffi::Error CheckAdam(ffi::Span<const int64_t> mu, size_t nu_count, ffi::Span<const int64_t> values, int64_t k,
+                     size_t scalars_count, const ffi::RemainingArgs& extra, const ffi::RemainingRets& extra_out,
+                     Shard& shard, int64_t& width, AdamTables& t) {
+  if (mu.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
+  shard.local_rows = mu[0];
+  if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
+  width = RowWidth(mu);
+  if (width < 1) return ffi::Error::InvalidArgument("rows must hold at least one entry");
+  if (static_cast<int64_t>(nu_count) != shard.local_rows) return ffi::Error::InvalidArgument("nu must be one per row");
+  if (values.size() < 1 || values[0] != k || RowWidth(values) != width)
+    return ffi::Error::InvalidArgument("values must have one row of mu's width per key");
+  if (static_cast<int64_t>(scalars_count) != kAdamScalars) return ffi::Error::InvalidArgument("scalars must hold 9 values");
+  if ((extra.size() != 0 && extra.size() != 2) || extra_out.size() != extra.size() / 2)
+    return ffi::Error::InvalidArgument("per-row bias correction takes the row counts and the corrections");
+  if (extra.size() == 2) {
+    auto count = extra.get<ffi::BufferR1<ffi::S32>>(0);
+    auto bc = extra.get<ffi::Buffer<ffi::F32>>(1);
+    auto count_out = extra_out.get<ffi::BufferR1<ffi::S32>>(0);
+    if (count.has_error()) return count.error();
+    if (bc.has_error()) return bc.error();
+    if (count_out.has_error()) return count_out.error();
+    if (static_cast<int64_t>(count->element_count()) != shard.local_rows ||
+        (*count_out)->element_count() != count->element_count())
+      return ffi::Error::InvalidArgument("the row counts must be one per row");
+    if (static_cast<int64_t>(bc->element_count()) != 2 * k)
+      return ffi::Error::InvalidArgument("the corrections must be two per key");
+    t.count = (*count_out)->typed_data();
+    CopyIfNotAliased(t.count, count->typed_data(), count->element_count());
+    t.bc = bc->typed_data();
+  }
+  return ffi::Error::Success();
+}
+
+AdamScalars ReadAdamScalars(const ffi::BufferR1<ffi::F32>& b) {
+  const float* x = b.typed_data();
+  return AdamScalars{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8]};
+}
+
+template <bool kApply>
+void DispatchAdam(ffi::ThreadPool& pool, const AdamScalars& s, const AdamTables& t, const Options& o,
+                  const int32_t* keys, int64_t k, const Shard& shard, const float* values, float* out,
+                  int32_t* out_keys, int64_t width) {
+  if (t.count != nullptr) {
+    Run(pool, AdamRule<true, kApply>{s, t.m, t.v, t.count, t.bc, out, width}, o, keys, k, shard, values, out_keys);
+  } else {
+    Run(pool, AdamRule<false, kApply>{s, t.m, t.v, nullptr, nullptr, out, width}, o, keys, k, shard, values,
+        out_keys);
+  }
+}
+
+ffi::Error AdamRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::BufferR1<ffi::F32> nu,
+                        ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                        ffi::BufferR0<ffi::S32> row_begin, ffi::RemainingArgs extra,
+                        ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBufferR1<ffi::F32> nu_out,
+                        ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
+                        ffi::RemainingRets extra_out, int64_t num_rows, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  AdamTables t{mu_out->typed_data(), nu_out->typed_data()};
+  if (ffi::Error e = CheckAdam(mu.dimensions(), nu.element_count(), values.dimensions(), k, scalars.element_count(),
+                               extra, extra_out, shard, width, t);
+      e.failure())
+    return e;
+  if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
+    return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
+  CopyIfNotAliased(t.m, mu.typed_data(), mu.element_count());
+  CopyIfNotAliased(t.v, nu.typed_data(), nu.element_count());
+  DispatchAdam<false>(pool, ReadAdamScalars(scalars), t, Options{unique, threads}, keys.typed_data(), k, shard,
+                      values.typed_data(), step_out->typed_data(), keys_out->typed_data(), width);
+  return ffi::Error::Success();
+}
+
+ffi::Error AdamApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+                         ffi::BufferR1<ffi::F32> nu, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                         ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
+                         ffi::RemainingArgs extra, ffi::ResultBuffer<ffi::F32> p_out,
+                         ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBufferR1<ffi::F32> nu_out,
+                         ffi::RemainingRets extra_out, int64_t num_rows, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  AdamTables t{mu_out->typed_data(), nu_out->typed_data()};
+  if (ffi::Error e = CheckAdam(mu.dimensions(), nu.element_count(), values.dimensions(), k, scalars.element_count(),
+                               extra, extra_out, shard, width, t);
+      e.failure())
+    return e;
+  if (p.element_count() != mu.element_count()) return ffi::Error::InvalidArgument("p must have mu's shape");
+  float* q = p_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(t.m, mu.typed_data(), mu.element_count());
+  CopyIfNotAliased(t.v, nu.typed_data(), nu.element_count());
+  DispatchAdam<true>(pool, ReadAdamScalars(scalars), t, Options{unique, threads}, keys.typed_data(), k, shard,
+                     values.typed_data(), q, nullptr, width);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace optax_sparse_adam
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdagradRows, optax_sparse_adam::AdagradRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // acc
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .RemainingArgs()                 // p, with L2 decay only
+                                  .Ret<ffi::BufferR1<ffi::F32>>()  // acc
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // keys, distinct first
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // step rows
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("decay")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdagradApply, optax_sparse_adam::AdagradApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // acc
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::BufferR1<ffi::F32>>()  // acc
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("decay")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdamRows, optax_sparse_adam::AdamRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // nu
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .RemainingArgs()                 // row_count, bc: per-row bias correction only
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Ret<ffi::BufferR1<ffi::F32>>()  // nu
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // keys, distinct first
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // step rows
+                                  .RemainingRets()                 // row_count: per-row bias correction only
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdamApply, optax_sparse_adam::AdamApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // nu
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .RemainingArgs()                 // row_count, bc: per-row bias correction only
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Ret<ffi::BufferR1<ffi::F32>>()  // nu
+                                  .RemainingRets()                 // row_count: per-row bias correction only
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
