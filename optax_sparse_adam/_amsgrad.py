@@ -68,8 +68,9 @@ def _amsgrad_kernel(hp: Any, count: jax.Array) -> Kernel:
         return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
+        scalars = kernel_scalars(hp, count)
         m, v, v_max, keys, step = _ffi.sparse_amsgrad_rows(
-            *state, leaf.keys[:, 0], leaf.values, kernel_scalars(hp, count), unique=_kernel_path.unique_flag(leaf)
+            state[0], state[1], state[2], leaf.keys[:, 0], leaf.values, scalars, unique=_kernel_path.unique_flag(leaf)
         )
         return keys[:, None], step, (m, v, v_max)
 

@@ -28,6 +28,7 @@ from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_mean_square, row_shape
+from optax_sparse_adam._row_ops import take_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, param_error
@@ -86,7 +87,7 @@ def rowwise_adam_scalars(b1: Any, b2: Any, eps: Any, eps_root: Any, count: Any, 
 def rowwise_adam_corrections(b1: Any, b2: Any, row_count: jax.Array, keys: jax.Array) -> jax.Array:
     """Per-row bias correction for the kernels: ``(k, 2)``, ``1 - b1^c`` and ``1 - b2^c`` at the new count ``c`` of
     each key's row, as the rule computes them (padding keys read a count of 0)."""
-    c = optax.safe_increment(row_count.at[keys].get(mode="fill", fill_value=0))
+    c = optax.safe_increment(take_rows(row_count, keys))
     return jnp.stack([(1 - jnp.power(b1, c)).astype(jnp.float32), (1 - jnp.power(b2, c)).astype(jnp.float32)], 1)
 
 

@@ -114,7 +114,8 @@ def sparse_aware(
             if not is_sparse(u):
                 return u, p, None
             sp = to_sparse_leaf(u, u.shape if p is None else p.shape, path, _WHERE, emits=True)
-            sp = (coalesce_leaf(sp) if coalesce else sp).zero_padding()
+            # Coalescing leaves its padding slots zero (on both paths); a leaf that is not coalesced is zeroed here.
+            sp = coalesce_leaf(sp) if coalesce and not sp.distinct else sp.zero_padding()
             # XLA's gather: the stage's arithmetic on these rows rounds as on the XLA path (see take_rows).
             rows = None if p is None else take_rows(p, sp.row_index(), native=False)
             return sp.values, rows, sp
