@@ -41,6 +41,7 @@ import contextlib
 import ctypes
 import functools
 import importlib.machinery
+import math
 import os
 import pathlib
 from collections.abc import Callable, Iterator
@@ -323,6 +324,7 @@ def supports_rows(shape: tuple[int, ...], *arrays: Any) -> bool:
     return (
         enabled()
         and len(shape) >= 1
+        and math.prod(shape[1:]) > 0  # rows of no entries: nothing to read or write, the XLA path's no-op
         and shape[0] <= _MAX_ROWS
         and not any(explicit_sharding(a) is not None for a in arrays)
         and not _in_manual_axes()

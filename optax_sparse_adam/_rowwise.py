@@ -166,8 +166,9 @@ def scale_by_rowwise_adam(
     the same state, measured over widths 1 to 513: ``mu`` and the row counts
     bitwise the XLA path's, ``nu`` within 1 ulp (bitwise with the global
     bias correction), the step within 2 ulps of itself; for width 1 (no row
-    sum) every number bitwise. The stated bounds, which the tests hold it
-    to: ``nu`` within 3 ulps, the step within 4.
+    sum) every number bitwise. Stated, as for row-wise Adagrad (XLA's order
+    of a row sum changes with the CPU): ``nu`` within 3 ulps, the step within
+    4 of itself.
 
     Args:
       b1: Decay rate of the first moment.

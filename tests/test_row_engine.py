@@ -190,6 +190,29 @@ def test_adam_rule_equals_optax_adam_where_every_row_is_touched(kernel_path):
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_rows_of_zero_width_move_nothing(name, kernel_path):
+    """A table of rows with no entries (``(5, 0)``): the step runs on both doors and changes nothing of it."""
+    tx = OPTIMIZERS[name]()
+    params = {"emb": jnp.zeros((5, 0), jnp.float32), "w": jnp.ones((WIDTH,), jnp.float32)}
+    state = tx.init(params)
+    grads = {
+        "emb": osa.IndexedRows(jnp.array([1, 1, -1], jnp.int32), jnp.ones((3, 0), jnp.float32), 5),
+        "w": jnp.ones((WIDTH,), jnp.float32),
+    }
+
+    def two_calls(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return osa.apply_updates(params, updates), state
+
+    new, new_state = jax.jit(two_calls)(params, state, grads)
+    fused, fused_state = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(params, state, grads)
+    for p in (new, fused):
+        assert p["emb"].shape == (5, 0)
+    np.testing.assert_array_equal(np.asarray(fused["w"]), np.asarray(new["w"]))
+    assert jax.tree.structure(fused_state) == jax.tree.structure(new_state)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_table_of_zero_rows_takes_all_padding(name, kernel_path):
     """``IndexedRows(num_rows=0)``: every id is padding, nothing moves (XLA refuses a gather from 0 rows)."""
     tx = OPTIMIZERS[name]()
