@@ -6,12 +6,13 @@ Run from the repository root on a machine with a CUDA GPU and jax's CUDA plugin:
     python benchmarks/gpu.py --smoke                               # tiny sizes on whatever device there is
     python benchmarks/gpu.py --render benchmarks/results/gpu.json  # the markdown tables of a results file
 
-Every contender runs on the same device in one process, on a float32 table of its own, with a fresh batch of ids
-each step (a pool of batches staged on the device beforehand), timed as medians after warm-up, taking turns round
-by round. The step must move at least the distinct touched rows of p, m and v (read and write) and their gradient
-rows (read); the bandwidth each contender reaches on those bytes is given as a fraction of the device-to-device
-copy bandwidth measured in the same run. The headline configurations hold about 10^6 ids a step, so that a step
-is many microseconds of memory traffic, not a kernel launch.
+Each configuration runs in a process of its own (jax keeps the device memory it grew to until its process ends),
+its contenders on the same device, each on a float32 table of its own, with a fresh batch of ids each step (a pool
+of batches staged on the device beforehand), timed as medians after warm-up, taking turns round by round. The step
+must move at least the distinct touched rows of p, m and v (read and write) and their gradient rows (read); the
+bandwidth each contender reaches on those bytes is given as a fraction of the device-to-device copy bandwidth
+measured in the same run. The headline configurations hold about 10^6 ids a step, so that a step is many
+microseconds of memory traffic, not a kernel launch.
 
 Contenders:
 
@@ -333,19 +334,36 @@ def machine() -> dict[str, Any]:
 
 
 def render(doc: dict[str, Any]) -> str:
-    """The markdown page of a results file: the machine, one table of step times, the duplicate sums."""
-    m, copy = doc["machine"], doc["copy"]
+    """The markdown page of a results file: one section per run (its machine, step times, duplicate sums)."""
+    runs = doc.get("runs", [doc])
     lines = [
         "# Benchmark: one step on a GPU",
         "",
-        f"`python benchmarks/gpu.py --json benchmarks/results/gpu.json` (through `tools/gpu_check.sh`) at commit "
-        f"`{doc.get('commit', 'unknown')}`, on {m['jax_device']} with jax {m['jax']}, jaxlib {m['jaxlib']}, optax "
-        f"{m['optax']}, torch {m['torch']}; the library's path: `{m['kernel_path']}` (the only one on a GPU). "
-        "Float32 tables, a fresh batch of ids each step from a pool staged on the device, medians after warm-up, "
-        "the contenders taking turns in one process. Device-to-device copy, bytes read and written: "
-        f"{copy['jax_gbps']:,.0f} GB/s through jax, {copy['torch_gbps']:,.0f} GB/s through torch.",
+        "`python benchmarks/gpu.py --json benchmarks/results/gpu.json` (through `tools/gpu_check.sh`). Float32 "
+        "tables, a fresh batch of ids each step from a pool staged on the device, medians after warm-up, the "
+        "contenders of a configuration taking turns in one process (since the second run below, each configuration "
+        "in a process of its own).",
         "",
         "This page is generated at build time from `benchmarks/results/gpu.json`.",
+        "",
+    ]
+    if "runs" in doc and doc.get("note"):
+        lines += [doc["note"], ""]
+    for run in runs:
+        lines += render_run(run, heading=len(runs) > 1)
+    lines += ["Contenders:", ""] + [f"- `{n}`: {label}" for n, label in LABELS.items()] + [""]
+    return "\n".join(lines) + "\n"
+
+
+def render_run(doc: dict[str, Any], heading: bool) -> list[str]:
+    """One run's section: its machine and commit, one table of step times, the duplicate sums."""
+    m, copy = doc["machine"], doc["copy"]
+    lines = [f"## {m['jax_device']}, commit `{doc.get('commit', 'unknown')}`", ""] if heading else []
+    lines += [
+        f"At commit `{doc.get('commit', 'unknown')}`, on {m['jax_device']} with jax {m['jax']}, jaxlib "
+        f"{m['jaxlib']}, optax {m['optax']}, torch {m['torch']}; the library's path: `{m['kernel_path']}` (the "
+        "only one on a GPU). Device-to-device copy, bytes read and written: "
+        f"{copy['jax_gbps']:,.0f} GB/s through jax, {copy['torch_gbps']:,.0f} GB/s through torch.",
         "",
     ]
     if doc.get("note"):
@@ -371,7 +389,7 @@ def render(doc: dict[str, Any]) -> str:
                 cell += f", {100 * r['fraction_of_copy']:.0f}%"
             cells.append(cell)
         lines.append(f"| {rec['label']} | {rec['distinct']:,.0f} | " + " | ".join(cells) + " |")
-    lines += ["", "Contenders:", ""] + [f"- `{n}`: {label}" for n, label in LABELS.items()] + [""]
+    lines.append("")
     d = doc.get("duplicate_sums")
     if d is None:
         lines.append("The summation of duplicate ids was not timed in this run.")
@@ -381,7 +399,33 @@ def render(doc: dict[str, Any]) -> str:
             f"hottest id {d['hottest_id_count']:,} times), median ms: the library's summation "
             f"{d['library (sum_into_slots)']['median_ms']:.3f}, one scatter-add {d['scatter-add']['median_ms']:.3f}."
         )
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]
+
+
+def run_part(part: str, smoke: bool, seed: int, resident_gb: float) -> Any:
+    """One part of the run, in this process: ``copy``, ``sums`` or a configuration's index."""
+    configs, plan, pool = (SMOKE_CONFIGS, SMOKE_PLAN, 4) if smoke else (FULL_CONFIGS, FULL_PLAN, 8)
+    if part == "copy":
+        return copy_bandwidth(2**24 if smoke else 2**31)
+    if part == "sums":
+        return duplicate_sums(2**10 if smoke else 2**20, 10**4 if smoke else 10**7, 64, seed)
+    i = int(part)
+    copy_gbps = json.loads(sys.stdin.read())["copy_gbps"]
+    return run_config(configs[i], plan, pool, seed + i, copy_gbps, resident_gb)
+
+
+def in_own_process(part: str, args: argparse.Namespace, stdin: str = "") -> Any:
+    """Runs one part in a child process: jax's allocator keeps the device memory it grew to until its process
+    ends, so the contenders of one configuration would leave too little for the next (1e7 x 128 ran out of memory
+    after the 1e7 x 64 runs)."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--part", part, "--seed", str(args.seed), "--resident-gb", str(args.resident_gb)]
+    out = subprocess.run(cmd + (["--smoke"] if args.smoke else []), input=stdin, capture_output=True, text=True)
+    sys.stderr.write(out.stderr)
+    if out.returncode != 0:
+        raise RuntimeError(f"part {part} failed with exit code {out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -396,9 +440,16 @@ def main(argv: list[str] | None = None) -> None:
         default=36.0,
         help="contenders whose tables fit together in this many GB take turns; the others run after (default 36)",
     )
+    parser.add_argument(
+        "--configs", help="comma-separated indices of the configurations to run (default: all, then the sums)"
+    )
+    parser.add_argument("--part", help=argparse.SUPPRESS)  # one part, in a child process: its JSON on stdout
     args = parser.parse_args(argv)
     if args.render:
         print(render(json.loads(args.render.read_text())), end="")
+        return
+    if args.part is not None:
+        print(json.dumps(run_part(args.part, args.smoke, args.seed, args.resident_gb)))
         return
     configs, plan, pool = (SMOKE_CONFIGS, SMOKE_PLAN, 4) if args.smoke else (FULL_CONFIGS, FULL_PLAN, 8)
     started = time.perf_counter()
@@ -410,11 +461,12 @@ def main(argv: list[str] | None = None) -> None:
         "pool": pool,
     }
     print(json.dumps(doc["machine"]), file=sys.stderr)
-    doc["copy"] = copy_bandwidth(2**24 if args.smoke else 2**31)
+    doc["copy"] = in_own_process("copy", args)
     copy_gbps = max(doc["copy"]["jax_gbps"], doc["copy"]["torch_gbps"])
     doc["configs"] = []
-    for i, cfg in enumerate(configs):
-        rec = run_config(cfg, plan, pool, args.seed + i, copy_gbps, args.resident_gb)
+    chosen = [int(c) for c in args.configs.split(",")] if args.configs else range(len(configs))
+    for i in chosen:
+        rec = in_own_process(str(i), args, json.dumps({"copy_gbps": copy_gbps}))
         doc["configs"].append(rec)
         print(
             json.dumps({"label": rec["label"], **{n: r["median_ms"] for n, r in rec["results"].items()}}),
@@ -423,9 +475,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:  # what finished survives a run cut short
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(doc, indent=1))
-    doc["duplicate_sums"] = duplicate_sums(
-        2**10 if args.smoke else 2**20, 10**4 if args.smoke else 10**7, 64, args.seed
-    )
+    doc["duplicate_sums"] = in_own_process("sums", args)
     doc["wall_s"] = time.perf_counter() - started
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))

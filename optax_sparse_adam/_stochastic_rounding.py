@@ -55,7 +55,9 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
 def _round_with(x: jax.Array, dtype: Any, uniform: jax.Array) -> jax.Array:
     """:func:`stochastic_round` with its uniform draws in ``[0, 1)`` given, one per element of float32 ``x``."""
-    nearest = x.astype(dtype)
+    # The barrier keeps the round trip float32 -> dtype -> float32: XLA:GPU drops such convert pairs where excess
+    # precision is allowed (its default), which made `near == x` everywhere under jit and rounded all to nearest.
+    nearest = jax.lax.optimization_barrier(x.astype(dtype))
     near = nearest.astype(jnp.float32)
     toward = jnp.where(near < x, jnp.asarray(jnp.inf, dtype), jnp.asarray(-jnp.inf, dtype))
     other = jax.lax.nextafter(nearest, toward)

@@ -9,6 +9,11 @@ from typing import Any
 import jax
 import numpy as np
 
+# Comparisons with optax of steps that sum duplicate ids or contract multiply-adds: on the CPU both programs do
+# these in one order; XLA:GPU sums the colliding ids of a scatter-add (optax's dense gradient) in another order
+# than the library's sort and segmented sum, and fuses multiply-adds as it chooses per program.
+ON_CPU = jax.default_backend() == "cpu"
+
 
 def assert_trees_equal(actual: Any, desired: Any, *, rtol: float = 0.0, atol: float = 0.0) -> None:
     """The same tree structure, and leaf by leaf the same dtype, shape and values.

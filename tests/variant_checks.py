@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from jax.experimental import sparse as jsparse
 
 import optax_sparse_adam as osa
-from tests.helpers import assert_trees_equal, jit_once
+from tests.helpers import ON_CPU, assert_trees_equal, jit_once
 from tests.reference import LazyVariantReference
 
 LR, WD = 0.05, 0.3
@@ -127,7 +127,9 @@ def check_equals_optax_when_every_row_is_touched(
         pa, pb = osa.apply_updates(pa, ua), optax.apply_updates(pb, ub)
     assert_trees_equal(pa, pb, rtol=2e-6, atol=1e-7)
     if compare_state:  # the same state type as optax's
-        assert_trees_equal(sa[0], sb[0], rtol=2e-6, atol=1e-8)
+        # On a GPU, fused multiply-adds chosen per program (helpers.ON_CPU): mu = b1 mu + (1 - b1) g of O(1)
+        # terms that cancel lands an ulp of the terms apart (seen: 1.7e-8 absolute on an H100).
+        assert_trees_equal(sa[0], sb[0], rtol=2e-6, atol=1e-8 if ON_CPU else 6e-8)
 
 
 def check_compiles_once(name: str) -> None:
