@@ -252,7 +252,7 @@ def make_floor(cfg: Config, batches: Batches) -> Stepper:
 
     def step(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
         m, v = state
-        params, m, v = floor.touch_rows(params, m, v, ids, values, threads=_kernel_path.threads())
+        params, m, v = floor.touch_rows((params, m, v), ids, values, threads=_kernel_path.threads())
         return params, (m, v)
 
     params = _table_jax(cfg)

@@ -262,7 +262,7 @@ def make_floor(cfg: DlrmConfig, data: Data, g: jax.Array, seed: int) -> Stepper:
 
     def step(params: jax.Array, state: Any, keys: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
         m, v = state
-        params, m, v = floor.touch_rows(params, m, v, keys, values, threads=_kernel_path.threads())
+        params, m, v = floor.touch_rows((params, m, v), keys, values, threads=_kernel_path.threads())
         return params, (m, v)
 
     params = jnp.full((cfg.total_rows, cfg.width), 0.01, jnp.float32)

@@ -111,26 +111,27 @@ def _register() -> None:
 
 
 def touch_rows(
-    p: jax.Array, m: jax.Array, v: jax.Array, keys: jax.Array, values: jax.Array, threads: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Adds ``values[i]`` to row ``keys[i]`` of p, m and v (in place when donated); out-of-range keys are skipped.
+    tables: tuple[jax.Array, ...], keys: jax.Array, values: jax.Array, threads: int
+) -> tuple[jax.Array, ...]:
+    """Adds ``values[i]`` (its first entries, for a narrower table) to row ``keys[i]`` of every table (in place
+    when donated); out-of-range keys are skipped.
 
     Args:
-      p, m, v: float32 tables of one shape (rows first).
+      tables: float32 tables with one row count, rows first: p, and the table-shaped parts of an optimizer's state
+        (as wide as p, or one float a row for a row-wise accumulator).
       keys: ``(k,)`` int32 row indices.
-      values: ``(k, ...)`` float32 rows, one per key.
+      values: ``(k, ...)`` float32 rows, one per key, as wide as the widest table.
       threads: Threads the kernel may use, from XLA's intra-op pool.
 
     Returns:
-      The updated ``(p, m, v)``.
+      The updated tables.
     """
     _register()
-    table = jax.ShapeDtypeStruct(p.shape, p.dtype)
     rows = values.reshape(values.shape[0], math.prod(values.shape[1:]))
-    p, m, v = jax.ffi.ffi_call(
+    out = jax.ffi.ffi_call(
         TARGET,
-        (table, table, table),
-        input_output_aliases={0: 0, 1: 1, 2: 2},
+        tuple(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables),
+        input_output_aliases={2 + i: i for i in range(len(tables))},
         vmap_method="sequential",
-    )(p, m, v, keys, rows, threads=np.int64(threads))
-    return p, m, v
+    )(keys, rows, *tables, threads=np.int64(threads))
+    return tuple(out)

@@ -13,6 +13,13 @@ each round of blocks starts one variant further on. It also
 prints each variant's optimizer-state bytes, and with ``--json`` writes the run
 (machine, commit, medians) for the docs' generated page.
 
+Each variant also has its memory floor (``floor.py``, a native kernel that
+only reads and writes, at every id of the batch, the row of p and of each
+table-shaped part of the variant's state: p, mu and nu for Adam; p and one
+float a row for row-wise Adagrad; p, mu, nu and the last step a row for
+catch-up), timed in the same turns; where the floor kernel cannot be built
+(no C++ compiler) that column is left out.
+
     python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants.json
     python benchmarks/variants.py --rows 10000 --steps 5 --warmup 2   # smoke
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -37,6 +45,7 @@ from contenders import sample_ids
 from report import machine_info
 
 import optax_sparse_adam as osa
+from optax_sparse_adam import _kernel_path
 
 LR = 1e-3
 
@@ -56,12 +65,31 @@ VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     ),
     "multi_transform(sparse_adam)": lambda: optax.multi_transform({"table": osa.sparse_adam(LR)}, "table"),
     "apply_if_finite(sparse_adam)": lambda: optax.apply_if_finite(osa.sparse_adam(LR), 3),
+    "osa.apply_if_finite(sparse_adam)": lambda: osa.apply_if_finite(osa.sparse_adam(LR), 3),
 }
 DOORS = ("two calls", "update_and_apply")
+FLOOR = "floor"
 
 
 def state_bytes(state: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def table_widths(state: Any, rows: int) -> tuple[int, ...]:
+    """The row widths of the table-shaped leaves of an optimizer's state (4-byte entries in every variant here)."""
+    return tuple(math.prod(x.shape[1:]) for x in jax.tree.leaves(state) if x.ndim >= 1 and x.shape[0] == rows)
+
+
+def make_floor(widths: tuple[int, ...], rows: int) -> tuple[Callable[..., Any], list[Any]]:
+    """The floor's jitted, donated step over float32 tables of these widths, and the tables; in the doors' calling
+    convention (the tables in the first slot, nothing in the second)."""
+    import floor  # benchmarks/floor.py: builds its kernel on first use
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def step(tables: tuple[jax.Array, ...], unused: Any, ids: jax.Array, values: jax.Array) -> tuple[Any, Any]:
+        return floor.touch_rows(tables, ids, values, threads=_kernel_path.threads()), unused
+
+    return step, [tuple(jnp.zeros((rows, w), jnp.float32) for w in widths), None]
 
 
 def make_steppers(
@@ -101,17 +129,26 @@ def main() -> None:
     distinct = np.mean([np.unique(np.asarray(i)).size for i in pool])
     steppers = {name: make_steppers(make(), args.rows, args.width) for name, make in VARIANTS.items()}
     sizes = {name: state_bytes(held[1]) for name, (_, held) in steppers.items()}
-    times: dict[tuple[str, str], list[float]] = {(name, door): [] for name in steppers for door in DOORS}
+    widths = {name: (args.width, *table_widths(held[1], args.rows)) for name, (_, held) in steppers.items()}
+    import floor
+
+    why_no_floor = floor.unavailable()
+    floors = {} if why_no_floor else {w: make_floor(w, args.rows) for w in set(widths.values())}
+    if why_no_floor:
+        print(f"no floor column: {why_no_floor}")
+    doors_of = {name: [*DOORS, *([FLOOR] if floors else [])] for name in steppers}
+    times: dict[tuple[str, str], list[float]] = {(name, door): [] for name in steppers for door in doors_of[name]}
     names = list(steppers)
     for cycle, start in enumerate(range(0, len(pool), args.block)):
         # Each cycle starts one variant further on, so that no variant always follows the same one.
         for name in names[cycle % len(names) :] + names[: cycle % len(names)]:
             doors, held = steppers[name]
-            for door, step in doors.items():
+            for door in doors_of[name]:
+                step, state = floors[widths[name]] if door == FLOOR else (doors[door], held)
                 for i in range(start, min(start + args.block, len(pool))):
                     t0 = time.perf_counter()
-                    held[0], held[1] = step(held[0], held[1], pool[i], values)
-                    jax.block_until_ready(held)
+                    state[0], state[1] = step(state[0], state[1], pool[i], values)
+                    jax.block_until_ready(state)
                     if i >= args.warmup and (i > start or args.block == 1):
                         times[name, door].append(time.perf_counter() - t0)
 
@@ -123,14 +160,23 @@ def main() -> None:
         f"jax {jax.__version__}; ratios to the plain step through update_and_apply"
     )
     print(
-        "| variant | two calls (ms) | vs plain fused | update_and_apply (ms) | vs plain fused | optimizer state (MB) |"
+        "| variant | two calls (ms) | vs plain fused | update_and_apply (ms) | vs plain fused | floor (ms) | "
+        "update_and_apply vs floor | optimizer state (MB) |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     records = []
     for name in steppers:
         two, one = med[name, "two calls"], med[name, "update_and_apply"]
-        print(f"| {name} | {two:.2f} | {two / base:.2f}x | {one:.2f} | {one / base:.2f}x | {sizes[name] / 1e6:.0f} |")
-        records.append({"variant": name, "two_calls_ms": two, "fused_ms": one, "state_bytes": sizes[name]})
+        low = med.get((name, FLOOR))
+        cells = f"{low:.2f} | {one / low:.2f}x" if low else "- | -"
+        print(
+            f"| {name} | {two:.2f} | {two / base:.2f}x | {one:.2f} | {one / base:.2f}x | {cells} | "
+            f"{sizes[name] / 1e6:.0f} |"
+        )
+        record = {"variant": name, "two_calls_ms": two, "fused_ms": one, "state_bytes": sizes[name]}
+        if low:
+            record |= {"floor_ms": low, "floor_widths": list(widths[name])}
+        records.append(record)
     if args.json:
         machine["load_average_end"] = os.getloadavg()
         doc = {"machine": machine, "settings": vars(args) | {"json": str(args.json)}, "distinct": distinct}

@@ -285,15 +285,29 @@ def variants_page(doc: dict[str, Any]) -> str:
         f"1-minute load average {load} (start/end). This page is generated at build time from "
         "`benchmarks/results/variants.json`.",
         "",
-        "| variant | two calls (ms) | vs plain | `update_and_apply` (ms) | vs plain | optimizer state (MB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    floors = all("floor_ms" in r for r in doc["results"])
+    if floors:
+        lines += [
+            "The floor of each variant is a native kernel that only reads and writes, at every id of the batch, the "
+            "row of p and of each table-shaped part of the variant's state (p, mu and nu for Adam; p and one float "
+            "a row for row-wise Adagrad; the last step a row too for catch-up; the widths are listed), timed in the "
+            "same turns: the main benchmark's floor, for each variant's layout.",
+            "",
+        ]
+    head = "| variant | two calls (ms) | vs plain | `update_and_apply` (ms) | vs plain |"
+    rule = "| --- | ---: | ---: | ---: | ---: |"
+    if floors:
+        head += " floor (ms) | `update_and_apply` vs floor | floor's tables (widths) |"
+        rule += " ---: | ---: | --- |"
+    lines += [head + " optimizer state (MB) |", rule + " ---: |"]
     for r in doc["results"]:
         two, one = r["two_calls_ms"], r["fused_ms"]
-        lines.append(
-            f"| `{r['variant']}` | {_ms(two)} | {two / base:.2f}x | {_ms(one)} | {one / base:.2f}x | "
-            f"{r['state_bytes'] / 1e6:,.0f} |"
-        )
+        row = f"| `{r['variant']}` | {_ms(two)} | {two / base:.2f}x | {_ms(one)} | {one / base:.2f}x |"
+        if floors:
+            widths = ", ".join(str(w) for w in r["floor_widths"])
+            row += f" {_ms(r['floor_ms'])} | {one / r['floor_ms']:.2f}x | {widths} |"
+        lines.append(row + f" {r['state_bytes'] / 1e6:,.0f} |")
     return "\n".join(lines) + "\n"
 
 

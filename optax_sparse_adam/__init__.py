@@ -11,6 +11,7 @@ from optax_sparse_adam._catch_up import CatchUpAdamState, CatchUpAdamWState, cat
 from optax_sparse_adam._collection import EmbeddingCollection, FeatureSpec, TableSpec
 from optax_sparse_adam._ftrl import FtrlState, sparse_ftrl
 from optax_sparse_adam._fused import update_and_apply
+from optax_sparse_adam._if_finite import apply_if_finite
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._kernel_path import kernel_path, use_kernels
 from optax_sparse_adam._partition import partition_tables
@@ -56,6 +57,7 @@ __all__ = [
     "StepReport",
     "TableSpec",
     "all_gather_rows",
+    "apply_if_finite",
     "apply_updates",
     "apply_updates_stochastic",
     "bags",

@@ -16,6 +16,7 @@ from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._catch_up import CatchUpFusion, fused_apply
 from optax_sparse_adam._checks import mask_tree
 from optax_sparse_adam._fusion import recording
+from optax_sparse_adam._if_finite import IfFiniteFusion, is_finite
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
 from optax_sparse_adam._row_engine import Arrays, row_shape
@@ -47,7 +48,8 @@ def update_and_apply(
     that passes its updates and state through untouched
     (``optax.inject_hyperparams``, stages such as
     ``sparse_aware(clip_by_global_norm(c))`` before it,
-    ``optax.multi_transform``, :func:`partition_tables`), and the native CPU
+    ``optax.multi_transform``, :func:`partition_tables`,
+    :func:`apply_if_finite`), and the native CPU
     kernels apply (:func:`kernel_path` is ``"native-cpu"``; float32 tables
     with one sparse axis), each sparse leaf is done in one pass per touched
     row that reads and writes its parameters and its optimizer state
@@ -99,6 +101,8 @@ def update_and_apply(
     fusion = getattr(tx.update, "fusion", None)
     if isinstance(fusion, PartitionFusion) and isinstance(state, optax.PartitionState):
         return _partitioned(fusion, grads, state, params)
+    if isinstance(fusion, IfFiniteFusion) and isinstance(state, optax.ApplyIfFiniteState):
+        return _if_finite(fusion, grads, state, params)
     fusable = _fusable(fusion)
     if fusable is None and _kernel_path.enabled():
         return _wrapped(tx, grads, state, params)
@@ -284,6 +288,39 @@ def _partitioned(
         )
         inner_states[group] = inner._replace(inner_state=new)
     return merge(labels, parts), state._replace(inner_states=inner_states)
+
+
+def _if_finite(
+    fusion: IfFiniteFusion, grads: Any, state: optax.ApplyIfFiniteState, params: Any
+) -> tuple[Any, optax.ApplyIfFiniteState]:
+    """An :func:`apply_if_finite` step: optax's bookkeeping, with the inner step fused in the accepting branch.
+
+    Inside :func:`jax.lax.cond` the donated tables are still updated in place: the rejecting branch returns
+    them as they were, so XLA needs no copy of them (``tests/test_if_finite.py`` checks the compiled step).
+    """
+    finite = is_finite(grads)
+    notfinite_count = jnp.where(finite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count))
+
+    def accept() -> tuple[Any, Any]:
+        return update_and_apply(fusion.inner, grads, state.inner_state, params)
+
+    def reject() -> tuple[Any, Any]:
+        # optax's rejecting branch returns zeros shaped like the inner updates, which the two calls add. Added to
+        # a dense leaf here as there; a sparse leaf's zeros (all at row 0) would make XLA copy the table to keep
+        # both branches in place, and leave it as it is but for a -0.0 there turning 0.0: it is left as it is.
+        shapes = jax.eval_shape(lambda: fusion.inner.update(grads, state.inner_state, params)[0])
+        zeros = jax.tree.map(lambda s: None if is_sparse(s) else jnp.zeros(s.shape, s.dtype), shapes, is_leaf=is_sparse)
+        return apply_updates(params, zeros), state.inner_state
+
+    new_params, inner_state = jax.lax.cond(
+        jnp.logical_or(finite, notfinite_count > fusion.max_consecutive_errors), accept, reject
+    )
+    return new_params, optax.ApplyIfFiniteState(
+        notfinite_count=notfinite_count,
+        last_finite=finite,
+        total_notfinite=jnp.where(finite, state.total_notfinite, optax.safe_increment(state.total_notfinite)),
+        inner_state=inner_state,
+    )
 
 
 def _wrapped(

@@ -53,7 +53,8 @@ def sparse_aware(
       leaf has its parameter's ``shape``, ``ndim`` and ``dtype``, so both
       calls agree), or walk the dicts by path
       (``flax.traverse_util.path_aware_map``).
-    - ``optax.apply_if_finite(tx, ...)`` skips a step whose gradient holds a
+    - ``optax.apply_if_finite(tx, ...)`` (or :func:`apply_if_finite`, the same
+      transformation, which :func:`update_and_apply` fuses) skips a step whose gradient holds a
       non-finite value, state untouched. It inspects every array, padding
       entries included; put ``sparse_aware(optax.zero_nans())`` in front to
       look at the dense equivalent only.

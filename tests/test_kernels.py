@@ -262,6 +262,7 @@ WRAPPED = {
         1,
     ),
     "apply_if_finite (not fused)": (lambda: optax.apply_if_finite(osa.sparse_adam(0.05), 2), 0),
+    "osa.apply_if_finite": (lambda: osa.apply_if_finite(osa.sparse_adam(0.05), 2), 1),
 }
 
 
@@ -270,7 +271,8 @@ WRAPPED = {
 def test_update_and_apply_fuses_through_optax_wrappers(case):
     """Wrapped in optax's inject_hyperparams, chained after a stage that transforms the gradients, or partitioned
     by multi_transform, the optimizer still takes one fused pass per row, with the two calls' numbers; a wrapper
-    that changes what the optimizer returned (apply_if_finite's selection) keeps the two calls."""
+    that changes what the optimizer returned (optax.apply_if_finite's selection) keeps the two calls, and
+    osa.apply_if_finite, the same transformation, fuses."""
     make, fused_calls = WRAPPED[case]
     tx = make()
     steps = _steps("dups", 64, n=3, seed=11)

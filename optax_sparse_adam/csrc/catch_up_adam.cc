@@ -129,7 +129,7 @@ template <bool kTorch, bool kMaximize>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchUp& cu, const int32_t* keys, int64_t k,
          const Shard& shard, const float* values, float* q, float* m, float* v, int64_t width) {
   if (o.unique == 2 || (o.unique == 1 && !HasDuplicate(keys, k, shard.num_rows))) {
-    ParallelFor(pool, k, std::min<int64_t>(o.threads, k / 32 + 1), [&](int64_t lo, int64_t hi) {
+    ParallelForOwned(pool, keys, k, shard, o.threads, [&](int64_t lo, int64_t hi) {
       UniqueRows<kTorch, kMaximize>(s, cu, keys, shard, values, q, m, v, width, lo, hi);
     });
     return;

@@ -165,6 +165,32 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t parts, F fn) {
   while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
 }
 
+// ParallelFor over the entries [0, k) of a batch whose keys are distinct, in
+// parts holding about equal numbers of the entries this shard owns rather than
+// of entries: padding and other shards' keys cost nothing to skip, but split by
+// entries they leave threads idle (a coalesced leaf holds its distinct keys in
+// the leading slots and padding after them, three quarters of the slots of a
+// Zipf batch, and an even split by entries gave one thread every row). Every
+// entry, skipped ones too, falls in exactly one part: fn(lo, hi) runs over
+// [lo, hi), the first part from 0 and the last to k.
+template <typename F>
+void ParallelForOwned(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, const Shard& shard,
+                      int64_t threads, F fn) {
+  std::vector<int32_t> owned;
+  owned.reserve(static_cast<size_t>(k));
+  for (int64_t i = 0; i < k; ++i) {
+    if (shard.Owns(keys[i])) owned.push_back(static_cast<int32_t>(i));
+  }
+  const auto n = static_cast<int64_t>(owned.size());
+  if (n == 0) {
+    if (k > 0) fn(int64_t{0}, k);
+    return;
+  }
+  // A thread is worth its scheduling past a few dozen rows.
+  ParallelFor(pool, n, std::min<int64_t>(threads, n / 32 + 1),
+              [&](int64_t lo, int64_t hi) { fn(lo == 0 ? int64_t{0} : int64_t{owned[lo]}, hi == n ? k : int64_t{owned[hi]}); });
+}
+
 // The entries of a batch split over `parts` by key: part t gets, in entry
 // order, the entries whose in-range key hashes to t, so that every row is
 // written by one part only and its entries are taken in entry order.

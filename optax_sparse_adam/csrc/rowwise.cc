@@ -328,8 +328,8 @@ void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_
     if (out_keys != nullptr) {
       for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
     }
-    ParallelFor(pool, k, std::min<int64_t>(o.threads, k / 32 + 1),
-                [&](int64_t lo, int64_t hi) { UniqueRows(rule, keys, shard, values, lo, hi); });
+    ParallelForOwned(pool, keys, k, shard, o.threads,
+                     [&](int64_t lo, int64_t hi) { UniqueRows(rule, keys, shard, values, lo, hi); });
     return;
   }
   // The step rows are packed over all rows (so every shard packs alike); the

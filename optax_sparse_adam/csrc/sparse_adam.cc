@@ -111,7 +111,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
     if (out_keys != nullptr) {
       for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
     }
-    ParallelFor(pool, k, std::min<int64_t>(o.threads, k / 32 + 1), [&](int64_t lo, int64_t hi) {
+    ParallelForOwned(pool, keys, k, shard, o.threads, [&](int64_t lo, int64_t hi) {
       UniqueRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, keys, shard, values, m, v, vm, out, width, lo, hi);
     });
     return;

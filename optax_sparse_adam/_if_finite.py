@@ -1,0 +1,72 @@
+"""``optax.apply_if_finite`` whose step :func:`update_and_apply` fuses: :func:`apply_if_finite`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_sparse_adam._fusion import FusableUpdate
+
+__all__ = ["IfFiniteFusion", "apply_if_finite", "is_finite"]
+
+
+@dataclasses.dataclass(frozen=True)
+class IfFiniteFusion:
+    """What :func:`update_and_apply` needs of an :func:`apply_if_finite` to fuse its inner step."""
+
+    inner: optax.GradientTransformation
+    max_consecutive_errors: int
+
+
+def apply_if_finite(
+    inner: optax.GradientTransformation, max_consecutive_errors: int
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`optax.apply_if_finite`, with a fused step through :func:`update_and_apply`.
+
+    The same transformation as optax's: its ``init`` and ``update`` are
+    optax's, so its state is an :class:`optax.ApplyIfFiniteState` (checkpoints
+    move between the two) and ``tx.update`` gives the very same results. A
+    step whose gradient holds a NaN or an infinity (in any array, the padding
+    entries of a sparse leaf too) leaves the inner state as it was, and adds
+    zeros to the parameters; after ``max_consecutive_errors`` such steps in a
+    row the next one is applied all the same.
+
+    What differs is :func:`update_and_apply`. optax's wrapper calls the inner
+    ``update`` inside a :func:`jax.lax.cond`, where the fused step cannot
+    reach it, so ``update_and_apply(optax.apply_if_finite(...), ...)`` takes
+    the two calls. Here ``update_and_apply`` checks the gradient (one pass
+    over its values) and runs ``update_and_apply(inner, ...)`` in the branch
+    that accepts the step: the tables are updated in place, one pass per
+    touched row where the kernels apply, and no table is copied.
+
+    Args:
+      inner: The transformation to guard, e.g. :func:`sparse_adam`.
+      max_consecutive_errors: How many non-finite steps in a row are skipped.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_sparse_adam as osa
+      >>> params = {"emb": jnp.ones((4, 2), jnp.float32)}
+      >>> tx = osa.apply_if_finite(osa.sparse_adam(0.1), max_consecutive_errors=3)
+      >>> state = tx.init(params)
+      >>> bad = {"emb": osa.IndexedRows(jnp.array([1]), jnp.array([[jnp.nan, 1.0]]), 4)}
+      >>> params, state = osa.update_and_apply(tx, bad, state, params)
+      >>> params["emb"][1], int(state.notfinite_count)
+      (Array([1., 1.], dtype=float32), 1)
+    """
+    tx = optax.apply_if_finite(inner, max_consecutive_errors)
+    return optax.GradientTransformationExtraArgs(
+        tx.init, FusableUpdate(tx.update, IfFiniteFusion(inner, max_consecutive_errors))
+    )
+
+
+def is_finite(tree: Any) -> jax.Array:
+    """Whether every array of ``tree`` is finite, as :func:`optax.apply_if_finite` decides it."""
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))

@@ -1,0 +1,109 @@
+"""osa.apply_if_finite: optax.apply_if_finite's transformation, whose step update_and_apply fuses.
+
+The reference is optax's wrapper itself through the two calls (tx.update, then apply_updates), over steps that
+mix finite gradients, NaN and infinity in a table's rows, in its padding entries and in a dense leaf, and a streak
+of non-finite steps longer than max_consecutive_errors (whose last step is applied, NaN and all).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_sparse_adam as osa
+from optax_sparse_adam import _kernel_path
+from tests.helpers import assert_trees_equal, jit_once
+
+ROWS, WIDTH, K = 40, 8, 12
+INNER = {
+    "sparse_adam": lambda: osa.sparse_adam(0.05),
+    "sparse_rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(0.1),
+    "clip, sparse_adam": lambda: optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(0.05)),
+}
+# What each step's gradient holds: finite, or a non-finite value where named.
+PLAN = ["finite", "nan row", "finite", "inf dense", "nan padding", "nan row", "inf row", "finite", "finite"]
+PATHS = ["xla", pytest.param("native-cpu", marks=pytest.mark.skipif(not _kernel_path.available(), reason="no kernels"))]
+
+
+def _batches() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    out = []
+    for kind in PLAN:
+        ids = rng.integers(0, ROWS, K).astype(np.int32)
+        ids[-2:] = -1  # padding
+        values = rng.standard_normal((K, WIDTH)).astype(np.float32)
+        dense = rng.standard_normal(3).astype(np.float32)
+        if kind == "nan row":
+            values[1, 2] = np.nan
+        elif kind == "inf row":
+            values[0, 0] = -np.inf
+        elif kind == "nan padding":
+            values[-1, 0] = np.nan  # optax's wrapper inspects every array, padding entries included
+        elif kind == "inf dense":
+            dense[1] = np.inf
+        out.append((ids, values, dense))
+    return out
+
+
+def _train(tx: optax.GradientTransformation, fused: bool) -> tuple[object, object]:
+    params = {"emb": jnp.linspace(-1, 1, ROWS * WIDTH, dtype=jnp.float32).reshape(ROWS, WIDTH)}
+    params["w"] = jnp.ones((3,), jnp.float32)
+    state = tx.init(params)
+
+    def step(params, state, ids, values, dense):
+        grads = {"emb": osa.IndexedRows(ids, values, ROWS), "w": dense}
+        if fused:
+            return osa.update_and_apply(tx, grads, state, params)
+        updates, state = tx.update(grads, state, params)
+        return osa.apply_updates(params, updates), state
+
+    step = jit_once(step, donate_argnums=(0, 1))
+    for batch in _batches():
+        params, state = step(params, state, *map(jnp.asarray, batch))
+    return params, state
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("inner", list(INNER))
+def test_fused_step_equals_optax_apply_if_finite(inner, path):
+    """Skipped steps leave parameters and inner state as they were; the counters are optax's; the applied steps
+    (the streak's last one too, which writes NaN into its rows) are the inner optimizer's."""
+    with osa.use_kernels(path == "native-cpu"):
+        ours = _train(osa.apply_if_finite(INNER[inner](), max_consecutive_errors=1), fused=True)
+        theirs = _train(optax.apply_if_finite(INNER[inner](), max_consecutive_errors=1), fused=False)
+    (p, s), (p_ref, s_ref) = ours, theirs
+    assert isinstance(s, optax.ApplyIfFiniteState)
+    assert (int(s.notfinite_count), int(s.total_notfinite), bool(s.last_finite)) == (0, 5, True)
+    assert_trees_equal(s._replace(inner_state=None), s_ref._replace(inner_state=None))
+    # With max_consecutive_errors=1 the second non-finite step in a row is applied: its NaN reaches the table.
+    assert np.isnan(np.asarray(p["emb"])).any()
+    if path == "xla" and inner != "sparse_rowwise_adagrad":
+        assert_trees_equal((p, s.inner_state), (p_ref, s_ref.inner_state))
+    else:
+        # The fused kernels against the two calls (see update_and_apply's bounds); and on the XLA path row-wise
+        # Adagrad's dense leaf, whose multiply-adds XLA:CPU contracts per program (seen: one ulp).
+        assert_trees_equal((p, s.inner_state), (p_ref, s_ref.inner_state), rtol=2e-6, atol=1e-7)
+
+
+def test_update_is_optax_apply_if_finite_bitwise():
+    """tx.update is optax's own: the two calls give optax's results bitwise, and the state types are the same."""
+    ours = _train(osa.apply_if_finite(osa.sparse_adam(0.05), 1), fused=False)
+    theirs = _train(optax.apply_if_finite(osa.sparse_adam(0.05), 1), fused=False)
+    assert_trees_equal(ours, theirs)
+
+
+@pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+def test_fused_in_place_under_the_cond():
+    """The inner step runs in lax.cond's accepting branch: fused, and the donated tables are not copied."""
+    tx = osa.apply_if_finite(osa.sparse_adam(0.05), 3)
+    params = {"emb": jnp.zeros((100_000, 16), jnp.float32)}
+    state = tx.init(params)
+    grads = {"emb": osa.IndexedRows(jnp.zeros(64, jnp.int32), jnp.ones((64, 16), jnp.float32), 100_000)}
+    step = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+    with osa.use_kernels(True):
+        report = osa.step_report(step, params, state, grads)
+    assert report.fused and report.in_place, str(report)
+    assert "sparse_adam_rows" not in report.kernels
