@@ -36,12 +36,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import platform
 import statistics
 import sys
 import time
 from typing import Any
+
+# Each configuration runs in a child process; jax in this one (the machine's description) must not take the GPU's
+# memory from them, as it does by default (75% at its first use).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
@@ -421,8 +426,8 @@ def in_own_process(part: str, args: argparse.Namespace, stdin: str = "") -> Any:
     import subprocess
 
     cmd = [sys.executable, __file__, "--part", part, "--seed", str(args.seed), "--resident-gb", str(args.resident_gb)]
-    out = subprocess.run(cmd + (["--smoke"] if args.smoke else []), input=stdin, capture_output=True, text=True)
-    sys.stderr.write(out.stderr)
+    # The child's stderr (its progress and any error) goes straight to ours.
+    out = subprocess.run(cmd + (["--smoke"] if args.smoke else []), input=stdin, stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"part {part} failed with exit code {out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])

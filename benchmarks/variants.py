@@ -14,11 +14,13 @@ prints each variant's optimizer-state bytes, and with ``--json`` writes the run
 (machine, commit, medians) for the docs' generated page.
 
 Each variant also has its memory floor (``floor.py``, a native kernel that
-only reads and writes, at every id of the batch, the row of p and of each
-table-shaped part of the variant's state: p, mu and nu for Adam; p and one
-float a row for row-wise Adagrad; p, mu, nu and the last step a row for
-catch-up), timed in the same turns; where the floor kernel cannot be built
-(no C++ compiler) that column is left out.
+only reads and writes, once for each distinct id of the batch, the row of p
+and of each table-shaped part of the variant's state: p, mu and nu for Adam;
+p and one float a row for row-wise Adagrad; p, mu, nu and the last step a
+row for catch-up; the ids deduplicated beforehand, out of the timing, so the
+floor reads one gradient row per distinct id and sums nothing), timed in the
+same turns; where the floor kernel cannot be built (no C++ compiler) that
+column is left out.
 
     python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants.json
     python benchmarks/variants.py --rows 10000 --steps 5 --warmup 2   # smoke
@@ -127,6 +129,11 @@ def main() -> None:
     pool = [jnp.asarray(sample_ids(rng, args.rows, args.batch, "zipf")) for _ in range(args.warmup + args.steps)]
     values = jnp.asarray(rng.standard_normal((args.batch, args.width), dtype=np.float32))
     distinct = np.mean([np.unique(np.asarray(i)).size for i in pool])
+    # The floor's batches: each batch's distinct ids, padded (-1, skipped) to the batch's length.
+    floor_pool = [
+        jnp.asarray(np.pad(u, (0, args.batch - u.size), constant_values=-1).astype(np.int32))
+        for u in (np.unique(np.asarray(i)) for i in pool)
+    ]
     steppers = {name: make_steppers(make(), args.rows, args.width) for name, make in VARIANTS.items()}
     sizes = {name: state_bytes(held[1]) for name, (_, held) in steppers.items()}
     widths = {name: (args.width, *table_widths(held[1], args.rows)) for name, (_, held) in steppers.items()}
@@ -147,7 +154,8 @@ def main() -> None:
                 step, state = floors[widths[name]] if door == FLOOR else (doors[door], held)
                 for i in range(start, min(start + args.block, len(pool))):
                     t0 = time.perf_counter()
-                    state[0], state[1] = step(state[0], state[1], pool[i], values)
+                    ids = floor_pool[i] if door == FLOOR else pool[i]
+                    state[0], state[1] = step(state[0], state[1], ids, values)
                     jax.block_until_ready(state)
                     if i >= args.warmup and (i > start or args.block == 1):
                         times[name, door].append(time.perf_counter() - t0)

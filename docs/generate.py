@@ -289,10 +289,13 @@ def variants_page(doc: dict[str, Any]) -> str:
     floors = all("floor_ms" in r for r in doc["results"])
     if floors:
         lines += [
-            "The floor of each variant is a native kernel that only reads and writes, at every id of the batch, the "
-            "row of p and of each table-shaped part of the variant's state (p, mu and nu for Adam; p and one float "
-            "a row for row-wise Adagrad; the last step a row too for catch-up; the widths are listed), timed in the "
-            "same turns: the main benchmark's floor, for each variant's layout.",
+            "The floor of each variant is a native kernel that only reads and writes, once for each distinct id of "
+            "the batch (deduplicated beforehand, out of the timing), the row of p and of each table-shaped part of "
+            "the variant's state (p, mu and nu for Adam; p and one float a row for row-wise Adagrad; the last step "
+            "a row too for catch-up; the widths are listed), reading one gradient row per distinct id, and does "
+            "nothing else, timed in the same turns. Unlike the main benchmark's floor, which visits the row of a "
+            "repeated id once per occurrence, a step cannot come in under it: what it leaves out is the step's own "
+            "work, summing the duplicates and the optimizer's arithmetic.",
             "",
         ]
     head = "| variant | two calls (ms) | vs plain | `update_and_apply` (ms) | vs plain |"

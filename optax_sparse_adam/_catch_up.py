@@ -102,7 +102,16 @@ def caught_up_update(p0: jax.Array, p: jax.Array, step: jax.Array, moved: jax.Ar
     """A catch-up rule's update: where a row replayed idle steps (``moved``, broadcast over its entries), the
     difference that takes the stored ``p0`` to the replayed ``p`` plus ``step``, rounded to the parameters' dtype,
     so that ``apply_updates`` puts the row where the dense optimizer's steps took it; elsewhere ``step`` itself."""
-    caught = (p + step).astype(p0.dtype).astype(step.dtype) - p0.astype(step.dtype)
+    narrow = jnp.dtype(p0.dtype) != jnp.dtype(step.dtype)
+    if narrow:
+        # XLA:GPU drops a wide -> narrow -> wide convert pair where excess precision is allowed (its default; see
+        # _stochastic_rounding._round_with): the barriers keep the roundings to p0's dtype, that of the replay which
+        # made p and this one.
+        p = jax.lax.optimization_barrier(p)
+    rounded = (p + step).astype(p0.dtype)
+    if narrow:
+        rounded = jax.lax.optimization_barrier(rounded)
+    caught = rounded.astype(step.dtype) - p0.astype(step.dtype)
     return jnp.where(moved, caught, step)
 
 

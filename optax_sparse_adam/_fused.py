@@ -39,7 +39,8 @@ def update_and_apply(
       updates, state = tx.update(grads, state, params)
       params = osa.apply_updates(params, updates)
 
-    for any ``tx``. Where ``tx`` is an optimizer built by
+    for any ``tx`` (but for a ``-0.0`` at row 0 of a table in a step that
+    :func:`apply_if_finite` skips: see there). Where ``tx`` is an optimizer built by
     :func:`~optax_sparse_adam.sparse_adam` (``catch_up`` too),
     :func:`~optax_sparse_adam.sparse_adamw` (lazy),
     :func:`~optax_sparse_adam.sparse_amsgrad` (lazy),

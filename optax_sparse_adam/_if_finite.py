@@ -41,7 +41,10 @@ def apply_if_finite(
     the two calls. Here ``update_and_apply`` checks the gradient (one pass
     over its values) and runs ``update_and_apply(inner, ...)`` in the branch
     that accepts the step: the tables are updated in place, one pass per
-    touched row where the kernels apply, and no table is copied. A skipped
+    touched row where the kernels apply, and no table is copied. That holds
+    where it is the outermost transformation (it may wrap chains,
+    ``multi_transform`` and the rest); wrapped in turn, its update runs as
+    optax's, inside ``lax.cond``, and takes the two calls. A skipped
     step leaves the tables bitwise as they were; the two calls add optax's
     zero update to them, which lands on row 0 and turns a ``-0.0`` there
     into ``0.0`` (dense leaves get the zeros added either way).

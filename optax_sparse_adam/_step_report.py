@@ -79,9 +79,8 @@ class StepReport:
                 "two calls: the optimizer's rows, then a scatter into the parameters; osa.update_and_apply fuses "
                 "them for the optimizers the kernels cover, also inside inject_hyperparams, stages before the "
                 "optimizer and multi_transform, but not where a wrapper changes the updates or the state "
-                "(optax.apply_if_finite: use osa.apply_if_finite; stages after the optimizer): see 'One pass through "
-                "optax wrappers' in "
-                "docs/guides/optax_pipelines.md"
+                "(optax.apply_if_finite: use osa.apply_if_finite, outermost; stages after the optimizer): see "
+                "'One pass through optax wrappers' in docs/guides/optax_pipelines.md"
             )
         elif self.kernel_path == "native-cpu":
             lines.append(
