@@ -47,15 +47,26 @@ def test_variants_benchmark_runs_small_and_its_page_renders(tmp_path: pathlib.Pa
     out = _run("benchmarks/variants.py", *small)
     names = ("sparse_adam (plain)", "sparse_adamw, catch_up", "sparse_amsgrad, catch_up", "sparse_rowwise_adagrad")
     names += ("inject_hyperparams(sparse_adam)", "chain(sparse_aware(clip_by_global_norm), sparse_adam)")
-    row = r"\| ([\d.]+) \| [\d.]+x \| ([\d.]+) \| [\d.]+x \| \d+ \|$"
-    for name in names:
-        assert re.search(rf"^\| {re.escape(name)} {row}", out, re.M), out
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT / "docs"))
     try:
+        import floor  # benchmarks/floor.py: whether the floor column can be there
         import generate  # docs/generate.py, which renders benchmarks/results/variants.json into the site
     finally:
         sys.path.remove(str(ROOT / "docs"))
-    page = generate.variants_page(json.loads(results.read_text()))
+        sys.path.remove(str(ROOT / "benchmarks"))
+    doors = r"\| ([\d.]+) \| [\d.]+x \| ([\d.]+) \| [\d.]+x \|"
+    with_floor = floor.unavailable() is None
+    row = doors + (r" [\d.]+ \| [\d.]+x \|" if with_floor else "") + r" \d+ \|$"
+    for name in names:
+        assert re.search(rf"^\| {re.escape(name)} {row}", out, re.M), out
+    doc = json.loads(results.read_text())
+    assert all(("floor_ms" in r) == with_floor for r in doc["results"]), doc["results"]
+    if with_floor:  # the floor's tables: p and each table-shaped part of the state (row-wise Adagrad: one float)
+        widths = {r["variant"]: r["floor_widths"] for r in doc["results"]}
+        assert widths["sparse_adam (plain)"] == [64, 64, 64] and widths["sparse_rowwise_adagrad"] == [64, 1], widths
+    page = generate.variants_page(doc)
+    row = doors + (r" [\d.]+ \| [\d.]+x \| [\d, ]+ \|" if with_floor else "") + r" \d+ \|$"
     for name in names:
         assert re.search(rf"^\| `{re.escape(name)}` {row}", page, re.M), page
     assert "--steps 2 --warmup 1 --json" in page, page  # the command that made the results
