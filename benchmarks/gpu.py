@@ -407,9 +407,14 @@ def render_run(doc: dict[str, Any], heading: bool) -> list[str]:
     return [*lines, ""]
 
 
+def sizes(smoke: bool) -> tuple[tuple[Config, ...], TimingPlan, int]:
+    """The run's configurations, timing plan and pool of batches: tiny for ``--smoke``, else the full run's."""
+    return (SMOKE_CONFIGS, SMOKE_PLAN, 4) if smoke else (FULL_CONFIGS, FULL_PLAN, 8)
+
+
 def run_part(part: str, smoke: bool, seed: int, resident_gb: float) -> Any:
     """One part of the run, in this process: ``copy``, ``sums`` or a configuration's index."""
-    configs, plan, pool = (SMOKE_CONFIGS, SMOKE_PLAN, 4) if smoke else (FULL_CONFIGS, FULL_PLAN, 8)
+    configs, plan, pool = sizes(smoke)
     if part == "copy":
         return copy_bandwidth(2**24 if smoke else 2**31)
     if part == "sums":
@@ -456,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.part is not None:
         print(json.dumps(run_part(args.part, args.smoke, args.seed, args.resident_gb)))
         return
-    configs, plan, pool = (SMOKE_CONFIGS, SMOKE_PLAN, 4) if args.smoke else (FULL_CONFIGS, FULL_PLAN, 8)
+    configs, plan, pool = sizes(args.smoke)
     started = time.perf_counter()
     doc: dict[str, Any] = {
         "smoke": args.smoke,

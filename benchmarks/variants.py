@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import floor  # benchmarks/floor.py: builds its kernel on first use
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,7 +86,6 @@ def table_widths(state: Any, rows: int) -> tuple[int, ...]:
 def make_floor(widths: tuple[int, ...], rows: int) -> tuple[Callable[..., Any], list[Any]]:
     """The floor's jitted, donated step over float32 tables of these widths, and the tables; in the doors' calling
     convention (the tables in the first slot, nothing in the second)."""
-    import floor  # benchmarks/floor.py: builds its kernel on first use
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def step(tables: tuple[jax.Array, ...], unused: Any, ids: jax.Array, values: jax.Array) -> tuple[Any, Any]:
@@ -128,17 +128,15 @@ def main() -> None:
     rng = np.random.default_rng(0)
     pool = [jnp.asarray(sample_ids(rng, args.rows, args.batch, "zipf")) for _ in range(args.warmup + args.steps)]
     values = jnp.asarray(rng.standard_normal((args.batch, args.width), dtype=np.float32))
-    distinct = np.mean([np.unique(np.asarray(i)).size for i in pool])
+    uniques = [np.unique(np.asarray(i)) for i in pool]
+    distinct = np.mean([u.size for u in uniques])
     # The floor's batches: each batch's distinct ids, padded (-1, skipped) to the batch's length.
     floor_pool = [
-        jnp.asarray(np.pad(u, (0, args.batch - u.size), constant_values=-1).astype(np.int32))
-        for u in (np.unique(np.asarray(i)) for i in pool)
+        jnp.asarray(np.pad(u, (0, args.batch - u.size), constant_values=-1).astype(np.int32)) for u in uniques
     ]
     steppers = {name: make_steppers(make(), args.rows, args.width) for name, make in VARIANTS.items()}
     sizes = {name: state_bytes(held[1]) for name, (_, held) in steppers.items()}
     widths = {name: (args.width, *table_widths(held[1], args.rows)) for name, (_, held) in steppers.items()}
-    import floor
-
     why_no_floor = floor.unavailable()
     floors = {} if why_no_floor else {w: make_floor(w, args.rows) for w in set(widths.values())}
     if why_no_floor:
