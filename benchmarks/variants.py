@@ -19,10 +19,13 @@ and of each table-shaped part of the variant's state: p, mu and nu for Adam;
 p and one float a row for row-wise Adagrad; p, mu, nu and the last step a
 row for catch-up; the ids deduplicated beforehand, out of the timing, so the
 floor reads one gradient row per distinct id and sums nothing), timed in the
-same turns; where the floor kernel cannot be built (no C++ compiler) that
-column is left out.
+same turns; where the floor kernel cannot be built (no C++ compiler), or
+where jax's default device is not the CPU (the floor is a CPU kernel; on a GPU
+the library runs its XLA path and the table is the variants against each
+other), that column is left out.
 
     python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants.json
+    python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants_gpu.json  # on a GPU
     python benchmarks/variants.py --rows 10000 --steps 5 --warmup 2   # smoke
 """
 
@@ -123,7 +126,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10, help="consecutive steps of one variant, timed after the first")
     parser.add_argument("--json", type=pathlib.Path, help="write the run here (benchmarks/results/variants.json)")
     args = parser.parse_args()
-    machine = machine_info(threads=0)
+    machine = machine_info(threads=0) | {"jax_device": jax.devices()[0].device_kind}
 
     rng = np.random.default_rng(0)
     pool = [jnp.asarray(sample_ids(rng, args.rows, args.batch, "zipf")) for _ in range(args.warmup + args.steps)]
@@ -137,7 +140,8 @@ def main() -> None:
     steppers = {name: make_steppers(make(), args.rows, args.width) for name, make in VARIANTS.items()}
     sizes = {name: state_bytes(held[1]) for name, (_, held) in steppers.items()}
     widths = {name: (args.width, *table_widths(held[1], args.rows)) for name, (_, held) in steppers.items()}
-    why_no_floor = floor.unavailable()
+    backend = jax.default_backend()
+    why_no_floor = floor.unavailable() if backend == "cpu" else f"the floor kernel runs on the CPU only, not {backend}"
     floors = {} if why_no_floor else {w: make_floor(w, args.rows) for w in set(widths.values())}
     if why_no_floor:
         print(f"no floor column: {why_no_floor}")

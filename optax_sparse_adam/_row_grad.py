@@ -114,8 +114,9 @@ jax.tree_util.register_dataclass(RowLookup, data_fields=["indices", "rows", "inv
 def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     """Deduplicates ``ids`` and gathers each distinct row of ``table`` once.
 
-    Deduplication is sort-free (a few rounds of hashing and scatters over the
-    ``k`` ids) and costs O(k), independent of the table's size. Differentiate
+    Deduplication works on the ``k`` ids alone, independent of the table's
+    size: on the CPU and TPU sort-free and O(k) (a few rounds of hashing and
+    scatters), on GPUs one sort of the ids. Differentiate
     a loss with respect to ``rows``, index it with ``inverse`` where the model
     would index the table with ``ids``, and turn the gradient into the table's
     with :meth:`RowLookup.grad`. :func:`value_and_row_grad` does all of this
@@ -158,10 +159,10 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
 def distinct_ids(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """The distinct in-range ids of a flat batch, packed into the leading slots, and each id's slot.
 
-    Sort-free (:func:`~optax_sparse_adam._coalesce.pack_distinct`), O(k) for
-    ``k`` ids whatever the table's size. On the CPU a native kernel packs the
-    same ids in order of first occurrence (the XLA path's hash rounds give an
-    order of their own).
+    By :func:`~optax_sparse_adam._coalesce.pack_distinct`: sort-free on the CPU
+    and TPU, O(k) for ``k`` ids whatever the table's size (on GPUs one sort of
+    the ids). On the CPU a native kernel packs the same ids in order of first
+    occurrence (the XLA path's hash rounds give an order of their own).
 
     Args:
       ids: ``(k,)`` integer ids; ids ``< 0`` or ``>= num_rows`` are padding.

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from jax.experimental import sparse as jsparse
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._coalesce import _sorted_sum, coalesce, sum_into_slots
-from optax_sparse_adam._sparse_leaf import to_sparse_leaf
+from optax_sparse_adam._coalesce import _coalesce_sorted, _pack_sorted, _sorted_sum, coalesce, sum_into_slots
+from optax_sparse_adam._sparse_leaf import GPU_ONE_PASS_SLOTS, padding_key, to_sparse_leaf
 from tests.helpers import jit_once
 
 
@@ -76,6 +76,49 @@ def test_matches_numpy_on_random_keys(kernels, leaf, seed):
     values = np.random.default_rng(seed).standard_normal((len(keys), *shape[keys.shape[1] :])).astype(np.float32)
     with osa.use_kernels(kernels):
         _assert_coalesced(coalesce(_internal(keys, values, shape)), keys, values, shape)
+
+
+@settings(max_examples=80, deadline=None)
+@given(_leaves(), st.integers(0, 2**31 - 1))
+def test_the_gpu_branch_sums_as_numpy_with_the_keys_in_order(leaf, seed):
+    """On CUDA and ROCm the XLA path deduplicates by one sort of the keys (no hash rounds, whose while loop a GPU
+    syncs with the host each round); run directly here: the same keys and sums as NumPy, packed first in key order,
+    and ``pack_distinct``'s sorted form gives each valid entry its key's slot."""
+    keys, shape = leaf
+    values = np.random.default_rng(seed).standard_normal((len(keys), *shape[keys.shape[1] :])).astype(np.float32)
+    internal = _internal(keys, values, shape)
+    args = (internal.keys, internal.valid(), padding_key(shape, keys.shape[1]))
+    got_keys, got_values = _coalesce_sorted(*args, internal.values)
+    _assert_packed(got_keys, got_values, keys, values, shape)
+    n = len(_numpy_coalesce(keys, values, shape))
+    packed = [tuple(k) for k in np.asarray(got_keys)[:n].tolist()]
+    assert packed == sorted(packed)
+    target, packed_keys = _pack_sorted(*args)
+    np.testing.assert_array_equal(packed_keys, got_keys)
+    valid, target = np.asarray(args[1]), np.asarray(target)
+    np.testing.assert_array_equal(target[~valid], len(keys))
+    np.testing.assert_array_equal(np.asarray(packed_keys)[target[valid]], np.asarray(internal.keys)[valid])
+
+
+@pytest.mark.parametrize("batch", [8192, 2 * GPU_ONE_PASS_SLOTS])
+def test_a_step_lowered_for_cuda_has_no_host_synced_loop_up_to_the_one_pass_size(batch):
+    """A GPU copies a while loop's condition to the host each round: lowered for CUDA, lazy Adam's XLA-path step
+    deduplicates without the hash rounds' loop and, up to ``GPU_ONE_PASS_SLOTS`` slots, updates the rows in one pass
+    (larger leaves keep the chunks' loop, which skips the padding); lowered for the CPU both loops are there."""
+    rows = 1000
+    tx = osa.sparse_adam(1e-2)
+    p = jnp.zeros((rows, 8), jnp.float32)
+    g = osa.IndexedRows(jnp.asarray(np.arange(batch) % 5, jnp.int32), jnp.ones((batch, 8), jnp.float32), rows)
+
+    def step(p, s, g):
+        return osa.update_and_apply(tx, g, s, p)
+
+    with osa.use_kernels(False):
+        traced = jax.jit(step).trace(p, tx.init(p), g)
+        cuda = traced.lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.while")
+        cpu = traced.lower(lowering_platforms=("cpu",)).as_text().count("stablehlo.while")
+    assert cuda == (0 if batch <= GPU_ONE_PASS_SLOTS else 2)
+    assert cpu == 3  # the hash rounds, the rows' chunks and the parameters' chunks
 
 
 @pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
