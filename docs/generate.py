@@ -259,8 +259,9 @@ def costs_page(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def variants_page(doc: dict[str, Any]) -> str:
-    """The step time of each optimizer variant, from ``variants.json`` (``benchmarks/variants.py --json``)."""
+def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str:
+    """The step time of each optimizer variant, from ``variants.json`` (``benchmarks/variants.py --json``), and on a
+    GPU from ``variants_gpu.json`` (``{"runs": [...]}``, a section each) where given."""
     m, s = doc["machine"], doc["settings"]
     commit = _commit(m)
     load = ", ".join(f"{x:.2f}" for x in (*m["load_average_start"][:1], *m.get("load_average_end", [])[:1]))
@@ -311,7 +312,37 @@ def variants_page(doc: dict[str, Any]) -> str:
             widths = ", ".join(str(w) for w in r["floor_widths"])
             row += f" {_ms(r['floor_ms'])} | {one / r['floor_ms']:.2f}x | {widths} |"
         lines.append(row + f" {r['state_bytes'] / 1e6:,.0f} |")
+    for run in (gpu or {}).get("runs", []):
+        lines += ["", *_variants_gpu_section(run)]
     return "\n".join(lines) + "\n"
+
+
+def _variants_gpu_section(doc: dict[str, Any]) -> list[str]:
+    """The same variants on a GPU (``variants_gpu.json``): the XLA path, no floor column."""
+    m, s = doc["machine"], doc["settings"]
+    base = next(r["fused_ms"] for r in doc["results"] if r["variant"] == "sparse_adam (plain)")
+    lines = [
+        f"## On a GPU ({m['jax_device']}), commit `{_commit(m)}`",
+        "",
+        f"`python benchmarks/variants.py --steps {s['steps']} --warmup {s['warmup']} --json "
+        f"benchmarks/results/variants_gpu.json` with the GPU as jax's default device: the same variants, table and "
+        f"batches ({s['rows']:,} x {s['width']}, {s['batch']:,} Zipf(1.2) ids, {doc['distinct']:,.0f} distinct on "
+        f"average), the library's XLA path (the only one on a GPU), no floor column (the floor is a CPU kernel). "
+        f"Measured at commit `{_commit(m)}`, jax {m['jax']}, {m['date_utc']}. At this batch size a step moves a few "
+        "MB, microseconds of a GPU's memory bandwidth: its time is kernel launches and the host's dispatch, which is "
+        "why the variants sit so close together.",
+        "",
+    ]
+    if doc.get("note"):
+        lines += [doc["note"], ""]
+    lines += [
+        "| variant | two calls (ms) | vs plain | `update_and_apply` (ms) | vs plain |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in doc["results"]:
+        two, one = r["two_calls_ms"], r["fused_ms"]
+        lines.append(f"| `{r['variant']}` | {_ms(two)} | {two / base:.2f}x | {_ms(one)} | {one / base:.2f}x |")
+    return lines
 
 
 def _digest(paths: list[pathlib.Path]) -> str:
@@ -325,7 +356,8 @@ def _digest(paths: list[pathlib.Path]) -> str:
 def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
     their renderers changed."""
-    inputs = [RESULTS / n for n in ("results.json", "dlrm.json", "sharding.json", "variants.json", "gpu.json")]
+    names = ("results.json", "dlrm.json", "sharding.json", "variants.json", "variants_gpu.json", "gpu.json")
+    inputs = [RESULTS / n for n in names]
     inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py", "gpu.py")] + [pathlib.Path(__file__)]
     stamp = pages / ".inputs"
     digest = _digest(inputs)
@@ -342,7 +374,8 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     write_if_changed(out / "costs.md", costs_page(results))
     sharding = json.loads((RESULTS / "sharding.json").read_text())
     write_if_changed(pages / "sharding.md", sharding_page(sharding))
-    write_if_changed(pages / "variants.md", variants_page(json.loads((RESULTS / "variants.json").read_text())))
+    cpu_variants, gpu_variants = (json.loads((RESULTS / n).read_text()) for n in ("variants.json", "variants_gpu.json"))
+    write_if_changed(pages / "variants.md", variants_page(cpu_variants, gpu_variants))
     stamp.write_text(digest)
 
 

@@ -70,3 +70,9 @@ def test_variants_benchmark_runs_small_and_its_page_renders(tmp_path: pathlib.Pa
     for name in names:
         assert re.search(rf"^\| `{re.escape(name)}` {row}", page, re.M), page
     assert "--steps 2 --warmup 1 --json" in page, page  # the command that made the results
+    # A run on a GPU (no floor there) renders as a section of its own, its rows without the floor's cells.
+    gpu = doc | {"results": [{k: v for k, v in r.items() if not k.startswith("floor")} for r in doc["results"]]}
+    gpu["machine"] = doc["machine"] | {"jax_device": "a GPU"}
+    section = generate.variants_page(doc, {"runs": [gpu]}).split("## On a GPU (a GPU)")[1]
+    for name in names:
+        assert re.search(rf"^\| `{re.escape(name)}` {doors}$", section, re.M), section
