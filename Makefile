@@ -54,8 +54,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 # The supported range: pyproject.toml's floors and the newest jax tested (raise PINS_newest when a newer one passes).
-# The floors are the oldest releases the quick tests pass on: jax 0.9 lacks an API the kernel dispatch uses
-# (jax.extend.core.unsafe_get_axis_names_DO_NOT_USE); on jax 0.10.0 and 0.10.1 a donated lazy_dense step copies the
+# The floors are the oldest releases the quick tests pass on: jax 0.9 lacked an API the kernel dispatch used then
+# (jax.extend.core.unsafe_get_axis_names_DO_NOT_USE; no longer used, 0.9 not retried since); on jax 0.10.0 and 0.10.1 a donated lazy_dense step copies the
 # table, and on 0.10.0 results the tests compare bitwise (sharded against one device) differ by an ulp; optax 0.2.7
 # does not import with jax 0.10, and with optax 0.2.6 inject_hyperparams fails the learning-rate check.
 # Each end gets a venv of its own under build/ with the test extra, installed in editable mode as .venv is (the

@@ -22,6 +22,36 @@ from jax.sharding import PartitionSpec as P
 from optax_sparse_adam._kernel_path import PREFIX, threads
 
 
+def _ffi_call(target: str, results: Any, **kwargs: Any) -> Callable[..., Any]:
+    """``jax.ffi.ffi_call``, its results typed as varying over every manual mesh axis an operand varies over.
+
+    Inside ``shard_map`` each device runs the kernel on its own operands, so a
+    result differs between devices wherever an operand does; a custom call
+    cannot state that, and a result left invariant would count as the same on
+    every device (a ``psum`` of it would multiply it by the axis size).
+    """
+    call = jax.ffi.ffi_call(target, results, **kwargs)
+
+    def run(*args: Any, **attrs: Any) -> Any:
+        out = call(*args, **attrs)
+        axes = frozenset().union(*(_varying(a) for a in args))
+        return jax.tree.map(lambda o: _vary(o, axes), out) if axes else out
+
+    return run
+
+
+def _varying(x: Any) -> frozenset[str]:
+    """The manual mesh axes ``x`` varies over (none outside ``shard_map``)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; earlier and later releases call it vma
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+    missing = tuple(sorted(axes - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _attrs(num_rows: int, **flags: bool | int) -> dict[str, np.int64]:
     attrs = {"num_rows": np.int64(num_rows), **{k: np.int64(v) for k, v in flags.items()}}
     attrs["threads"] = np.int64(threads())
@@ -132,7 +162,7 @@ def sparse_adam_rows(
     def fn(row_begin: jax.Array, m: jax.Array, v: jax.Array, keys: jax.Array, values: jax.Array, scalars: jax.Array):
         table = jax.ShapeDtypeStruct(m.shape, m.dtype)
         rows = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(values.shape, values.dtype))
-        return jax.ffi.ffi_call(
+        return _ffi_call(
             PREFIX + "sparse_adam_rows",
             (table, table, *rows),
             input_output_aliases={0: 0, 1: 1},
@@ -167,7 +197,7 @@ def sparse_adam_apply(
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(p.shape, p.dtype)
-        return jax.ffi.ffi_call(
+        return _ffi_call(
             target,
             (table, table, table),
             input_output_aliases={0: 0, 1: 1, 2: 2},
@@ -197,7 +227,7 @@ def sparse_amsgrad_apply(
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(p.shape, p.dtype)
-        return jax.ffi.ffi_call(
+        return _ffi_call(
             PREFIX + "sparse_amsgrad_apply",
             (table, table, table, table),
             input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
@@ -221,7 +251,7 @@ def sparse_amsgrad_rows(
     def fn(row_begin: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(m.shape, m.dtype)
         rows = (jax.ShapeDtypeStruct(rest[0].shape, jnp.int32), jax.ShapeDtypeStruct(rest[1].shape, rest[1].dtype))
-        return jax.ffi.ffi_call(
+        return _ffi_call(
             PREFIX + "sparse_amsgrad_rows",
             (table, table, table, *rows),
             input_output_aliases={0: 0, 1: 1, 2: 2},
@@ -263,7 +293,7 @@ def catch_up_adam_apply(
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(p.shape, p.dtype)
         flags = jax.ShapeDtypeStruct(keys.shape, jnp.int32)
-        return jax.ffi.ffi_call(
+        return _ffi_call(
             PREFIX + "catch_up_adam_apply",
             (table, table, table, flags),
             input_output_aliases={0: 0, 1: 1, 2: 2},
@@ -282,7 +312,7 @@ def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Arr
 
     def fn(row_begin: jax.Array, table: jax.Array, keys: jax.Array, values: jax.Array):
         return (
-            jax.ffi.ffi_call(
+            _ffi_call(
                 PREFIX + "scatter_add",
                 jax.ShapeDtypeStruct(table.shape, table.dtype),
                 input_output_aliases={0: 0},
@@ -302,7 +332,7 @@ def gather(table: jax.Array, keys: jax.Array) -> jax.Array:
 
     def fn(row_begin: jax.Array, table: jax.Array, keys: jax.Array):
         return (
-            jax.ffi.ffi_call(
+            _ffi_call(
                 PREFIX + "gather", jax.ShapeDtypeStruct((k, table.shape[1]), table.dtype), vmap_method="sequential"
             )(table, keys, row_begin, **attrs),
         )
@@ -315,7 +345,7 @@ def distinct(keys: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """Each distinct key in ``[0, num_rows)`` once, in order of first occurrence, then ``num_rows``; and each
     entry's slot (``k - 1`` for a padding entry)."""
     out = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(keys.shape, jnp.int32))
-    packed, inverse = jax.ffi.ffi_call(PREFIX + "distinct", out, vmap_method="sequential")(
+    packed, inverse = _ffi_call(PREFIX + "distinct", out, vmap_method="sequential")(
         keys, num_rows=np.int64(num_rows)
     )
     return packed, inverse
@@ -325,7 +355,7 @@ def coalesce(keys: jax.Array, values: jax.Array, num_rows: int) -> tuple[jax.Arr
     """Each distinct key in ``[0, num_rows)`` once, first, its entries' values summed in entry order; then the
     padding key ``num_rows`` with zero rows: ``(keys, values)`` of the input's shapes."""
     out = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(values.shape, values.dtype))
-    new_keys, new_values = jax.ffi.ffi_call(PREFIX + "coalesce", out, vmap_method="sequential")(
+    new_keys, new_values = _ffi_call(PREFIX + "coalesce", out, vmap_method="sequential")(
         keys, _rows2d(values), **_attrs(num_rows)
     )
     return new_keys, new_values.reshape(values.shape)
@@ -358,7 +388,7 @@ def rowwise_adagrad_rows(
             jax.ShapeDtypeStruct(keys.shape, jnp.int32),
             jax.ShapeDtypeStruct(values.shape, values.dtype),
         )
-        return jax.ffi.ffi_call(
+        return _ffi_call(
             PREFIX + "rowwise_adagrad_rows", results, input_output_aliases={0: 0}, vmap_method="sequential"
         )(acc, keys, values, scalars, row_begin, *p, **attrs)
 
@@ -387,7 +417,7 @@ def rowwise_adagrad_apply(
     attrs = _attrs(p.shape[0], decay=decay, unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, acc: jax.Array, *rest: jax.Array):
-        return jax.ffi.ffi_call(
+        return _ffi_call(
             PREFIX + "rowwise_adagrad_apply",
             (jax.ShapeDtypeStruct(p.shape, p.dtype), jax.ShapeDtypeStruct(acc.shape, acc.dtype)),
             input_output_aliases={0: 0, 1: 1},
@@ -430,7 +460,7 @@ def rowwise_adam_rows(
         if rest:
             results.append(jax.ShapeDtypeStruct(rest[0].shape, rest[0].dtype))
             aliases[6] = 4
-        return jax.ffi.ffi_call(
+        return _ffi_call(
             PREFIX + "rowwise_adam_rows", tuple(results), input_output_aliases=aliases, vmap_method="sequential"
         )(mu, nu, keys, values, scalars, row_begin, *rest, **attrs)
 
@@ -462,7 +492,7 @@ def rowwise_adam_apply(
         if len(rest) > 3:
             results.append(jax.ShapeDtypeStruct(rest[3].shape, rest[3].dtype))
             aliases[7] = 3
-        return jax.ffi.ffi_call(
+        return _ffi_call(
             PREFIX + "rowwise_adam_apply", tuple(results), input_output_aliases=aliases, vmap_method="sequential"
         )(p, mu, nu, *rest[:3], row_begin, *rest[3:], **attrs)
 

@@ -310,10 +310,11 @@ batching.primitive_batchers[select_p] = _select_batch
 def supports(shape: tuple[int, ...], n_sparse: int, *arrays: Any) -> bool:
     """Whether the kernels handle a table of ``shape`` addressed by ``n_sparse`` axes, with these operands.
 
-    The operands must be float32, and neither inside ``shard_map`` with values
-    that vary over a manual axis nor sharded over an ``Explicit`` mesh axis:
-    there the XLA path's sharding rules apply, which a custom call does not
-    follow (the routed steps of ``RowSharding`` run the XLA path).
+    The operands must be float32 and not sharded over an ``Explicit`` mesh
+    axis: there the XLA path's sharding rules apply, which a custom call does
+    not follow. Inside ``shard_map`` (the routed steps of ``RowSharding``) each
+    device runs the kernel on its own block, the results typed as varying
+    where the operands are (see ``_ffi._ffi_call``).
     """
     return n_sparse == 1 and all(jnp.dtype(a.dtype) == jnp.float32 for a in arrays) and supports_rows(shape, *arrays)
 
@@ -327,7 +328,6 @@ def supports_rows(shape: tuple[int, ...], *arrays: Any) -> bool:
         and math.prod(shape[1:]) > 0  # rows of no entries: nothing to read or write, the XLA path's no-op
         and shape[0] <= _MAX_ROWS
         and not any(explicit_sharding(a) is not None for a in arrays)
-        and not _in_manual_axes()
     )
 
 
@@ -335,12 +335,3 @@ def unique_flag(leaf: Any) -> int:
     """The kernels' ``unique`` flag for a sparse leaf: 0 keys may repeat, 1 the user's promise (the kernel checks
     it), 2 keys the library made distinct."""
     return (1 if leaf.promised else 2) if leaf.distinct else 0
-
-
-def _in_manual_axes() -> bool:
-    """Whether tracing happens inside ``shard_map`` (or another map over named axes).
-
-    There every operand and result carries the axes it varies over, which the
-    XLA path infers and a custom call cannot state, so the XLA path runs.
-    """
-    return bool(jex.unsafe_get_axis_names_DO_NOT_USE())

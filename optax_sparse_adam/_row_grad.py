@@ -114,9 +114,8 @@ jax.tree_util.register_dataclass(RowLookup, data_fields=["indices", "rows", "inv
 def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     """Deduplicates ``ids`` and gathers each distinct row of ``table`` once.
 
-    Deduplication works on the ``k`` ids alone, independent of the table's
-    size: on the CPU and TPU sort-free and O(k) (a few rounds of hashing and
-    scatters), on GPUs one sort of the ids. Differentiate
+    Deduplication works on the ``k`` ids alone and costs O(k), independent of the table's size (a few rounds of
+    hashing and scatters; on GPUs one sort of the ids instead, O(k log k)). Differentiate
     a loss with respect to ``rows``, index it with ``inverse`` where the model
     would index the table with ``ids``, and turn the gradient into the table's
     with :meth:`RowLookup.grad`. :func:`value_and_row_grad` does all of this

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_sparse_adam as osa
+from optax_sparse_adam import _ffi
 
 N, D, K = 512, 4, 256  # rows, width, ids per step (global)
 AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
@@ -222,6 +223,73 @@ def _check_routed_steps(mesh_kind, batch_axis, routing, capacity):
         assert all(fell_back)
     elif routing == "all_to_all" and batch_axis is not None:
         assert not any(fell_back)
+
+
+def _custom_calls(compiled_text: str) -> set[str]:
+    return {
+        line.split('custom_call_target="')[1].split('"')[0]
+        for line in compiled_text.splitlines()
+        if "custom_call_target" in line
+    }
+
+
+@pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
+@pytest.mark.parametrize("fused", [True, False], ids=["update_and_apply", "two calls"])
+def test_routed_steps_run_the_kernels_on_each_device(fused):
+    """Inside ``shard_map`` each device runs the native kernels on its own block: the compiled routed step (8
+    simulated devices, all-to-all) holds the lookup's, the deduplication's and the optimizer's custom calls, and its
+    results agree with the same step on the XLA path (``use_kernels(False)``) to a few float32 roundings."""
+    mesh = _mesh()
+    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"], batch_axis="x", routing="all_to_all")
+    tx = osa.sparse_adam(0.05)
+    batch = NamedSharding(mesh, P("x"))
+
+    def step(p: Any, s: Any, ids: jax.Array, y: jax.Array) -> Any:
+        value, g, _ = rs.value_and_row_grad(loss_fn)(p, ids, y)
+        if fused:
+            return (*rs.update_and_apply(tx, g, s, p), value)
+        u, s = rs.update(tx, g, s, p)
+        return rs.apply_updates(p, u), s, value
+
+    results = {}
+    for kernels in (True, False):
+        with osa.use_kernels(kernels):
+            params = rs.shard(_params())
+            state = tx.init(params)
+            compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *map(jnp.asarray, _batches(1)[0]))
+            calls = _custom_calls(compiled.compile().as_text())
+            rule = "optax_sparse_adam_v1_sparse_adam_" + ("apply" if fused else "rows")
+            assert (rule in calls) is kernels and ("optax_sparse_adam_v1_gather" in calls) is kernels, calls
+            run = jax.jit(step, donate_argnums=(0, 1))
+            for ids, y in _batches(4):
+                params, state, _ = run(params, state, jax.device_put(ids, batch), jax.device_put(y, batch))
+            results[kernels] = (params, state)
+    _assert_row_sharded(results[True], mesh)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7), results[True], results[False])
+
+
+@pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
+def test_a_kernels_results_vary_over_the_axes_its_operands_vary_over():
+    """Inside ``shard_map`` a kernel's results are typed as varying where its operands are, as the XLA path's would
+    be: returned as replicated (``out_specs=P()``) they are refused at trace time, where results typed invariant
+    would pass and silently return one device's values; summed with ``psum`` they add every device's."""
+    mesh = _mesh()
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 50, 8 * 64).astype(np.int32)
+    values = rng.standard_normal((8 * 64, 4)).astype(np.float32)
+    split = NamedSharding(mesh, P("x"))
+    args = (jax.device_put(keys, split), jax.device_put(values, split))
+
+    def summed(keys: jax.Array, values: jax.Array) -> jax.Array:
+        return _ffi.coalesce(keys, values, 50)[1].sum(axis=0)  # the kernel itself: each device's entries by key
+
+    replicated = jax.shard_map(summed, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P())
+    with pytest.raises(ValueError, match="could not infer replication"):
+        jax.jit(replicated)(*args)
+    psum = jax.shard_map(
+        lambda k, v: jax.lax.psum(summed(k, v), "x"), mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P()
+    )
+    np.testing.assert_allclose(jax.jit(psum)(*args), values.sum(axis=0), rtol=1e-5, atol=1e-4)  # 512 unit normals
 
 
 def test_overflow_count_is_exact_and_no_id_is_dropped():
