@@ -345,6 +345,54 @@ def _variants_gpu_section(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def dlrm_catch_up_page(doc: dict[str, Any]) -> str:
+    """Dense, lazy and catch-up Adam training a DLRM's tables, from ``dlrm_catch_up.json`` (``examples/dlrm.py
+    --compare --json``)."""
+    m, s, runs = doc["machine"], doc["settings"], doc["runs"]
+    names = list(runs)
+    command = (
+        f"python examples/dlrm.py --compare --max-rows {s['max_rows']} --steps {s['steps']} --batch {s['batch']}"
+        + (" --multi-hot" if s["multi_hot"] else "")
+        + " --json benchmarks/results/dlrm_catch_up.json"
+    )
+    lines = [
+        "# Catch-up on a DLRM: dense, lazy and catch-up Adam side by side",
+        "",
+        f"`{command}`: the DLRM of `examples/dlrm.py` on generated Criteo-shaped data (26 tables, "
+        f"{doc['table_rows']:,} rows in all, width {s['width']}; "
+        f"{'DLRMv2 multi-hot bags' if s['multi_hot'] else 'one id a feature'}, {s['batch']:,} examples a step), its "
+        f"tables trained three ways with Adam at learning rate {s['table_lr']} (the MLPs with `optax.adam` at 1e-3 "
+        "each time), from the same initial parameters on the same batches: dense `optax.adam` on table-sized "
+        "gradients, lazy `sparse_adam`, and `sparse_adam(catch_up=True)` (each row first takes the steps dense Adam "
+        "gave it while no batch touched it; the loss reads it so). The held-out loss is the mean over "
+        f"{doc['held_out_batches']} batches drawn from the same generator and never trained on; the catch-up run is "
+        "brought up to the current step (`osa.catch_up`) before each evaluation. Training loss: the mean of the "
+        "steps since the last evaluation.",
+        "",
+        f"Measured at commit `{m['commit'][:7]}{'-dirty' if m['commit'].endswith('-dirty') else ''}` on "
+        f"{m['cores']} cores ({m['backend']}), jax {m['jax']}, {m['date_utc']}; 1-minute load average at the end "
+        f"{m['load_average_end'][0]:.2f}. This page is generated at build time from "
+        "`benchmarks/results/dlrm_catch_up.json`.",
+        "",
+        "| step | " + " | ".join(f"`{n}` train / held-out" for n in names) + " |",
+        "| ---: | " + " | ".join("---:" for _ in names) + " |",
+    ]
+    for i, step in enumerate(runs[names[0]]["step"]):
+        cells = [f"{runs[n]['train'][i]:.4f} / {runs[n]['held_out'][i]:.4f}" for n in names]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    dense, lazy, caught = (runs[n]["held_out"] for n in names)
+    gap = max(abs(a - b) for a, b in zip(dense, caught, strict=True))
+    lazy_gap = max(abs(a - b) for a, b in zip(dense, lazy, strict=True))
+    times = ", ".join(f"`{n}` {_ms(runs[n]['median_step_ms'])} ms" for n in names)
+    lines += [
+        "",
+        f"Largest held-out difference from dense Adam: catch-up {gap:.1e}, lazy {lazy_gap:.1e}. Median step time "
+        f"(forward, backward and update, after the first fifth of the steps): {times}. Why catch-up can cost "
+        "more than the lazy step: [the catch-up section](../guides/variants.md) (rows with tiny second moments).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _digest(paths: list[pathlib.Path]) -> str:
     h = hashlib.sha256()
     for p in paths:
@@ -356,8 +404,8 @@ def _digest(paths: list[pathlib.Path]) -> str:
 def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
     their renderers changed."""
-    names = ("results.json", "dlrm.json", "sharding.json", "variants.json", "variants_gpu.json", "gpu.json")
-    inputs = [RESULTS / n for n in names]
+    names = ("results.json", "dlrm.json", "dlrm_catch_up.json", "sharding.json", "variants.json", "variants_gpu.json")
+    inputs = [RESULTS / n for n in (*names, "gpu.json")]
     inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py", "gpu.py")] + [pathlib.Path(__file__)]
     stamp = pages / ".inputs"
     digest = _digest(inputs)
@@ -376,6 +424,8 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     write_if_changed(pages / "sharding.md", sharding_page(sharding))
     cpu_variants, gpu_variants = (json.loads((RESULTS / n).read_text()) for n in ("variants.json", "variants_gpu.json"))
     write_if_changed(pages / "variants.md", variants_page(cpu_variants, gpu_variants))
+    catch_up = json.loads((RESULTS / "dlrm_catch_up.json").read_text())
+    write_if_changed(pages / "dlrm_catch_up.md", dlrm_catch_up_page(catch_up))
     stamp.write_text(digest)
 
 

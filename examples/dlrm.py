@@ -17,13 +17,30 @@ top MLP, binary cross-entropy. Row-wise Adagrad trains the tables and Adam
 the MLPs (:func:`optax_sparse_adam.partition_tables`), in one jitted,
 donated step (:func:`optax_sparse_adam.update_and_apply`).
 
+``--compare`` trains the tables three ways instead, from the same initial
+parameters on the same batches, Adam on the MLPs each time: dense
+``optax.adam`` (table-sized gradients; every row and both moments of it
+rewritten each step), lazy ``sparse_adam`` (only the rows a batch touches),
+and ``sparse_adam(catch_up=True)`` (lazy, but each row first takes the
+steps dense Adam gave it while no batch touched it, and the loss reads the
+rows so), and prints their training and held-out losses and step times side
+by side. The held-out batches are drawn from the same generator, not trained
+on; the catch-up run is brought up to the current step (``osa.catch_up``)
+before each evaluation.
+
     python examples/dlrm.py                      # 1,000,000-row cap, 300 steps
     python examples/dlrm.py --max-rows 20000 --steps 60 --multi-hot
+    python examples/dlrm.py --compare --max-rows 100000 --steps 600 --json benchmarks/results/dlrm_catch_up.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
 import time
 
 import jax
@@ -84,6 +101,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--multi-hot", action="store_true", help="DLRMv2's bag sizes instead of one id a feature")
+    parser.add_argument("--compare", action="store_true", help="dense Adam, lazy Adam and catch-up Adam on the tables")
+    parser.add_argument("--table-lr", type=float, default=0.01, help="the tables' Adam learning rate (--compare)")
+    parser.add_argument("--json", type=pathlib.Path, help="with --compare: write the losses and step times here")
     args = parser.parse_args()
 
     rows = [min(n, args.max_rows) for n in CARDINALITIES]
@@ -101,8 +121,6 @@ def main() -> None:
         "bottom": mlp_init(k_bot, [NUM_DENSE, 64, args.width]),
         "top": mlp_init(k_top, [args.width + num_pairs, 64, 1]),
     }
-    tx = osa.partition_tables(osa.sparse_rowwise_adagrad(0.05), optax.adam(1e-3), lambda p: p["emb"])
-    state = tx.init(params)
     pairs = np.triu_indices(num_vectors, k=1)
 
     def loss_fn(p, bags, dense, labels):
@@ -113,6 +131,17 @@ def main() -> None:
         logits = mlp(p["top"], jnp.concatenate([x, dots], axis=1), final_relu=False)[:, 0]
         return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
 
+    draw = make_data(rows, bag_sizes, args.batch, seed=1)
+    print(
+        f"DLRM on generated Criteo-shaped data: 26 tables ({sum(rows):,} rows, width {args.width}, one stack), "
+        f"{'DLRMv2 multi-hot bags' if args.multi_hot else 'one id a feature'}, batch {args.batch}"
+    )
+    if args.compare:
+        compare(args, coll, params, loss_fn, draw)
+        return
+    tx = osa.partition_tables(osa.sparse_rowwise_adagrad(0.05), optax.adam(1e-3), lambda p: p["emb"])
+    state = tx.init(params)
+
     @jax.jit(donate_argnums=(0, 1))
     def step(p, s, ids, dense, labels):
         bags = coll.bags(ids)
@@ -120,11 +149,6 @@ def main() -> None:
         p, s = osa.update_and_apply(tx, grads, s, p)
         return p, s, loss
 
-    draw = make_data(rows, bag_sizes, args.batch, seed=1)
-    print(
-        f"DLRM on generated Criteo-shaped data: 26 tables ({sum(rows):,} rows, width {args.width}, one stack), "
-        f"{'DLRMv2 multi-hot bags' if args.multi_hot else 'one id a feature'}, batch {args.batch}"
-    )
     print("  step   train loss (mean of the last 20 steps)")
     losses, times = [], []
     for i in range(1, args.steps + 1):
@@ -136,6 +160,99 @@ def main() -> None:
         if i == 1 or i % max(1, args.steps // 5) == 0:
             print(f"  {i:4d}   {np.mean(losses[-20:]):.4f}")
     print(f"median step time {1e3 * np.median(times[len(times) // 5 :]):.1f} ms (including the host's batch transfer)")
+
+
+def compare(args, coll, params, loss_fn, draw) -> None:
+    """Dense, lazy and catch-up Adam on the tables (Adam on the MLPs), on the same batches; losses and step times."""
+    lr = args.table_lr
+    tables = lambda p: p["emb"]  # noqa: E731
+    lazy_tables, caught_tables = osa.sparse_adam(lr), osa.sparse_adam(lr, catch_up=True)
+    row_grads = osa.value_and_row_grad(loss_fn, tables)
+    caught_grads = osa.value_and_row_grad(loss_fn, tables, catch_up=caught_tables)
+
+    def dense_step(p, s, ids, dense, labels):
+        loss, grads = jax.value_and_grad(loss_fn)(p, coll.bags(ids), dense, labels)  # table-sized gradients
+        return (*osa.update_and_apply(runs["optax.adam"][0], grads, s, p), loss)
+
+    def lazy_step(p, s, ids, dense, labels):
+        loss, grads = row_grads(p, coll.bags(ids), dense, labels)
+        return (*osa.update_and_apply(runs["sparse_adam"][0], grads, s, p), loss)
+
+    def caught_step(p, s, ids, dense, labels):
+        loss, grads = caught_grads(p, coll.bags(ids), dense, labels, opt_state=s)  # rows as dense Adam holds them
+        return (*osa.update_and_apply(runs["sparse_adam(catch_up=True)"][0], grads, s, p), loss)
+
+    runs = {
+        name: (osa.partition_tables(tables_tx, optax.adam(1e-3), tables), jax.jit(step, donate_argnums=(0, 1)))
+        for name, tables_tx, step in [
+            ("optax.adam", optax.adam(lr), dense_step),
+            ("sparse_adam", lazy_tables, lazy_step),
+            ("sparse_adam(catch_up=True)", caught_tables, caught_step),
+        ]
+    }
+    held_out = [draw() for _ in range(8)]  # drawn before any training batch, never trained on
+    evaluate = jax.jit(lambda p, ids, dense, labels: loss_fn(p, coll.bags(ids), dense, labels))
+    bring_up_to_date = jax.jit(lambda p, s: osa.catch_up(caught_tables, p, s), donate_argnums=(0, 1))
+    state = {name: [jax.tree.map(jnp.copy, params), tx.init(params)] for name, (tx, _) in runs.items()}
+    losses = {name: [] for name in runs}
+    times = {name: [] for name in runs}
+    record = {name: {"step": [], "train": [], "held_out": []} for name in runs}
+    every = max(1, args.steps // 6)
+    print(f"tables: Adam at lr {args.table_lr} three ways; MLPs: optax.adam at 1e-3; {len(held_out)} held-out batches")
+    print("  step   " + "   ".join(f"{n + ' train / held-out':>38}" for n in runs))
+    for i in range(1, args.steps + 1):
+        dense, ids, labels = draw()
+        for name, (_, step) in runs.items():
+            t0 = time.perf_counter()
+            state[name][0], state[name][1], loss = step(*state[name], ids, dense, labels)
+            losses[name].append(float(loss))  # waits for the step
+            times[name].append(time.perf_counter() - t0)
+        if i % every == 0 or i == args.steps:
+            cells = []
+            for name in runs:
+                if name == "sparse_adam(catch_up=True)":  # every row up to this step before evaluating
+                    state[name] = list(bring_up_to_date(*state[name]))
+                held = np.mean([float(evaluate(state[name][0], ids, dense, labels)) for dense, ids, labels in held_out])
+                train = float(np.mean(losses[name][-every:]))
+                cells.append(f"{train:.4f} / {held:.4f}")
+                record[name]["step"].append(i)
+                record[name]["train"].append(train)
+                record[name]["held_out"].append(float(held))
+            print(f"  {i:4d}   " + "   ".join(f"{c:>38}" for c in cells))
+    start = len(next(iter(times.values()))) // 5
+    print("median step time: " + ", ".join(f"{n} {1e3 * np.median(t[start:]):.1f} ms" for n, t in times.items()))
+    if args.json:
+        for name, t in times.items():
+            record[name]["median_step_ms"] = 1e3 * float(np.median(t[start:]))
+        machine = {
+            "commit": _commit(),
+            "cores": os.cpu_count(),
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "load_average_end": os.getloadavg(),
+        }
+        settings = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()}
+        doc = {"machine": machine, "settings": settings, "held_out_batches": len(held_out), "runs": record}
+        doc["table_rows"] = sum(int(x.shape[0]) for x in jax.tree.leaves(params["emb"]))
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def _commit() -> str:
+    """The commit of the checkout this runs from, ``-dirty`` where it has changes; "unknown" outside one."""
+    here = pathlib.Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 if __name__ == "__main__":
