@@ -345,9 +345,7 @@ def distinct(keys: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
     """Each distinct key in ``[0, num_rows)`` once, in order of first occurrence, then ``num_rows``; and each
     entry's slot (``k - 1`` for a padding entry)."""
     out = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(keys.shape, jnp.int32))
-    packed, inverse = _ffi_call(PREFIX + "distinct", out, vmap_method="sequential")(
-        keys, num_rows=np.int64(num_rows)
-    )
+    packed, inverse = _ffi_call(PREFIX + "distinct", out, vmap_method="sequential")(keys, num_rows=np.int64(num_rows))
     return packed, inverse
 
 
