@@ -312,9 +312,10 @@ def supports(shape: tuple[int, ...], n_sparse: int, *arrays: Any) -> bool:
 
     The operands must be float32 and not sharded over an ``Explicit`` mesh
     axis: there the XLA path's sharding rules apply, which a custom call does
-    not follow. Inside ``shard_map`` (the routed steps of ``RowSharding``) each
-    device runs the kernel on its own block, the results typed as varying
-    where the operands are (see ``_ffi._ffi_call``).
+    not follow. Inside a ``shard_map`` manual over every mesh axis (the routed
+    steps of ``RowSharding``) each device runs the kernel on its own block, the
+    results typed as varying where the operands are (see ``_ffi._ffi_call``);
+    inside one that leaves some axes automatic the XLA path runs.
     """
     return n_sparse == 1 and all(jnp.dtype(a.dtype) == jnp.float32 for a in arrays) and supports_rows(shape, *arrays)
 
@@ -328,6 +329,7 @@ def supports_rows(shape: tuple[int, ...], *arrays: Any) -> bool:
         and math.prod(shape[1:]) > 0  # rows of no entries: nothing to read or write, the XLA path's no-op
         and shape[0] <= _MAX_ROWS
         and not any(explicit_sharding(a) is not None for a in arrays)
+        and not _partly_manual()
     )
 
 
@@ -335,3 +337,17 @@ def unique_flag(leaf: Any) -> int:
     """The kernels' ``unique`` flag for a sparse leaf: 0 keys may repeat, 1 the user's promise (the kernel checks
     it), 2 keys the library made distinct."""
     return (1 if leaf.promised else 2) if leaf.distinct else 0
+
+
+def _partly_manual() -> bool:
+    """Whether tracing happens inside a ``shard_map`` that leaves some mesh axes automatic.
+
+    There an operand may still be sharded over the automatic axes, which the
+    kernels' row partitioning (``_ffi._by_row_shards``) cannot split, so the
+    XLA path runs.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    manual = set(getattr(mesh, "manual_axes", ()))
+    return bool(manual) and len(manual) < len(mesh.axis_names)

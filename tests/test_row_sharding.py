@@ -268,6 +268,30 @@ def test_routed_steps_run_the_kernels_on_each_device(fused):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7), results[True], results[False])
 
 
+def test_a_shard_map_manual_over_some_axes_takes_the_xla_path_for_a_table_sharded_over_the_others():
+    """Inside a ``shard_map`` that leaves a mesh axis automatic, a table may still be sharded over it, which the
+    kernels' row partitioning cannot split: the step runs the XLA path there (it crashed in the partitioner when
+    the kernels ran), with the same numbers as ``use_kernels(False)``."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    table = jax.device_put(jnp.zeros((64, 4), jnp.float32), NamedSharding(mesh, P("y", None)))
+    ids, values = jnp.arange(16, dtype=jnp.int32) % 64, jnp.ones((16, 4), jnp.float32)
+    tx = osa.sparse_adam(0.1)
+
+    def body(p: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+        g = osa.IndexedRows(ids, values, 64)
+        p, _ = osa.update_and_apply(tx, g, tx.init(p), p)
+        return osa.apply_updates(p, g)[None]
+
+    results = []
+    for kernels in (True, False):
+        with osa.use_kernels(kernels):
+            fn = jax.jit(
+                jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x"), P("x")), out_specs=P("x"), axis_names={"x"})
+            )
+            results.append(np.asarray(fn(table, ids, values)))
+    np.testing.assert_array_equal(results[0], results[1])
+
+
 @pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
 def test_a_kernels_results_vary_over_the_axes_its_operands_vary_over():
     """Inside ``shard_map`` a kernel's results are typed as varying where its operands are, as the XLA path's would
