@@ -21,7 +21,10 @@ row's last step and the current step only: one set per row, from a table
 over the last :func:`idle_cap` steps (rows idle fewer steps) or a table
 over the row's last step (rows idle longer, constant learning rate), so the
 elements pay a few multiply-adds each. Elements whose ``z`` is too large for
-``_TERMS`` terms to reach float32 resolution replay step by step.
+``_TERMS`` terms to reach float32 resolution replay step by step: on the CPU
+in the native kernels (the fused step's, or :func:`._ffi.catch_up_adam_steps`
+for rows replayed elsewhere), from the window's learning rates and a table of
+the bias corrections (:func:`_correction_table`); on the XLA path in a loop.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_sparse_adam import _ffi
+from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._adam import (
     AdamHyperparams,
     _dense_adam,
@@ -212,15 +215,71 @@ def replay(
     for cj in reversed(c[:-1]):
         series = cj - z * series  # Horner: sum_j (-z)^j C_j
     shift = jnp.where(moving & ~by_steps & (m != 0), -(m * inv) * series, 0.0)
-    p_steps = jax.lax.cond(
-        jnp.any(rows_by_steps),
-        lambda: _replay_steps(p, m, v, last, jnp.where(rows_by_steps, idle, 0), replayer, decay)[0],
-        lambda: p,
-    )
+    p_steps = _stepped(p, m, v, last, jnp.where(rows_by_steps, idle, 0), done, replayer, plan, decay)
     scaled = p if weights is None else broadcast_rows(weights.rows, p.ndim) * p
     p_new = jnp.where(by_steps, p_steps, (scaled + shift).astype(p.dtype))
     rest = broadcast_rows(idle.astype(jnp.float32), m.ndim)
     return p_new, (m * _power(hp.b1, rest)).astype(m.dtype), (v * _power(hp.b2, rest)).astype(v.dtype)
+
+
+def _stepped(
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    last: jax.Array,
+    idle: jax.Array,
+    done: jax.Array,
+    replayer: Replayer,
+    plan: _SeriesPlan,
+    decay: Decay | None,
+) -> jax.Array:
+    """The rows ``p`` after their idle steps one by one (:func:`_replay_steps`; rows with ``idle == 0`` as they
+    are), nothing run where no row has any. On the CPU, Adam's (not AdamW's) steps run in a native kernel, which
+    takes the window's rates and the plan's bias corrections; the rows it cannot take (a schedule's steps beyond
+    the window) it flags, and the XLA loop takes those."""
+
+    def xla(p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, idle: jax.Array) -> jax.Array:
+        return jax.lax.cond(
+            jnp.any(idle > 0), lambda: _replay_steps(p, m, v, last, idle, replayer, decay)[0], lambda: p
+        )
+
+    if (
+        decay is not None
+        or plan.corrections is None
+        or p.shape[0] == 0
+        or not _kernel_path.supports(p.shape, 1, p, m, v)
+    ):
+        return xla(p, m, v, last, idle)
+
+    def native(p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, idle: jax.Array) -> jax.Array:
+        hp = replayer.hp
+        long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
+        limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (hp.b1, hp.b2, hp.eps, long_neg_lr, 1.0)])
+        stepped, flags = _ffi.catch_up_adam_steps(
+            p, m, v, last, idle, limits, neg_rates, corrections, cap=plan.cap, torch_eps=hp.eps_placement == "torch"
+        )
+        flagged = flags > 0
+        return jax.lax.cond(
+            jnp.any(flagged),
+            lambda: jnp.where(
+                broadcast_rows(flagged, p.ndim), xla(p, m, v, last, jnp.where(flagged, idle, 0)), stepped
+            ),
+            lambda: stepped,
+        )
+
+    return _kernel_path.select(native, xla, p, m, v, last, idle)
+
+
+def _step_operands(plan: _SeriesPlan, replayer: Replayer, done: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
+    """What the kernels' idle steps read (``long_neg_lr``, ``neg_rates``, ``corrections``), as
+    :func:`_replay_steps` computes it: the steps' ``-lr`` over the window (newest first), and for rows idle longer
+    the constant rate (NaN under a schedule: the kernels flag those rows where they need the steps); the plan's
+    bias corrections (a row of ones where it has none)."""
+    tau = done - jnp.arange(max(plan.cap, 1), dtype=jnp.int32)
+    neg_rates = jnp.broadcast_to(-replayer.lr(jnp.maximum(tau, 1) - 1), tau.shape).astype(jnp.float32)
+    long_neg_lr = jnp.nan if callable(replayer.learning_rate) else -replayer.lr(done)
+    table = plan.corrections if plan.corrections is not None else np.ones((1, 2), np.float32)
+    return long_neg_lr, neg_rates, jnp.asarray(table)
 
 
 # The series in z = eps / sqrt(v): _TERMS terms, taken where each idle step's ratio z / beta_k is at most _RATIO,
@@ -247,6 +306,9 @@ class _SeriesPlan:
       table: For a constant learning rate, the coefficients of rows idle more than ``K`` steps, by their last step
         (clipped to the last entry, where the bias corrections have reached 1 in float32); else ``None``.
       rates: The terms' factors at an idle step (:func:`_rates` for Adam).
+      corrections: The bias corrections of the idle step with count ``tau`` (:func:`_corrections`), in row
+        ``tau``, the last row standing for every later count; for the native kernel's steps (elements the series
+        does not take). ``None`` where the corrections take more than ``_MAX_TABLE`` steps to reach 1.
     """
 
     cap: int
@@ -254,6 +316,7 @@ class _SeriesPlan:
     binv: float
     table: np.ndarray | None
     rates: Rates
+    corrections: np.ndarray | None = None
 
 
 def _concrete(x: Any) -> float | None:
@@ -284,7 +347,8 @@ def _series_plan(replayer: Replayer, *dtypes: Any, decay: Decay | None = None) -
     # With decay and a constant rate, the table's k-th term carries gamma^-k; the row's gamma^idle multiplies it.
     table_rho = rho if decay is None or decay.log_gamma is None else rho * math.exp(-decay.log_gamma)
     table = _long_idle_table(replayer.learning_rate, rates, max(b1, b2), cap, table_rho)
-    return _SeriesPlan(cap=cap, rho=rho, binv=b2 ** (-cap / 2), table=table, rates=rates)
+    corrections = _correction_table(rates, max(b1, b2))
+    return _SeriesPlan(cap=cap, rho=rho, binv=b2 ** (-cap / 2), table=table, rates=rates, corrections=corrections)
 
 
 def _rates(tau: Any, lr: Any, hp: AdamHyperparams, xp: Any) -> Any:
@@ -344,6 +408,21 @@ def _table(lr: float, rates: Rates, beta: float, cap: int, rho_terms: tuple[floa
     for last in range(settle - 1, -1, -1):
         table[last] = rho * (h[last] + table[last + 1]) - tail * h[last + cap]
     return table.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _correction_table(rates: _AdamRates, beta: float) -> np.ndarray | None:
+    """``(c1, c2)`` of :func:`_corrections` for the counts ``0 .. settle + 1`` (``settle``: the step after which
+    powers of ``beta``, the larger decay rate, are below float32 resolution), ``(n, 2)`` float32, computed by XLA
+    on the CPU as :func:`_replay_steps` computes them in the step, so that the kernel's idle steps divide by the
+    same values; ``None`` past ``_MAX_TABLE`` steps, or where the last row is not ``(1, 1)``."""
+    settle = math.ceil(25 * math.log(2) / -math.log(beta)) if beta > 0 else 1
+    if settle > _MAX_TABLE:
+        return None
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        c1, c2 = _corrections(rates.hp, jnp.arange(settle + 2, dtype=jnp.int32))
+        table = np.stack([np.asarray(c1, np.float32), np.asarray(c2, np.float32)], axis=1)
+    return table if np.all(table[-1] == 1.0) else None
 
 
 class _DecayWeights:
@@ -486,14 +565,22 @@ def _power(b: Any, n: jax.Array) -> jax.Array:
     return jnp.where(n > 0, jnp.power(jnp.asarray(b, jnp.float32), n), 1.0)
 
 
+def _corrections(hp: AdamHyperparams, tau: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The bias corrections of the idle steps with counts ``tau`` (any shape), as :func:`_idle_step` divides by
+    them: ``1 - b**tau`` (optax's placement of ``eps``) or torch's (:func:`._adam._torch_corrections`)."""
+    if hp.eps_placement == "optax":
+        return 1 - hp.b1**tau, 1 - hp.b2**tau  # as optax.tree.bias_correction
+    return _torch_corrections(hp, tau)
+
+
 def _idle_step(m: jax.Array, v: jax.Array, tau: jax.Array, hp: AdamHyperparams) -> jax.Array:
     """:func:`._adam._step` with a step count per row (``tau``), in the same arithmetic."""
+    c1, c2 = _corrections(hp, tau)
     if hp.eps_placement == "optax":
-        m_hat = m / broadcast_rows(1 - hp.b1**tau, m.ndim).astype(m.dtype)  # as optax.tree.bias_correction
-        v_hat = v / broadcast_rows(1 - hp.b2**tau, v.ndim).astype(v.dtype)
+        m_hat = m / broadcast_rows(c1, m.ndim).astype(m.dtype)
+        v_hat = v / broadcast_rows(c2, v.ndim).astype(v.dtype)
         return m_hat / (jnp.sqrt(v_hat + hp.eps_root) + hp.eps)
-    bc1, bc2 = _torch_corrections(hp, tau)
-    scale = broadcast_rows(jnp.sqrt(bc2) / bc1, m.ndim)
+    scale = broadcast_rows(jnp.sqrt(c2) / c1, m.ndim)
     return scale.astype(m.dtype) * m / (jnp.sqrt(v + hp.eps_root) + hp.eps)
 
 
@@ -529,8 +616,10 @@ def fused_apply(
     """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, last_step)``.
 
     The coefficients of each key's row (:func:`_coefficients`, and the moments' decays) are computed here, on the
-    keys, as the XLA path computes them on the rows; the kernel replays and steps each touched row in one pass.
-    Rows it flags (an element the series does not take) then take the XLA rule, step by step, on those rows alone.
+    keys, as the XLA path computes them on the rows; the kernel replays and steps each touched row in one pass,
+    taking the idle steps one by one for the elements the series does not take (from the window's learning rates
+    and the plan's bias corrections). Rows it flags (such steps of a row idle longer than the window under a
+    schedule, or no table of corrections) then take the XLA rule on those rows alone.
     """
     m, v, last = state
     hp = replayer.hp
@@ -543,10 +632,11 @@ def fused_apply(
     coefficients = jnp.concatenate(
         [_coefficients(plan, replayer.lr, last_k, idle, done), _power(hp.b1, rest), _power(hp.b2, rest)], axis=1
     )
-    limits = jnp.asarray([plan.binv, _RATIO], jnp.float32)
-    p, m, v, flags = _ffi.catch_up_adam_apply(
-        *(p, m, v, keys, leaf.values, scalars, coefficients, idle, limits), **kernel_flags(hp, leaf)
-    )
+    long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
+    has_table = float(plan.corrections is not None)
+    limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table)])
+    operands = (p, m, v, keys, leaf.values, scalars, coefficients, idle, last_k, limits, neg_rates, corrections)
+    p, m, v, flags = _ffi.catch_up_adam_apply(*operands, cap=plan.cap, **kernel_flags(hp, leaf))
 
     def by_steps() -> tuple[jax.Array, ...]:
         g = IndexedRows(jnp.where(flags > 0, keys, -1), leaf.values, rows)

@@ -273,8 +273,12 @@ def catch_up_adam_apply(
     scalars: jax.Array,
     coefficients: jax.Array,
     idle: jax.Array,
+    last: jax.Array,
     limits: jax.Array,
+    neg_rates: jax.Array,
+    corrections: jax.Array,
     *,
+    cap: int,
     torch_eps: bool,
     maximize: bool,
     unique: int,
@@ -282,13 +286,18 @@ def catch_up_adam_apply(
     """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, flags)``.
 
     ``coefficients`` (``(k, 10)``: the series' eight, then ``b1**idle`` and
-    ``b2**idle``) and ``idle`` are per key, as :func:`._catch_up.replay`
-    computes them for the key's row; ``limits`` is ``(binv, ratio)``. Rows
-    with an element the series does not take are left as they are, and
-    ``flags`` is 1 in each of their keys. The rows' last steps are the
-    caller's to record.
+    ``b2**idle``), ``idle`` and ``last`` (the row's last step) are per key, as
+    :func:`._catch_up.replay` computes them for the key's row; ``limits`` is
+    ``(binv, ratio, long_neg_lr, has_corrections)``. Elements the series does
+    not take replay their first ``min(idle, cap)`` idle steps one by one:
+    ``-lr`` from ``neg_rates`` (the last ``cap`` steps, newest first) or
+    ``long_neg_lr`` (rows idle longer; NaN for a schedule), bias corrections
+    from ``corrections`` (``(n, 2)`` by the step's count, the last row for
+    every later count). Rows that need steps not at hand are left as they
+    are, and ``flags`` is 1 in each of their keys. The rows' last steps are
+    the caller's to record.
     """
-    attrs = _attrs(p.shape[0], torch_eps=torch_eps, maximize=maximize, unique=unique)
+    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(p.shape, p.dtype)
@@ -300,10 +309,44 @@ def catch_up_adam_apply(
             vmap_method="sequential",
         )(p, m, v, *rest, row_begin, **attrs)
 
-    rule = "n w, n w, n w, k, k w, s, k c, k, l -> n w, n w, n w, k"
-    args = (_rows2d(p), _rows2d(m), _rows2d(v), keys, _rows2d(values), scalars, coefficients, idle, limits)
+    rule = "n w, n w, n w, k, k w, s, k c, k, k, l, r, t b -> n w, n w, n w, k"
+    rows = (_rows2d(p), _rows2d(m), _rows2d(v), keys, _rows2d(values))
+    args = (*rows, scalars, coefficients, idle, last, limits, neg_rates, corrections)
     new_p, new_m, new_v, flags = _by_row_shards(fn, rule, summed=(3,))(*args)
     return new_p.reshape(p.shape), new_m.reshape(m.shape), new_v.reshape(v.shape), flags
+
+
+def catch_up_adam_steps(
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    last: jax.Array,
+    idle: jax.Array,
+    limits: jax.Array,
+    neg_rates: jax.Array,
+    corrections: jax.Array,
+    *,
+    cap: int,
+    torch_eps: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Rows ``p`` (with their moments) after their first ``min(idle, cap)`` idle steps, one by one, as
+    :func:`._catch_up._replay_steps` takes them: ``(p, flags)``. ``limits`` is ``(b1, b2, eps, long_neg_lr,
+    has_corrections)``; ``neg_rates`` and ``corrections`` as :func:`catch_up_adam_apply` takes them. Rows with
+    ``idle == 0`` are left as they are; rows whose steps are not at hand too, flagged."""
+    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps)
+
+    def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
+        rows = jax.ShapeDtypeStruct(p.shape, p.dtype)
+        flags = jax.ShapeDtypeStruct(p.shape[:1], jnp.int32)
+        return _ffi_call(
+            PREFIX + "catch_up_adam_steps", (rows, flags), input_output_aliases={0: 0}, vmap_method="sequential"
+        )(p, m, v, *rest, row_begin, **attrs)
+
+    rule = "n w, n w, n w, n, n, l, r, t b -> n w, n"
+    new_p, flags = _by_row_shards(fn, rule)(
+        _rows2d(p), _rows2d(m), _rows2d(v), last, idle, limits, neg_rates, corrections
+    )
+    return new_p.reshape(p.shape), flags
 
 
 def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:

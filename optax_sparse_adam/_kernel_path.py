@@ -65,6 +65,7 @@ _SYMBOLS = {
     "sparse_amsgrad_apply": "OptaxSparseAmsgradApply",
     "sparse_amsgrad_rows": "OptaxSparseAmsgradRows",
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
+    "catch_up_adam_steps": "OptaxSparseAdamCatchUpSteps",
     "scatter_add": "OptaxSparseAdamScatterAdd",
     "coalesce": "OptaxSparseAdamCoalesce",
     "distinct": "OptaxSparseAdamDistinct",

@@ -346,6 +346,78 @@ def test_native_step_equals_the_xla_path(case: str) -> None:
         p, state = px, sx
 
 
+@pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+@pytest.mark.parametrize("case", ["optax", "torch", "schedule"])
+def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elements with ``sqrt(v)`` near ``eps`` (the series in ``eps / sqrt(v)`` does not reach float32 resolution)
+    replay their idle steps one by one inside the kernel, for rows idle within the window and longer: nothing is
+    left to the XLA path (with a constant learning rate), and the result is the XLA path's, moments bitwise,
+    parameters within two ulps of the larger of the old and new value (the kernel adds the current step to the
+    replayed row, the XLA path rounds ``p + step - p0`` and adds it back: the bound of ``_kernel_path``'s
+    docstring). Under a schedule the kernel has no rates for rows idle longer than the window: it flags
+    exactly those that need steps, and the XLA path takes them, with the same result. ``catch_up`` (every row,
+    as the caught-up lookups read them) takes the same steps in a kernel of its own: bitwise the XLA path's with
+    optax's placement of ``eps``, within an ulp with torch's."""
+    from optax_sparse_adam import _ffi
+
+    flagged: list[np.ndarray] = []
+    call = _ffi.catch_up_adam_apply
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        out = call(*args, **kwargs)
+        jax.debug.callback(lambda f: flagged.append(np.asarray(f)), out[3])
+        return out
+
+    monkeypatch.setattr(_ffi, "catch_up_adam_apply", recording)
+    rows, width, k, count = 96, 8, 64, 400
+    lr = optax.cosine_decay_schedule(1e-2, 1000) if case == "schedule" else 1e-2
+    tx = osa.sparse_adam(lr, catch_up=True, eps_placement="torch" if case == "torch" else "optax")
+    cap = int(idle_cap(0.9, 0.999))
+    rng = np.random.default_rng(5)
+    p = jnp.asarray(rng.normal(size=(rows, width)).astype(np.float32))
+    # Every other element near eps (tiny v, m != 0): the series does not take those; the rest ordinary.
+    scale = np.where(rng.random((rows, width)) < 0.5, 1e-8, 1e-2).astype(np.float32)
+    v = (scale * (0.5 + rng.random((rows, width)))).astype(np.float32) ** 2
+    m = (np.sqrt(v) * rng.uniform(-0.3, 0.3, size=(rows, width))).astype(np.float32)
+    # Last steps: a third within the window, a third idle longer (down to step 1, early in the bias corrections).
+    last = np.concatenate([rng.integers(count - cap, count, rows // 3), rng.integers(1, count - cap - 1, rows // 3)])
+    last = np.concatenate([last, np.full(rows - last.size, count - 1)]).astype(np.int32)
+    state = tx.init(p)._replace(count=jnp.int32(count), mu=jnp.asarray(m), nu=jnp.asarray(v), last_step=last)
+    ids = jnp.asarray(rng.permutation(rows).astype(np.int32)[:k])
+    g = osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(k, width)).astype(np.float32)), rows)
+
+    def step(p: jax.Array, s: Any) -> Any:
+        return osa.update_and_apply(tx, g, s, p)
+
+    (pn, sn), (px, sx) = jax.jit(step)(p, state), jax.jit(osa.use_kernels(False)(step))(p, state)
+    assert_trees_equal((sn.mu, sn.nu, sn.last_step), (sx.mu, sx.nu, sx.last_step))
+    pn, px = np.asarray(pn), np.asarray(px)
+    bound = 2 * np.spacing(np.maximum(np.abs(px), np.abs(np.asarray(p))))
+    assert np.all(np.abs(pn - px) <= bound), np.abs(pn - px).max()
+    moved = np.abs(px - np.asarray(p)) > 0
+    assert moved[np.asarray(ids)].all()
+    (flags,) = flagged
+    # Bringing every row up to date (the lookups' replay too) takes those steps in the row kernel: the XLA path's
+    # bits, every row, where the schedule's long-idle rows fall back to the XLA loop.
+    caught = jax.jit(lambda p, s: osa.catch_up(tx, p, s))
+    (pc, sc), (pcx, scx) = (
+        caught(p, state),
+        jax.jit(osa.use_kernels(False)(lambda p, s: osa.catch_up(tx, p, s)))(p, state),
+    )
+    assert_trees_equal(sc, scx)
+    if case == "torch":  # XLA:CPU contracts p + (-lr) * step into a multiply-add in some elements, not in others
+        pc, pcx = np.asarray(pc), np.asarray(pcx)
+        assert np.all(np.abs(pc - pcx) <= np.spacing(np.abs(pcx))), np.abs(pc - pcx).max()
+    else:
+        assert_trees_equal(pc, pcx)
+    assert "optax_sparse_adam_v1_catch_up_adam_steps" in caught.lower(p, state).as_text()
+    long_idle = np.isin(np.arange(rows), np.asarray(ids)) & (count - 1 - last > cap)
+    if case == "schedule":  # the long-idle rows (each with tiny elements) are flagged, the others not
+        np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])
+    else:
+        assert not flags.any()
+
+
 def test_idle_cap_bounds_the_rest_below_float32_resolution() -> None:
     for b1, b2 in [(0.9, 0.999), (0.5, 0.999), (0.99, 0.999), (0.9, 0.99)]:
         k = int(idle_cap(b1, b2))

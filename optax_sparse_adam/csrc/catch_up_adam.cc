@@ -1,19 +1,29 @@
 // Lazy Adam with exact catch-up (sparse_adam(catch_up=True)) and its
 // application, as an XLA FFI handler for the CPU:
 //   optax_sparse_adam_v1_catch_up_adam_apply
-//     (p, mu, nu, keys, values, scalars, coefficients, idle, limits) -> (p, mu, nu, flags)
-// Each touched row first takes the `idle` steps it sat out in the closed form
-// of _catch_up.replay, from coefficients the XLA side computed per entry from
-// the row's last step (the row's C_0..C_{T-1} of the series in
-// z = eps / sqrt(v), then b1**idle and b2**idle), then Adam's step as
-// sparse_adam.cc takes it (the XLA side records the step). A row holding an element the series does not reach
-// float32 resolution for (z * limits[0] > limits[1]: tiny or zero v) is left
-// as it is and flagged in every entry it has; the XLA path then takes those
-// rows one idle step at a time. Tables are aliased to results.
+//     (p, mu, nu, keys, values, scalars, coefficients, idle, last, limits, neg_rates, corrections)
+//       -> (p, mu, nu, flags)
+// Each touched row first takes the `idle` steps it sat out as _catch_up.replay
+// takes them, then Adam's step as sparse_adam.cc takes it (the XLA side
+// records the step). Per element, the idle steps' displacement is the closed
+// form, from coefficients the XLA side computed per entry from the row's last
+// step (the row's C_0..C_{T-1} of the series in z = eps / sqrt(v), then
+// b1**idle and b2**idle), where the series reaches float32 resolution
+// (z * limits[0] <= limits[1]); an element it does not reach (tiny or zero v)
+// with m != 0 takes the first min(idle, cap) idle steps one by one, in
+// _catch_up._replay_steps' arithmetic: each step's -lr from neg_rates (the
+// window of the last `cap` steps) or limits[2] (rows idle longer, a constant
+// learning rate), its bias corrections from the table `corrections` (by the
+// step's count, the last entry standing for every later count). A row that
+// needs those steps where they are not at hand (a schedule's rate for a row
+// idle longer than the window: limits[2] is NaN; no table: limits[3] == 0) is
+// left as it is and flagged in every entry it has; the XLA path then takes
+// it. Tables are aliased to results.
 //
 //   i = 1 / sqrt(v), z = eps i, S = C_{T-1}, S = C_j - z S for j = T-2 .. 0
 //   p = p + (-(m i)) S,  m = m b1**idle,  v = v b2**idle
 //   then Adam's step from (m, v) and p += neg_lr step (adam_row.h).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,11 +42,75 @@ namespace {
 constexpr int64_t kTerms = 8;  // _catch_up._TERMS
 constexpr int64_t kCoefficients = kTerms + 2;
 
-// The row's idle steps in closed form, in place, where the series takes every element of the row
-// (z * binv <= ratio, as the XLA path tests it; false for NaN); false, and nothing written, where it does not.
-// `work` holds 2 * width floats.
-inline bool CatchUpRow(const float* __restrict c, float eps, float binv, float ratio, float* __restrict p,
-                       float* __restrict m, float* __restrict v, float* __restrict work, int64_t width) {
+// What taking a row's idle steps one by one needs beyond the row: the rates and the bias corrections.
+struct IdleSteps {
+  float b1, b2, eps;
+  float long_neg_lr;          // -lr of the idle steps of rows idle longer than the window; NaN where a schedule
+  bool has_corrections;
+  const float* neg_rates;     // (cap,): -lr of the idle step with count done - o
+  int64_t cap;
+  const float* corrections;   // (corrections_len, 2): the bias corrections of the idle step with that count
+  int64_t corrections_len;
+
+  // Whether the first min(idle, cap) idle steps of a row can be taken here.
+  bool CanStep(int32_t idle) const { return has_corrections && (idle <= cap || !std::isnan(long_neg_lr)); }
+
+  // The row's first min(idle, cap) idle steps one by one, from (p, m, v) into (ps, ms, vs), as
+  // _catch_up._replay_steps takes them (dense Adam's arithmetic, with zero gradients, eps_root 0).
+  template <bool kTorch>
+  void Replay(int32_t last, int32_t idle, const float* __restrict p, const float* __restrict m,
+              const float* __restrict v, float* __restrict ps, float* __restrict ms, float* __restrict vs,
+              int64_t width) const {
+    for (int64_t j = 0; j < width; ++j) {
+      ps[j] = p[j];
+      ms[j] = m[j];
+      vs[j] = v[j];
+    }
+    const int64_t n = std::min<int64_t>(idle, cap);
+    for (int64_t k = 1; k <= n; ++k) {
+      const int64_t at = std::min<int64_t>(static_cast<int64_t>(last) + k, corrections_len - 1);
+      const float c1 = corrections[2 * at], c2 = corrections[2 * at + 1];
+      const float neg_lr = idle <= cap ? neg_rates[idle - k] : long_neg_lr;
+      const float scale = std::sqrt(c2) / c1;  // torch's placement
+      for (int64_t j = 0; j < width; ++j) {
+        const float mj = b1 * ms[j], vj = b2 * vs[j];
+        const float step = kTorch ? (scale * mj) / (std::sqrt(vj) + eps) : (mj / c1) / (std::sqrt(vj / c2) + eps);
+        ms[j] = mj;
+        vs[j] = vj;
+        ps[j] = std::fma(neg_lr, step, ps[j]);  // XLA:CPU contracts _replay_steps' p + (-lr) * step
+      }
+    }
+  }
+};
+
+// The operands IdleSteps reads, checked.
+inline ffi::Error CheckSteps(int64_t cap, const ffi::BufferR1<ffi::F32>& neg_rates,
+                             const ffi::BufferR2<ffi::F32>& corrections) {
+  if (cap < 0 || static_cast<int64_t>(neg_rates.element_count()) < cap)
+    return ffi::Error::InvalidArgument("neg_rates must hold a rate for each of the last `cap` steps");
+  const auto table = corrections.dimensions();
+  if (table[0] < 1 || table[1] != 2)
+    return ffi::Error::InvalidArgument("corrections must hold two bias corrections for each of at least one count");
+  return ffi::Error::Success();
+}
+
+struct CatchUp {
+  const float* coefficients;  // (k, kCoefficients)
+  const int32_t* idle;        // (k,)
+  const int32_t* last;        // (k,)
+  float binv, ratio;
+  IdleSteps steps;
+  int32_t* flags;  // (k,)
+};
+
+// The row's idle steps, in place: the closed form where the series takes an element (z * binv <= ratio, as the
+// XLA path tests it; false for NaN), the steps one by one where it does not and m != 0. False, and nothing
+// written, where those steps are needed and cannot be taken here. `work` holds 5 * width floats.
+template <bool kTorch>
+inline bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, float* __restrict p, float* __restrict m,
+                       float* __restrict v, float* __restrict work, int64_t width) {
+  const float* c = cu.coefficients + slot * kCoefficients;
+  const float eps = s.eps, binv = cu.binv, ratio = cu.ratio;
   float* __restrict inv = work;
   float* __restrict z = work + width;
   bool takes = true;
@@ -45,33 +119,46 @@ inline bool CatchUpRow(const float* __restrict c, float eps, float binv, float r
     z[j] = eps * inv[j];
     takes &= z[j] * binv <= ratio;
   }
-  if (!takes) return false;
   const float decay1 = c[kTerms], decay2 = c[kTerms + 1];
+  if (takes) {
+    for (int64_t j = 0; j < width; ++j) {
+      float series = c[kTerms - 1];
+      for (int64_t i = kTerms - 2; i >= 0; --i) series = c[i] - z[j] * series;
+      p[j] = p[j] + (-(m[j] * inv[j])) * series;
+      m[j] = m[j] * decay1;
+      v[j] = v[j] * decay2;
+    }
+    return true;
+  }
+  bool steps = false;
+  for (int64_t j = 0; j < width; ++j) steps |= !(z[j] * binv <= ratio) && m[j] != 0.0f;
+  float* __restrict ps = work + 2 * width;
+  if (steps) {
+    const int32_t idle = cu.idle[slot];
+    if (!cu.steps.CanStep(idle)) return false;
+    cu.steps.Replay<kTorch>(cu.last[slot], idle, p, m, v, ps, work + 3 * width, work + 4 * width, width);
+  }
   for (int64_t j = 0; j < width; ++j) {
-    float series = c[kTerms - 1];
-    for (int64_t i = kTerms - 2; i >= 0; --i) series = c[i] - z[j] * series;
-    p[j] = p[j] + (-(m[j] * inv[j])) * series;
+    if (z[j] * binv <= ratio) {
+      float series = c[kTerms - 1];
+      for (int64_t i = kTerms - 2; i >= 0; --i) series = c[i] - z[j] * series;
+      p[j] = p[j] + (-(m[j] * inv[j])) * series;
+    } else if (m[j] != 0.0f) {
+      p[j] = ps[j];
+    } else {
+      p[j] = p[j] + 0.0f;  // the XLA path's p + shift, the shift 0
+    }
     m[j] = m[j] * decay1;
     v[j] = v[j] * decay2;
   }
   return true;
 }
 
-struct CatchUp {
-  const float* coefficients;  // (k, kCoefficients)
-  const int32_t* idle;        // (k,)
-  float binv, ratio;
-  int32_t* flags;  // (k,)
-};
-
 // One row whose gradient is g, entry `slot` standing for it; returns false (nothing written) for a flagged row.
 template <bool kTorch, bool kMaximize>
 inline bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, const float* g, float* p, float* m, float* v,
                 float* work, int64_t width) {
-  if (cu.idle[slot] > 0 &&
-      !CatchUpRow(cu.coefficients + slot * kCoefficients, s.eps, cu.binv, cu.ratio, p, m, v, work, width)) {
-    return false;
-  }
+  if (cu.idle[slot] > 0 && !CatchUpRow<kTorch>(s, cu, slot, p, m, v, work, width)) return false;
   UpdateRow<kTorch, kMaximize, true>(s, g, m, v, p, width);
   return true;
 }
@@ -80,7 +167,7 @@ template <bool kTorch, bool kMaximize>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const Coalesced& c, const Shard& shard,
                                      const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
                                      int64_t hi) {
-  std::vector<float> g(static_cast<size_t>(width)), work(2 * static_cast<size_t>(width));
+  std::vector<float> g(static_cast<size_t>(width)), work(5 * static_cast<size_t>(width));
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
       const int64_t r = shard.Local(c.row[d + kPrefetchDistance]);
@@ -108,7 +195,7 @@ template <bool kTorch, bool kMaximize>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int32_t* keys, const Shard& shard,
                                   const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
                                   int64_t hi) {
-  std::vector<float> work(2 * static_cast<size_t>(width));
+  std::vector<float> work(5 * static_cast<size_t>(width));
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
       const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
@@ -144,10 +231,11 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchU
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
                      ffi::BufferR2<ffi::F32> coefficients, ffi::BufferR1<ffi::S32> idle,
-                     ffi::BufferR1<ffi::F32> limits, ffi::BufferR0<ffi::S32> row_begin,
+                     ffi::BufferR1<ffi::S32> last, ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
+                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR0<ffi::S32> row_begin,
                      ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
                      ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
-                     int64_t torch_eps, int64_t maximize, int64_t unique, int64_t threads) {
+                     int64_t cap, int64_t torch_eps, int64_t maximize, int64_t unique, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   const auto dims = p.dimensions();
@@ -162,9 +250,12 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   if (static_cast<int64_t>(scalars.element_count()) != kNumScalars)
     return ffi::Error::InvalidArgument("scalars must hold 10 values");
   if (static_cast<int64_t>(coefficients.element_count()) != k * kCoefficients ||
-      static_cast<int64_t>(idle.element_count()) != k || static_cast<int64_t>(flags->element_count()) != k)
-    return ffi::Error::InvalidArgument("coefficients, idle and flags must have one row per key");
-  if (limits.element_count() != 2) return ffi::Error::InvalidArgument("limits must hold 2 values");
+      static_cast<int64_t>(idle.element_count()) != k || static_cast<int64_t>(last.element_count()) != k ||
+      static_cast<int64_t>(flags->element_count()) != k)
+    return ffi::Error::InvalidArgument("coefficients, idle, last and flags must have one row per key");
+  if (limits.element_count() != 4) return ffi::Error::InvalidArgument("limits must hold 4 values");
+  if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
+  const auto table = corrections.dimensions();
   float* q = p_out->typed_data();
   float* m = mu_out->typed_data();
   float* v = nu_out->typed_data();
@@ -172,9 +263,12 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
   std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(k));
-  const CatchUp cu{coefficients.typed_data(), idle.typed_data(), limits.typed_data()[0], limits.typed_data()[1],
-                   flags->typed_data()};
+  const float* limit = limits.typed_data();
   const Scalars s = ReadScalars(scalars);
+  const IdleSteps steps{s.b1, s.b2, s.eps, limit[2], limit[3] != 0.0f, neg_rates.typed_data(), cap,
+                        corrections.typed_data(), table[0]};
+  const CatchUp cu{coefficients.typed_data(), idle.typed_data(), last.typed_data(), limit[0], limit[1], steps,
+                   flags->typed_data()};
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   auto run = [&](auto torch_eps, auto maximize) {
     Run<decltype(torch_eps)::value, decltype(maximize)::value>(pool, s, o, cu, keys.typed_data(), k, shard,
@@ -186,6 +280,68 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
     o.maximize ? run(T{}, T{}) : run(T{}, F{});
   } else {
     o.maximize ? run(F{}, T{}) : run(F{}, F{});
+  }
+  return ffi::Error::Success();
+}
+
+// The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
+//   optax_sparse_adam_v1_catch_up_adam_steps
+//     (p, mu, nu, last, idle, limits, neg_rates, corrections) -> (p, flags)
+// Each row with idle > 0 takes its first min(idle, cap) idle steps as IdleSteps::Replay takes them, every
+// element (the caller keeps the ones it needs); the moments are read, not written. limits: b1, b2, eps,
+// long_neg_lr, has_corrections. A row whose steps are not at hand is left as it is and flagged.
+template <bool kTorch>
+void StepRows(ffi::ThreadPool& pool, const IdleSteps& steps, const int32_t* last, const int32_t* idle,
+              const float* m, const float* v, float* q, int32_t* flags, int64_t rows, int64_t width,
+              int64_t threads) {
+  ParallelFor(pool, rows, std::min<int64_t>(threads, rows / 32 + 1), [&](int64_t lo, int64_t hi) {
+    std::vector<float> work(3 * static_cast<size_t>(width));
+    for (int64_t r = lo; r < hi; ++r) {
+      if (idle[r] <= 0) continue;
+      if (!steps.CanStep(idle[r])) {
+        flags[r] = 1;
+        continue;
+      }
+      float* row = q + r * width;
+      steps.Replay<kTorch>(last[r], idle[r], row, m + r * width, v + r * width, work.data(), work.data() + width,
+                           work.data() + 2 * width, width);
+      std::memcpy(row, work.data(), sizeof(float) * static_cast<size_t>(width));
+    }
+  });
+}
+
+ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+                     ffi::Buffer<ffi::F32> nu, ffi::BufferR1<ffi::S32> last, ffi::BufferR1<ffi::S32> idle,
+                     ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
+                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR0<ffi::S32> row_begin,
+                     ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
+                     int64_t cap, int64_t torch_eps, int64_t threads) {
+  (void)row_begin;
+  (void)num_rows;
+  const auto dims = p.dimensions();
+  if (dims.size() < 1) return ffi::Error::InvalidArgument("rows must have at least one dimension");
+  const int64_t rows = dims[0];
+  const int64_t width = RowWidth(dims);
+  if (mu.element_count() != p.element_count() || nu.element_count() != p.element_count())
+    return ffi::Error::InvalidArgument("mu and nu must have the rows' shape");
+  if (static_cast<int64_t>(last.element_count()) != rows || static_cast<int64_t>(idle.element_count()) != rows ||
+      static_cast<int64_t>(flags->element_count()) != rows)
+    return ffi::Error::InvalidArgument("last, idle and flags must have one entry per row");
+  if (limits.element_count() != 5) return ffi::Error::InvalidArgument("limits must hold 5 values");
+  if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
+  const auto table = corrections.dimensions();
+  float* q = p_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(rows));
+  const float* limit = limits.typed_data();
+  const IdleSteps steps{limit[0], limit[1], limit[2], limit[3], limit[4] != 0.0f, neg_rates.typed_data(), cap,
+                        corrections.typed_data(), table[0]};
+  if (torch_eps != 0) {
+    StepRows<true>(pool, steps, last.typed_data(), idle.typed_data(), mu.typed_data(), nu.typed_data(), q,
+                   flags->typed_data(), rows, width, threads);
+  } else {
+    StepRows<false>(pool, steps, last.typed_data(), idle.typed_data(), mu.typed_data(), nu.typed_data(), q,
+                    flags->typed_data(), rows, width, threads);
   }
   return ffi::Error::Success();
 }
@@ -204,14 +360,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // coefficients: per key
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // limits: binv, ratio
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last: per key, the row's last step
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // limits: binv, ratio, long_neg_lr, has table
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // neg_rates: the window's -lr, by offset
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // corrections: (c1, c2) by the step's count
                                   .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
                                   .Ret<ffi::Buffer<ffi::F32>>()     // p
                                   .Ret<ffi::Buffer<ffi::F32>>()     // mu
                                   .Ret<ffi::Buffer<ffi::F32>>()     // nu
                                   .Ret<ffi::BufferR1<ffi::S32>>()  // flags: per key
                                   .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("cap")
                                   .Attr<int64_t>("torch_eps")
                                   .Attr<int64_t>("maximize")
                                   .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpSteps, optax_sparse_adam::StepsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // p: rows
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // mu
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last: per row
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per row (0: no steps)
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // limits: b1, b2, eps, long_neg_lr, has table
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // neg_rates: the window's -lr, by offset
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // corrections: (c1, c2) by the step's count
+                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin (unused: rows are independent)
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // p
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // flags: per row
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("cap")
+                                  .Attr<int64_t>("torch_eps")
                                   .Attr<int64_t>("threads"));
