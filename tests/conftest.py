@@ -1,14 +1,31 @@
-"""Test configuration: strict rank promotion, 8 CPU devices for the sharding tests, derandomized hypothesis.
+"""Test configuration: strict rank promotion, 8 CPU devices for the sharding tests, derandomized hypothesis,
+a compilation cache.
 
 ``jax_num_cpu_devices`` is set before jax first creates its backends; unlike an
 ``XLA_FLAGS`` default it cannot be silently overridden by the environment, and
 the sharding tests fail (not skip) when the devices are missing.
 """
 
+import os
+import pathlib
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# JAX's persistent compilation cache, shared by the pytest-xdist workers of a run and kept between runs (in
+# build/jax-test-cache, ignored by git; OPTAX_SPARSE_ADAM_TEST_CACHE names another directory, or "" for none): many
+# tests compile the same programs, and a rerun compiles only what changed. An entry's key is the program's HLO with
+# jax's and XLA's versions and options, so a changed library or jax compiles anew; the kernels are looked up by
+# name in the built library when an executable loads, so rebuilding them needs no new entry.
+_CACHE = os.environ.get(
+    "OPTAX_SPARSE_ADAM_TEST_CACHE", str(pathlib.Path(__file__).parent.parent / "build" / "jax-test-cache")
+)
+if _CACHE:
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
