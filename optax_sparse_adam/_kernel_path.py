@@ -57,7 +57,7 @@ from optax_sparse_adam._row_ops import explicit_sharding
 __all__ = ["kernel_path", "use_kernels"]
 
 MAX_THREADS = 16
-PREFIX = "optax_sparse_adam_v1_"  # bump when a handler's operands or attributes change
+PREFIX = "optax_sparse_adam_v2_"  # bump when a handler's operands or attributes change
 _SYMBOLS = {
     "sparse_adam_rows": "OptaxSparseAdamRows",
     "sparse_adam_apply": "OptaxSparseAdamApply",

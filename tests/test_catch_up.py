@@ -331,7 +331,7 @@ def test_native_step_equals_the_xla_path(case: str) -> None:
 
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
-    assert ("optax_sparse_adam_v1_catch_up_adam_apply" in text) == (case != "no series (eps_root)")
+    assert ("optax_sparse_adam_v2_catch_up_adam_apply" in text) == (case != "no series (eps_root)")
     for t in range(150):
         if case == "unique":
             ids = rng.permutation(rows)[:k]
@@ -410,7 +410,7 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
         assert np.all(np.abs(pc - pcx) <= np.spacing(np.abs(pcx))), np.abs(pc - pcx).max()
     else:
         assert_trees_equal(pc, pcx)
-    assert "optax_sparse_adam_v1_catch_up_adam_steps" in caught.lower(p, state).as_text()
+    assert "optax_sparse_adam_v2_catch_up_adam_steps" in caught.lower(p, state).as_text()
     long_idle = np.isin(np.arange(rows), np.asarray(ids)) & (count - 1 - last > cap)
     if case == "schedule":  # the long-idle rows (each with tiny elements) are flagged, the others not
         np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])

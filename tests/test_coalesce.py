@@ -145,7 +145,7 @@ def test_the_native_kernel_sums_as_the_xla_path(kind):
         with osa.use_kernels(kernels):
             compiled = jax.jit(step).lower(jnp.asarray(keys), jnp.asarray(values)).compile()
             if len(keys):  # XLA folds a call with empty results away
-                assert ("optax_sparse_adam_v1_coalesce" in compiled.as_text()) is kernels
+                assert ("optax_sparse_adam_v2_coalesce" in compiled.as_text()) is kernels
             results[kernels] = [np.asarray(x) for x in compiled(jnp.asarray(keys), jnp.asarray(values))]
     dense = {}
     for kernels, (got_keys, got_values) in results.items():

@@ -219,7 +219,7 @@ def test_update_and_apply_runs_any_transformation(kernel_path):
 def _kernel_targets(fn, *args) -> set[str]:
     """The library's custom calls in ``fn``'s compiled HLO, by handler name."""
     text = jax.jit(fn).lower(*args).compile().as_text()
-    return set(re.findall(r'custom_call_target="optax_sparse_adam_v1_(\w+)"', text))
+    return set(re.findall(r'custom_call_target="optax_sparse_adam_v2_(\w+)"', text))
 
 
 _SCHEDULE = optax.linear_schedule(0.05, 0.005, 3)
@@ -385,7 +385,7 @@ def test_in_place_and_compiled_once(fused, adam):
         compiled = jax.jit(_step_fn(tx, fused, rows), donate_argnums=(0, 1)).lower(*args).compile()
         text = compiled.as_text()
         assert "optax_sparse_adam_v1" in text
-        assert not fused or f"optax_sparse_adam_v1_sparse_{adam}_apply" in text
+        assert not fused or f"optax_sparse_adam_v2_sparse_{adam}_apply" in text
         sizes[rows] = compiled.memory_analysis().temp_size_in_bytes
     assert sizes[100_000] == sizes[1_000] < 100_000 * 16 * 4 / 10  # independent of the table, and small
 

@@ -258,8 +258,8 @@ def test_routed_steps_run_the_kernels_on_each_device(fused):
             state = tx.init(params)
             compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *map(jnp.asarray, _batches(1)[0]))
             calls = _custom_calls(compiled.compile().as_text())
-            rule = "optax_sparse_adam_v1_sparse_adam_" + ("apply" if fused else "rows")
-            assert (rule in calls) is kernels and ("optax_sparse_adam_v1_gather" in calls) is kernels, calls
+            rule = "optax_sparse_adam_v2_sparse_adam_" + ("apply" if fused else "rows")
+            assert (rule in calls) is kernels and ("optax_sparse_adam_v2_gather" in calls) is kernels, calls
             run = jax.jit(step, donate_argnums=(0, 1))
             for ids, y in _batches(4):
                 params, state, _ = run(params, state, jax.device_put(ids, batch), jax.device_put(y, batch))

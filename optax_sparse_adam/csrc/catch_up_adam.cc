@@ -1,6 +1,6 @@
 // Lazy Adam with exact catch-up (sparse_adam(catch_up=True)) and its
 // application, as an XLA FFI handler for the CPU:
-//   optax_sparse_adam_v1_catch_up_adam_apply
+//   optax_sparse_adam_v2_catch_up_adam_apply
 //     (p, mu, nu, keys, values, scalars, coefficients, idle, last, limits, neg_rates, corrections)
 //       -> (p, mu, nu, flags)
 // Each touched row first takes the `idle` steps it sat out as _catch_up.replay
@@ -285,7 +285,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
 }
 
 // The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
-//   optax_sparse_adam_v1_catch_up_adam_steps
+//   optax_sparse_adam_v2_catch_up_adam_steps
 //     (p, mu, nu, last, idle, limits, neg_rates, corrections) -> (p, flags)
 // Each row with idle > 0 takes its first min(idle, cap) idle steps as IdleSteps::Replay takes them, every
 // element (the caller keeps the ones it needs); the moments are read, not written. limits: b1, b2, eps,

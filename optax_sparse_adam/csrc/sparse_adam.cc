@@ -1,20 +1,20 @@
 // Lazy Adam on the rows a batch touches, as XLA FFI handlers for the CPU.
 //
 // Two handlers share one row loop:
-//   optax_sparse_adam_v1_sparse_adam_rows   (mu, nu, keys, values, scalars) -> (mu, nu, keys, step)
+//   optax_sparse_adam_v2_sparse_adam_rows   (mu, nu, keys, values, scalars) -> (mu, nu, keys, step)
 //     the sparse leaf rule of scale_by_sparse_adam: new moments in place, and
 //     the step rows times the scalar neg_lr (1, or sparse_adam's -lr) packed
 //     as the XLA path packs them (distinct keys first, padding after; with
 //     `unique`, in the entries' own slots);
-//   optax_sparse_adam_v1_sparse_adam_apply  (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
+//   optax_sparse_adam_v2_sparse_adam_apply  (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
 //     the same and p += neg_lr * step, touching each row of p, mu and nu once;
-//   optax_sparse_adam_v1_sparse_adamw_apply (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
+//   optax_sparse_adam_v2_sparse_adamw_apply (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
 //     sparse_adamw's lazy step: p += neg_lr * fma(weight_decay, p, step), the
 //     weight decay an eleventh scalar;
-//   optax_sparse_adam_v1_sparse_amsgrad_apply (p, mu, nu, nu_max, keys, values, scalars) -> (p, mu, nu, nu_max)
+//   optax_sparse_adam_v2_sparse_amsgrad_apply (p, mu, nu, nu_max, keys, values, scalars) -> (p, mu, nu, nu_max)
 //     sparse_amsgrad's lazy step: nu_max' = max(nu_max, v' (1 / bc2)),
 //     s = (m' (1 / bc1)) / (sqrt(nu_max' + eps_root) + eps), p += neg_lr s;
-//   optax_sparse_adam_v1_sparse_amsgrad_rows (mu, nu, nu_max, keys, values, scalars) -> (mu, nu, nu_max, keys, step)
+//   optax_sparse_adam_v2_sparse_amsgrad_rows (mu, nu, nu_max, keys, values, scalars) -> (mu, nu, nu_max, keys, step)
 //     its leaf rule for tx.update: the moments in place, the step rows times neg_lr packed as above.
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
