@@ -366,9 +366,9 @@ def test_lowers_for_gpu_and_tpu_without_the_cpu_kernel(fused, platform):
     table = jnp.zeros((NUM_ROWS, WIDTH), jnp.float32)
     args = (table, tx.init(table), jnp.zeros((8,), jnp.int32), jnp.ones((8, WIDTH), jnp.float32))
     traced = jax.jit(_step_fn(tx, fused)).trace(*args)
-    assert ("optax_sparse_adam_v1" in traced.lower(lowering_platforms=("cpu",)).as_text()) == _kernel_path.enabled()
+    assert ("optax_sparse_adam_v2" in traced.lower(lowering_platforms=("cpu",)).as_text()) == _kernel_path.enabled()
     text = traced.lower(lowering_platforms=(platform,)).as_text()
-    assert "optax_sparse_adam_v1" not in text
+    assert "optax_sparse_adam_v2" not in text
     assert "scatter" in text  # the XLA path
 
 
@@ -384,7 +384,7 @@ def test_in_place_and_compiled_once(fused, adam):
         args = (table, tx.init(table), jnp.zeros((256,), jnp.int32), jnp.ones((256, 16), jnp.float32))
         compiled = jax.jit(_step_fn(tx, fused, rows), donate_argnums=(0, 1)).lower(*args).compile()
         text = compiled.as_text()
-        assert "optax_sparse_adam_v1" in text
+        assert "optax_sparse_adam_v2" in text
         assert not fused or f"optax_sparse_adam_v2_sparse_{adam}_apply" in text
         sizes[rows] = compiled.memory_analysis().temp_size_in_bytes
     assert sizes[100_000] == sizes[1_000] < 100_000 * 16 * 4 / 10  # independent of the table, and small
@@ -509,12 +509,12 @@ def test_exported_step_runs_the_xla_path(kernel_path, fused):
     args = (table, tx.init(table), *map(jnp.asarray, steps[0]))
     step = jax.jit(_step_fn(tx, fused))
     exported = jax.export.export(step)(*args)
-    assert "optax_sparse_adam_v1" not in exported.mlir_module()
+    assert "optax_sparse_adam_v2" not in exported.mlir_module()
     with osa.use_kernels(False):
         expected = jax.jit(_step_fn(tx, fused))(*args)
     assert_trees_equal(exported.call(*args), expected)
     # Jitted as usual, the same step still runs the kernel.
-    assert ("optax_sparse_adam_v1" in step.lower(*args).as_text()) == (kernel_path == "native-cpu")
+    assert ("optax_sparse_adam_v2" in step.lower(*args).as_text()) == (kernel_path == "native-cpu")
 
 
 # --- One rule for what every path accepts. ---
