@@ -103,6 +103,13 @@ struct CatchUp {
   int32_t* flags;  // (k,)
 };
 
+// The series sum_j (-z)^j C_j of a row's coefficients c, by Horner's rule.
+inline float Series(const float* c, float z) {
+  float series = c[kTerms - 1];
+  for (int64_t i = kTerms - 2; i >= 0; --i) series = c[i] - z * series;
+  return series;
+}
+
 // The row's idle steps, in place: the closed form where the series takes an element (z * binv <= ratio, as the
 // XLA path tests it; false for NaN), the steps one by one where it does not and m != 0. False, and nothing
 // written, where those steps are needed and cannot be taken here. `work` holds 5 * width floats.
@@ -122,9 +129,7 @@ inline bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, float*
   const float decay1 = c[kTerms], decay2 = c[kTerms + 1];
   if (takes) {
     for (int64_t j = 0; j < width; ++j) {
-      float series = c[kTerms - 1];
-      for (int64_t i = kTerms - 2; i >= 0; --i) series = c[i] - z[j] * series;
-      p[j] = p[j] + (-(m[j] * inv[j])) * series;
+      p[j] = p[j] + (-(m[j] * inv[j])) * Series(c, z[j]);
       m[j] = m[j] * decay1;
       v[j] = v[j] * decay2;
     }
@@ -140,9 +145,7 @@ inline bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, float*
   }
   for (int64_t j = 0; j < width; ++j) {
     if (z[j] * binv <= ratio) {
-      float series = c[kTerms - 1];
-      for (int64_t i = kTerms - 2; i >= 0; --i) series = c[i] - z[j] * series;
-      p[j] = p[j] + (-(m[j] * inv[j])) * series;
+      p[j] = p[j] + (-(m[j] * inv[j])) * Series(c, z[j]);
     } else if (m[j] != 0.0f) {
       p[j] = ps[j];
     } else {
