@@ -3,6 +3,8 @@ the first slots, padding after them with zero values, the capacity kept."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,14 +70,31 @@ def _leaves(draw):
     return np.array(keys, np.int32).reshape(capacity, n_sparse), shape
 
 
+@functools.cache
+def _jitted_coalesce(shape: tuple[int, ...], kernels: bool):
+    """``coalesce`` of a leaf of ``shape`` from its keys and values, jitted (one compilation per capacity, not one
+    dispatch per operation), shared by the examples; with the result's static fields as its trace saw them."""
+    static = {}
+
+    def run(keys, values):
+        out = coalesce(_internal(keys, values, shape))
+        static["distinct"], static["shape"] = out.distinct, out.shape
+        return out.keys, out.values
+
+    return jax.jit(run), static
+
+
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "xla"])
 @settings(max_examples=80, deadline=None)
 @given(_leaves(), st.integers(0, 2**31 - 1))
 def test_matches_numpy_on_random_keys(kernels, leaf, seed):
     keys, shape = leaf
     values = np.random.default_rng(seed).standard_normal((len(keys), *shape[keys.shape[1] :])).astype(np.float32)
+    run, static = _jitted_coalesce(shape, kernels)
     with osa.use_kernels(kernels):
-        _assert_coalesced(coalesce(_internal(keys, values, shape)), keys, values, shape)
+        got_keys, got_values = run(jnp.asarray(keys), jnp.asarray(values))
+    assert static["distinct"] and static["shape"] == shape
+    _assert_packed(got_keys, got_values, keys, values, shape)
 
 
 @settings(max_examples=30, deadline=None)
@@ -221,9 +240,11 @@ def test_the_gpu_sum_is_the_scatter_add_without_one(shape):
     reference = np.zeros(shape, np.float64)
     np.add.at(reference, np.asarray(target)[np.asarray(target) < k], np.asarray(values, np.float64)[target < k])
     scale = np.abs(values).sum() * np.finfo(np.float32).eps
-    np.testing.assert_allclose(_sorted_sum(target, values), reference, rtol=0, atol=scale)
-    np.testing.assert_allclose(sum_into_slots(target, values), reference, rtol=0, atol=scale)
-    lowered = jax.jit(sum_into_slots).trace(target, values)
+    # Jitted: one compilation each, where eagerly the sort and the scan's levels dispatch op by op.
+    np.testing.assert_allclose(jax.jit(_sorted_sum)(target, values), reference, rtol=0, atol=scale)
+    summed = jax.jit(sum_into_slots)
+    np.testing.assert_allclose(summed(target, values), reference, rtol=0, atol=scale)
+    lowered = summed.trace(target, values)
     assert _scatters(lowered.lower(lowering_platforms=("cuda",)).as_text()) == [False]
     assert _scatters(lowered.lower(lowering_platforms=("rocm",)).as_text()) == [False]
     assert _scatters(lowered.lower(lowering_platforms=("cpu",)).as_text()) == [True]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,38 +80,64 @@ def test_stacks_by_width_and_dtype_and_tables_are_blocks_of_them():
     assert 0.3 < std < 0.7  # variance scaling over the width: 1/sqrt(4)
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-def test_pool_and_row_gradients_equal_one_array_per_table(weighted, kernel_path):
+@functools.cache
+def _example(weighted: bool) -> tuple[dict[str, np.ndarray], np.ndarray, dict, dict, dict[str, osa.Bags]]:
+    """The tables (on the host), the head's weights, the inputs, their weights and bags: built once, each in one
+    program, for both kernel paths (op by op, each operation would compile again under each kernel path)."""
     rng = np.random.default_rng(weighted)
     coll = _collection()
-    params = {"emb": coll.init(jax.random.key(1)), "w": jnp.asarray(rng.standard_normal((12, 1)), jnp.float32)}
-    tables = {name: coll.table(params["emb"], name) for name in TABLES}
+    emb = jax.device_get(jax.jit(coll.init)(jax.random.key(1)))
+    w = rng.standard_normal((12, 1)).astype(np.float32)
     inputs = _inputs(rng)
     weights = {"history": rng.uniform(0.1, 2.0, (BATCH, 5)).astype(np.float32)} if weighted else {}
-    batch = coll.bags(inputs, weights)
-    got = coll.pool(params["emb"], batch)
-    want = _per_table_model(tables, inputs, weights)
-    assert list(got) == list(FEATURES)
-    for name in FEATURES:
-        assert got[name].shape == (BATCH, TABLES[FEATURES[name].table].width), name
-        assert_trees_equal(got[name], want[name], rtol=1e-6, atol=1e-7)
+    return emb, w, inputs, weights, jax.jit(coll.bags)(inputs, weights)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pool_and_row_gradients_equal_one_array_per_table(weighted, kernel_path):
+    coll = _collection()
+    emb, w, inputs, weights, batch = _example(weighted)
+    params = {"emb": jax.tree.map(lambda x: jnp.asarray(np.array(x)), emb), "w": jnp.asarray(w)}  # donated: copies
+    tables = {name: jnp.asarray(coll.table(emb, name)) for name in TABLES}
 
     def loss(p, batch):
         return _head(coll.pool(p["emb"], batch), p["w"])
 
     def reference(p):
-        return _head(_per_table_model(p["tables"], inputs, weights), p["w"])
+        pooled = _per_table_model(p["tables"], inputs, weights)
+        return _head(pooled, p["w"]), pooled
 
-    value, grads = jax.jit(osa.value_and_row_grad(loss, lambda p: p["emb"]))(params, batch)
-    want_value, want_grads = jax.value_and_grad(reference)({"tables": tables, "w": params["w"]})
+    order = []
+
+    def pool_and_reference(emb, ref_params):
+        got = coll.pool(emb, batch)
+        order.append(list(got))  # a jitted function's dicts come back sorted
+        return got, jax.value_and_grad(reference, has_aux=True)(ref_params)
+
+    got, ((want_value, want), want_grads) = jax.jit(pool_and_reference)(
+        params["emb"], {"tables": tables, "w": params["w"]}
+    )
+    assert order == [list(FEATURES)]
+    for name in FEATURES:
+        assert got[name].shape == (BATCH, TABLES[FEATURES[name].table].width), name
+        assert_trees_equal(got[name], want[name], rtol=1e-6, atol=1e-7)
+
+    def row_grads(p, batch):
+        value, grads = osa.value_and_row_grad(loss, lambda p: p["emb"])(p, batch)
+        return value, grads, {k: v.todense() for k, v in grads["emb"].items()}
+
+    value, grads, dense_stacks = jax.jit(row_grads)(params, batch)
     np.testing.assert_allclose(value, want_value, rtol=1e-6)
     np.testing.assert_allclose(grads["w"], want_grads["w"], rtol=1e-5, atol=1e-6)
+    dense = {name: coll.table(jax.device_get(dense_stacks), name) for name in TABLES}
     for name in TABLES:
         stack = grads["emb"][coll._stack_of(name)]
         assert isinstance(stack, osa.IndexedRows)
-        dense = coll.table({k: v.todense() for k, v in grads["emb"].items()}, name)
         np.testing.assert_allclose(
-            np.asarray(dense, np.float32), np.asarray(want_grads["tables"][name], np.float32), rtol=1e-5, atol=1e-6
+            np.asarray(dense[name], np.float32),
+            np.asarray(want_grads["tables"][name], np.float32),
+            rtol=1e-5,
+            atol=1e-6,
         )
 
     # One jitted, donated step for every table at once; a step the table of which holds bf16 runs too.
@@ -118,7 +146,8 @@ def test_pool_and_row_gradients_equal_one_array_per_table(weighted, kernel_path)
     step = jax.jit(osa.update_and_apply, static_argnums=0, donate_argnums=(2, 3))
     new_params, _ = step(tx, grads, state, params)
     untouched = np.setdiff1d(np.arange(50), inputs["user"])
-    assert_trees_equal(coll.table(new_params["emb"], "user")[untouched], tables["user"][untouched])
+    user = coll.table(jax.device_get(new_params["emb"]), "user")  # on the host: NumPy indexing compiles nothing
+    assert_trees_equal(user[untouched], np.asarray(tables["user"])[untouched])
 
 
 def test_one_lookup_per_stack():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -35,6 +36,12 @@ ADAM_OPTIONS = [
 needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 
 
+@functools.cache
+def _adam(adam: str, lr: float, **options):
+    """``ADAMS[adam](lr, **options)``, one object for equal arguments: tests built on it share compiled steps."""
+    return ADAMS[adam](lr, **options)
+
+
 def test_kernels_are_built_where_required():
     """`make test` sets OPTAX_SPARSE_ADAM_REQUIRE_KERNELS=1: there, a missing build is a failure, not a skip."""
     if os.environ.get("OPTAX_SPARSE_ADAM_REQUIRE_KERNELS") == "1":
@@ -54,15 +61,14 @@ def _ids(rng: np.random.Generator, kind: str, k: int) -> np.ndarray:
     if kind == "all_padding":
         return np.where(np.arange(k) % 2 == 0, -1, NUM_ROWS).astype(np.int32)
     if kind == "extreme":  # int32 extremes are padding too
-        return np.array([np.iinfo(np.int32).min, np.iinfo(np.int32).max, 3, NUM_ROWS, -1, 3][:k], np.int32)
+        return np.resize(np.array([np.iinfo(np.int32).min, np.iinfo(np.int32).max, 3, NUM_ROWS, -1, 3], np.int32), k)
     raise ValueError(kind)
 
 
-def _run(tx, steps, *, fused: bool, unique: bool = False):
-    """Runs jitted steps of ``tx`` (two calls, or update_and_apply) on a table and a dense vector."""
-    params = {"table": jnp.linspace(-1.0, 1.0, NUM_ROWS * WIDTH, dtype=jnp.float32).reshape(NUM_ROWS, WIDTH)}
-    params["w"] = jnp.ones((3,), jnp.float32)
-    state = tx.init(params)
+@functools.cache
+def _run_step(tx, fused: bool, unique: bool):
+    """The jitted step of :func:`_run`, one per ``(tx, fused, unique)``: equal shapes compile once per module (the
+    kernel setting is part of jit's cache key)."""
 
     @jax.jit
     def step(params, state, ids, values):
@@ -75,6 +81,20 @@ def _run(tx, steps, *, fused: bool, unique: bool = False):
         updates, state = tx.update(grads, state, params)
         return osa.apply_updates(params, updates), state, updates
 
+    return step
+
+
+def _run_start(tx):
+    """The parameters (a table and a dense vector) and state that :func:`_run` starts from."""
+    params = {"table": jnp.linspace(-1.0, 1.0, NUM_ROWS * WIDTH, dtype=jnp.float32).reshape(NUM_ROWS, WIDTH)}
+    params["w"] = jnp.ones((3,), jnp.float32)
+    return params, tx.init(params)
+
+
+def _run(tx, steps, *, fused: bool, unique: bool = False):
+    """Runs jitted steps of ``tx`` (two calls, or update_and_apply) on a table and a dense vector."""
+    params, state = _run_start(tx)
+    step = _run_step(tx, fused, unique)
     updates = None
     for ids, values in steps:
         params, state, updates = step(params, state, jnp.asarray(ids), jnp.asarray(values))
@@ -119,12 +139,14 @@ def _assert_same(a, b, n_steps, lr):
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize(("adam", "eps_placement", "maximize"), ADAM_OPTIONS)
 def test_native_equals_xla(kind, eps_placement, maximize, fused, adam):
-    k = {"dups": 64, "distinct": 40, "all_padding": 8, "extreme": 6}[kind]
+    # One batch size but for the distinct ids: the other kinds (and the XLA reference of both values of `fused`)
+    # share their compiled steps.
+    k = 40 if kind == "distinct" else 64
     steps = _steps(kind, k)
     options = {"eps_root": 1e-12} if maximize else {}
     if adam != "amsgrad":
         options |= {"maximize": maximize, "eps_placement": eps_placement}
-    tx = ADAMS[adam](0.05, **options)
+    tx = _adam(adam, 0.05, **options)
     with osa.use_kernels(True):
         native = _run(tx, steps, fused=fused, unique=kind == "distinct")
     with osa.use_kernels(False):
@@ -141,7 +163,7 @@ def test_native_equals_xla(kind, eps_placement, maximize, fused, adam):
 def test_empty_and_single_entry_batches(k, fused, adam):
     steps = _steps("dups", max(k, 1))
     steps = [(ids[:k], values[:k]) for ids, values in steps]
-    tx = ADAMS[adam](0.1)
+    tx = _adam(adam, 0.1)
     with osa.use_kernels(True):
         native = _run(tx, steps, fused=fused)
     with osa.use_kernels(False):
@@ -158,16 +180,15 @@ def test_one_id_repeated_65536_times(fused, adam):
     k = 65_536
     ids = np.full(k, 7, np.int32)
     values = rng.standard_normal((k, WIDTH)).astype(np.float32)
-    tx = ADAMS[adam](0.1)
+    tx = _adam(adam, 0.1)
     with osa.use_kernels(True):
         native = _run(tx, [(ids, values)], fused=fused)
     with osa.use_kernels(False):
         xla = _run(tx, [(ids, values)], fused=False)
     _assert_same(native, xla, 1, 0.1)
-    # The sum runs in entry order from 0, as XLA's scatter-add: check it against NumPy's sequential float32 sum.
-    g = np.zeros(WIDTH, np.float32)
-    for row in values:
-        g = g + row
+    # The sum runs in entry order from 0, as XLA's scatter-add: check it against NumPy's sequential float32 sum
+    # (cumsum adds row by row in the array's dtype: ((0 + v0) + v1) + ...).
+    g = np.cumsum(values, axis=0, dtype=np.float32)[-1]
     np.testing.assert_array_equal(native[1][0].mu["table"][7], np.float32(1 - 0.9) * g)
 
 
@@ -188,14 +209,16 @@ def test_schedule_and_mixed_dtypes_fuse_where_they_can():
 
     batches = [{"f32": grads(jnp.float32), "bf16": grads(jnp.bfloat16)} for _ in range(3)]
     results = []
+    fused_step = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))
+    update, apply = jax.jit(tx.update), jax.jit(osa.apply_updates)
     for fused in (True, False):
         p, s = params, tx.init(params)
         for g in batches:
             if fused:
-                p, s = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(p, s, g)
+                p, s = fused_step(p, s, g)
             else:
-                u, s = jax.jit(tx.update)(g, s, p)
-                p = jax.jit(osa.apply_updates)(p, u)
+                u, s = update(g, s, p)
+                p = apply(p, u)
         results.append((p, s))
     (p1, s1), (p2, s2) = results
     assert_trees_equal(s1, s2)
@@ -212,13 +235,17 @@ def test_update_and_apply_runs_any_transformation(kernel_path):
     g = {"table": osa.IndexedRows(jnp.array([1, 1, -1], jnp.int32), jnp.ones((3, WIDTH), jnp.float32), NUM_ROWS)}
     state = tx.init(params)
     p1, s1 = jax.jit(lambda p, s: osa.update_and_apply(tx, g, s, p))(params, state)
-    u, s2 = tx.update(g, state, params)
-    assert_trees_equal((p1, s1), (osa.apply_updates(params, u), s2))
+
+    def two_calls(p, s):
+        u, s = tx.update(g, s, p)
+        return osa.apply_updates(p, u), s
+
+    assert_trees_equal((p1, s1), jax.jit(two_calls)(params, state))
 
 
-def _kernel_targets(fn, *args) -> set[str]:
-    """The library's custom calls in ``fn``'s compiled HLO, by handler name."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
+def _kernel_targets(jitted, *args) -> set[str]:
+    """The library's custom calls in the compiled HLO of ``jitted`` (a jitted function), by handler name."""
+    text = jitted.lower(*args).compile().as_text()
     return set(re.findall(r'custom_call_target="optax_sparse_adam_v2_(\w+)"', text))
 
 
@@ -278,9 +305,8 @@ def test_update_and_apply_fuses_through_optax_wrappers(case):
     steps = _steps("dups", 64, n=3, seed=11)
     with osa.use_kernels(True):
         native = _run(tx, steps, fused=True)
-        params = {"table": jnp.zeros((NUM_ROWS, WIDTH), jnp.float32), "w": jnp.zeros((3,), jnp.float32)}
-        grads = {"table": osa.IndexedRows(*map(jnp.asarray, steps[0]), NUM_ROWS), "w": params["w"]}
-        targets = _kernel_targets(lambda p, s, g: osa.update_and_apply(tx, g, s, p), params, tx.init(params), grads)
+        # The program that just ran (compiled once: jit's caches hold it).
+        targets = _kernel_targets(_run_step(tx, True, False), *_run_start(tx), *map(jnp.asarray, steps[0]))
     applies = {t for t in targets if t.endswith("_apply")}
     assert len(applies) == fused_calls, targets
     assert not fused_calls or not any(t.endswith("_rows") for t in targets), targets  # none of the two calls' work
@@ -379,21 +405,26 @@ def test_in_place_and_compiled_once(fused, adam):
     """With donation the kernel updates the tables in place: temporaries do not grow with the table."""
     tx = ADAMS[adam](0.1)
     sizes = {}
+    # The 1,000-row step is also the one called below, three times: it must not trace (compile) again.
+    traced_once = jit_once(_step_fn(tx, fused, 1_000), donate_argnums=(0, 1))
     for rows in (1_000, 100_000):
         table = jnp.zeros((rows, 16), jnp.float32)
         args = (table, tx.init(table), jnp.zeros((256,), jnp.int32), jnp.ones((256, 16), jnp.float32))
-        compiled = jax.jit(_step_fn(tx, fused, rows), donate_argnums=(0, 1)).lower(*args).compile()
+        step = traced_once if rows == 1_000 else jax.jit(_step_fn(tx, fused, rows), donate_argnums=(0, 1))
+        compiled = step.lower(*args).compile()
         text = compiled.as_text()
         assert "optax_sparse_adam_v2" in text
         assert not fused or f"optax_sparse_adam_v2_sparse_{adam}_apply" in text
         sizes[rows] = compiled.memory_analysis().temp_size_in_bytes
     assert sizes[100_000] == sizes[1_000] < 100_000 * 16 * 4 / 10  # independent of the table, and small
 
-    traced_once = jit_once(_step_fn(tx, fused))
-
-    table = jnp.zeros((NUM_ROWS, WIDTH), jnp.float32)
+    rng = np.random.default_rng(10)
+    table = jnp.zeros((1_000, 16), jnp.float32)
     params, state = table, tx.init(table)
-    for ids, values in _steps("dups", 16, n=3):
+    for _ in range(3):
+        ids = rng.integers(-3, 1_003, 256).astype(np.int32)
+        ids[:85] = ids[rng.integers(0, 256, 85)]  # duplicates and padding
+        values = rng.standard_normal((256, 16)).astype(np.float32)
         params, state = traced_once(params, state, jnp.asarray(ids), jnp.asarray(values))
 
 
@@ -489,13 +520,14 @@ def _grad_case(case: str):
 @pytest.mark.parametrize("case", ["update", "update_and_apply", "add", "learning_rate"])
 def test_gradients_equal_the_xla_paths(case):
     f, x = _grad_case(case)
-    out = {}
-    for kernels in (True, False):
-        with osa.use_kernels(kernels):
-            tangent = jax.tree.map(jnp.ones_like, x)
-            out[kernels] = (jax.jit(jax.grad(f))(x), jax.jvp(f, (x,), (tangent,))[1], jax.grad(f)(x))
+    tangent = jax.tree.map(jnp.ones_like, x)
+    with osa.use_kernels(True):  # jitted reverse mode, and forward and reverse mode op by op
+        got = (jax.jit(jax.grad(f))(x), jax.jvp(f, (x,), (tangent,))[1], jax.grad(f)(x))
+    with osa.use_kernels(False):  # the reference, jitted (op by op it is the same computation)
+        grad = jax.jit(jax.grad(f))(x)
+        want = (grad, jax.jit(lambda x, t: jax.jvp(f, (x,), (t,))[1])(x, tangent), grad)
     # The same XLA computation both ways, compiled in other contexts (XLA:CPU may fuse and round apart).
-    assert_trees_equal(out[True], out[False], rtol=1e-6, atol=1e-7)
+    assert_trees_equal(got, want, rtol=1e-6, atol=1e-7)
 
 
 # --- jax.export: an exported step takes the XLA path, so the artifact runs without this library. ---
@@ -557,11 +589,16 @@ def test_fuzz_native_against_xla(width, threads):
         tx = osa.sparse_adam(lr, maximize=maximize, eps_placement=eps_placement)
         p = jnp.linspace(-1.0, 1.0, rows * width, dtype=jnp.float32).reshape(rows, width)
         s = tx.init(p)
+
+        @jax.jit  # one program for the three XLA steps, which also returns the last step's update
+        def xla_step(p, s, ids, values, tx=tx):
+            updates, s = tx.update(osa.IndexedRows(ids, values, rows), s, p)
+            return osa.apply_updates(p, updates), s, updates
+
         with osa.use_kernels(False):
             for ids, values in batches[:2]:
-                p, s = jax.jit(_step_fn(tx, False, rows))(p, s, ids, values)
-            xp, xs = jax.jit(_step_fn(tx, False, rows))(p, s, *batches[2])
-            u, _ = tx.update(osa.IndexedRows(*batches[2], rows), s, p)
+                p, s, _ = xla_step(p, s, ids, values)
+            xp, xs, u = xla_step(p, s, *batches[2])
         for fused in (False, True):
             with osa.use_kernels(True, threads=threads):
                 np_, ns = jax.jit(_step_fn(tx, fused, rows))(p, s, *batches[2])

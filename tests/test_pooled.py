@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -42,15 +44,24 @@ def _reference(table: np.ndarray, ragged: list[np.ndarray], weights: list[np.nda
     return out
 
 
-def _forms(ragged: list[np.ndarray], weights: list[np.ndarray] | None, combiner: str):
-    """The same bags built from the padded, offsets and lengths forms."""
+def _form_arrays(
+    ragged: list[np.ndarray], weights: list[np.ndarray] | None, *, capacity: int, width: int
+) -> dict[str, np.ndarray | None]:
+    """The bags' arrays in the padded (``width`` columns), offsets and lengths forms (``capacity`` entries).
+
+    The flat forms end with padding entries after the last bag (at least two), which hold real ids with large
+    weights: counted, they would show.
+    """
     lengths = np.array([len(x) for x in ragged], np.int32)
     flat = np.concatenate(ragged).astype(np.int32) if ragged else np.zeros(0, np.int32)
-    flat_w = None if weights is None else np.concatenate(weights).astype(np.float32)
-    # Entries after the last bag are padding (a fixed capacity).
-    flat_pad = np.concatenate([flat, np.array([1, 2], np.int32)])
-    flat_w_pad = None if weights is None else np.concatenate([flat_w, np.array([5.0, 5.0], np.float32)])
-    width = max(1, int(lengths.max(initial=0)))
+    extra = capacity - flat.size
+    assert extra >= 2
+    flat_pad = np.concatenate([flat, np.resize(np.array([1, 2], np.int32), extra)])
+    flat_w_pad = None
+    if weights is not None:
+        flat_w = np.concatenate(weights).astype(np.float32)
+        flat_w_pad = np.concatenate([flat_w, np.full(extra, 5.0, np.float32)])
+    assert width >= lengths.max(initial=0)
     padded = np.full((len(ragged), width), -1, np.int32)
     padded_w = np.zeros((len(ragged), width), np.float32)
     for b, ids in enumerate(ragged):
@@ -59,10 +70,28 @@ def _forms(ragged: list[np.ndarray], weights: list[np.ndarray] | None, combiner:
             padded_w[b, : len(ids)] = weights[b]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return {
-        "padded": osa.bags(padded, NUM_ROWS, weights=None if weights is None else padded_w, combiner=combiner),
-        "offsets": osa.bags(flat_pad, NUM_ROWS, offsets=offsets, weights=flat_w_pad, combiner=combiner),
-        "lengths": osa.bags(flat_pad, NUM_ROWS, lengths=lengths, weights=flat_w_pad, combiner=combiner),
+        "padded": padded,
+        "padded_w": None if weights is None else padded_w,
+        "flat": flat_pad,
+        "flat_w": flat_w_pad,
+        "offsets": offsets,
+        "lengths": lengths,
     }
+
+
+def _bags_of(a: dict, combiner: str) -> dict[str, osa.Bags]:
+    """The same bags built from the padded, offsets and lengths forms."""
+    return {
+        "padded": osa.bags(a["padded"], NUM_ROWS, weights=a["padded_w"], combiner=combiner),
+        "offsets": osa.bags(a["flat"], NUM_ROWS, offsets=a["offsets"], weights=a["flat_w"], combiner=combiner),
+        "lengths": osa.bags(a["flat"], NUM_ROWS, lengths=a["lengths"], weights=a["flat_w"], combiner=combiner),
+    }
+
+
+@functools.partial(jax.jit, static_argnames="combiner")
+def _pool_forms(table: jax.Array, arrays: dict, combiner: str) -> dict[str, jax.Array]:
+    """``pool`` of the bags of every form, built and pooled in one program."""
+    return {form: osa.pool(table, b) for form, b in _bags_of(arrays, combiner).items()}
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
@@ -74,7 +103,10 @@ def test_pool_equals_a_loop_over_bags(combiner, weighted):
     ragged.append(rng.integers(0, NUM_ROWS, size=100).astype(np.int32))  # a bag of 100
     weights = [rng.uniform(0.1, 2.0, size=len(x)).astype(np.float32) for x in ragged] if weighted else None
     want = _reference(table, ragged, weights, combiner)
-    for form, b in _forms(ragged, weights, combiner).items():
+    # One shape for every parametrization (at most 12 * 7 + 100 ids, then padding), so that they share the
+    # operations' compiled programs.
+    arrays = _form_arrays(ragged, weights, capacity=12 * 7 + 100 + 2, width=100)
+    for form, b in _bags_of(arrays, combiner).items():
         got = osa.pool(jnp.asarray(table), b)
         assert got.shape == (len(ragged), WIDTH) and got.dtype == jnp.float32, form
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=form)
@@ -148,9 +180,12 @@ def test_row_gradients_equal_the_dense_models(combiner, kernel_path):
     np.testing.assert_allclose(fused[0]["t"], osa.apply_updates(params, updates)["t"], rtol=1e-6, atol=1e-7)
 
 
+MAX_BAGS, MAX_LEN = 8, 9
+
+
 @settings(max_examples=25, deadline=None)
 @given(
-    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=8),
+    lengths=st.lists(st.integers(0, MAX_LEN), min_size=1, max_size=MAX_BAGS),
     combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
     seed=st.integers(0, 2**16),
 )
@@ -159,9 +194,15 @@ def test_any_ragged_batch_pools_as_the_loop(lengths, combiner, seed):
     table = rng.standard_normal((NUM_ROWS, WIDTH)).astype(np.float32)
     ragged = [rng.integers(-1, NUM_ROWS + 1, size=n).astype(np.int32) for n in lengths]
     weights = [rng.uniform(-1.0, 2.0, size=n).astype(np.float32) for n in lengths]
+    # Fixed shapes, so that the examples of a combiner share one compiled program: MAX_BAGS bags (the drawn ones,
+    # then empty ones, which must pool to zeros), MAX_LEN columns and MAX_BAGS * MAX_LEN + 2 flat entries (the
+    # rest padding).
+    ragged += [np.zeros(0, np.int32)] * (MAX_BAGS - len(lengths))
+    weights += [np.zeros(0, np.float32)] * (MAX_BAGS - len(lengths))
     want = _reference(table, ragged, weights, combiner)
-    for form, b in _forms(ragged, weights, combiner).items():
-        np.testing.assert_allclose(osa.pool(jnp.asarray(table), b), want, rtol=1e-4, atol=1e-5, err_msg=form)
+    arrays = _form_arrays(ragged, weights, capacity=MAX_BAGS * MAX_LEN + 2, width=MAX_LEN)
+    for form, got in _pool_forms(jnp.asarray(table), arrays, combiner).items():
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=form)
 
 
 def test_bf16_tables_pool_in_float32():

@@ -40,16 +40,21 @@ def test_lookup_rows_and_grad_match_dense(dtype: Any) -> None:
     table = jax.random.normal(jax.random.key(0), (50, 3), dtype)
     ids = jnp.array([[4, 7, 4], [-1, 50, 7], [0, 4, 49]], jnp.int32)
     weights = jax.random.normal(jax.random.key(1), (3, 3, 3), dtype)
-    lk = osa.lookup(table, ids)
-    np.testing.assert_array_equal(lk.rows[lk.inverse], take_or_zero(table, ids))
-    assert lk.rows.dtype == dtype and lk.inverse.shape == ids.shape and lk.inverse.dtype == jnp.int32
 
-    d_rows = jax.grad(lambda rows: jnp.sum(rows[lk.inverse] * weights).astype(jnp.float32))(lk.rows)
-    grad = lk.grad(d_rows)
+    @jax.jit  # one compilation, not one dispatch per operation
+    def run(table, ids, weights):
+        lk = osa.lookup(table, ids)
+        d_rows = jax.grad(lambda rows: jnp.sum(rows[lk.inverse] * weights).astype(jnp.float32))(lk.rows)
+        grad = lk.grad(d_rows)
+        dense = jax.grad(lambda t: jnp.sum(take_or_zero(t, ids) * weights).astype(jnp.float32))(table)
+        return lk, lk.rows[lk.inverse], take_or_zero(table, ids), grad, grad.todense(), dense
+
+    lk, gathered, want, grad, grad_dense, dense = run(table, ids, weights)
+    np.testing.assert_array_equal(gathered, want)
+    assert lk.rows.dtype == dtype and lk.inverse.shape == ids.shape and lk.inverse.dtype == jnp.int32
     assert grad.unique_indices and grad.values.dtype == dtype
-    dense = jax.grad(lambda t: jnp.sum(take_or_zero(t, ids) * weights).astype(jnp.float32))(table)
     tol = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}[dtype]
-    np.testing.assert_allclose(grad.todense().astype(jnp.float32), dense.astype(jnp.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(grad_dense.astype(jnp.float32), dense.astype(jnp.float32), rtol=tol, atol=tol)
 
 
 @settings(max_examples=40, deadline=None)
@@ -90,15 +95,20 @@ def test_value_and_row_grad_matches_jax_grad() -> None:
         value = jnp.sum(jnp.tanh(emb @ p["w"])) - jnp.sum(jnp.tanh(emb_neg @ p["w"]))
         return value, p["emb"].shape[0]
 
-    # One table selected twice: looked up once with both arrays of ids.
-    (value, aux), grads = osa.value_and_row_grad(loss, lambda p: (p["emb"], p["emb"]), has_aux=True)(params, (pos, neg))
     # The reference reads padding ids as the fast path does: zero rows.
     dense_loss = functools.partial(loss, take=lambda t, i, axis: take_or_zero(t, i))
-    (ref_value, _), ref = jax.value_and_grad(dense_loss, has_aux=True)(params, (pos, neg))
+
+    @jax.jit  # both sides in one compilation, not one dispatch per operation
+    def both(params, ids):
+        # One table selected twice: looked up once with both arrays of ids.
+        fast = osa.value_and_row_grad(loss, lambda p: (p["emb"], p["emb"]), has_aux=True)(params, ids)
+        return fast, fast[1]["emb"].todense(), jax.value_and_grad(dense_loss, has_aux=True)(params, ids)
+
+    ((value, aux), grads), emb_grad, ((ref_value, _), ref) = both(params, (pos, neg))
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     assert aux == pos.size + neg.size  # the fun saw the rows of both lookups in place of the table
     assert isinstance(grads["emb"], osa.IndexedRows) and grads["emb"].values.shape == (8, 4)
-    np.testing.assert_allclose(grads["emb"].todense(), ref["emb"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(emb_grad, ref["emb"], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(grads["w"], ref["w"], rtol=1e-6)
 
 
@@ -158,10 +168,14 @@ def test_fast_path_accepts_indexing_through_jit_take_cond_and_dtype_casts():
         rows = jax.lax.cond(p["w"][0] >= 0, lambda t: t[ids], lambda t: t[ids] * 2.0, p["emb"])
         return jnp.sum(inner(p["emb"], ids) @ p["w"]) + jnp.sum(rows) + jnp.sum(p["emb"][ids[2]])
 
-    value, grads = osa.value_and_row_grad(loss, lambda p: p["emb"])(params, _ids())
-    ref_value, ref_grads = jax.value_and_grad(loss)(params, _ids())
+    @jax.jit  # both sides in one compilation, not one dispatch per operation
+    def both(params, ids):
+        value, grads = osa.value_and_row_grad(loss, lambda p: p["emb"])(params, ids)
+        return value, grads["emb"].todense(), jax.value_and_grad(loss)(params, ids)
+
+    value, emb_grad, (ref_value, ref_grads) = both(params, _ids())
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
-    np.testing.assert_allclose(grads["emb"].todense(), ref_grads["emb"], rtol=1e-6)
+    np.testing.assert_allclose(emb_grad, ref_grads["emb"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("tables", [lambda p: p["emb"] * 2, lambda p: p["emb"].T])
@@ -267,17 +281,21 @@ def test_fast_path_accepts_indexing_rows_with_the_ids(name):
     loss = ACCEPTED[name]
     params = _params()
     ids = jnp.array([[1, 4, 4, 9], [-1, 0, 4, 12], [9, 9, 3, -1]], jnp.int32)  # (B, L), with padding ids
-    value, grads = osa.value_and_row_grad(loss, lambda p: p["emb"])(params, ids)
 
     # The reference reads padding ids as the fast path does: a zero row appended to the table.
     def dense(p: Any) -> jax.Array:
         padded = {**p, "emb": jnp.concatenate([p["emb"], jnp.zeros((1, D), jnp.float32)])}
         return loss(padded, jnp.where((ids >= 0) & (ids < N), ids, N))
 
-    ref_value, ref = jax.value_and_grad(dense)(params)
+    @jax.jit  # both sides in one compilation, not one dispatch per operation
+    def both(params, ids):
+        value, grads = osa.value_and_row_grad(loss, lambda p: p["emb"])(params, ids)
+        return value, grads, grads["emb"].todense(), jax.value_and_grad(dense)(params)
+
+    value, grads, emb_grad, (ref_value, ref) = both(params, ids)
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     assert isinstance(grads["emb"], osa.IndexedRows)
-    np.testing.assert_allclose(grads["emb"].todense(), ref["emb"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(emb_grad, ref["emb"], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(grads["w"], ref["w"], rtol=1e-6, atol=1e-7)
 
 

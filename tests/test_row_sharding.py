@@ -809,14 +809,21 @@ def test_wide_ids_are_padding_on_every_routing(routing, x64):
     def loss(p, ids):
         return jnp.sum(p["emb"][ids] @ p["w"])
 
+    # Jitted with the ids closed over, so that they reach value_and_row_grad as they are given (a NumPy int64
+    # array, which a jitted function's argument would cast to int32 before the library sees it).
     with jax.enable_x64(x64):
         params = rs.shard({"emb": jnp.asarray(table), "w": jnp.ones((D,), jnp.float32)})
         ids = wide if not x64 else jnp.asarray(wide, jnp.int64)
-        value, grads, _ = rs.value_and_row_grad(loss)(params, ids)
-        want_value, want = osa.value_and_row_grad(loss, lambda p: p["emb"])(
-            {"emb": jnp.asarray(table), "w": jnp.ones((D,), jnp.float32)}, ids
-        )
-        dense = np.asarray(grads["emb"].todense())
+        value, dense = jax.jit(lambda p: _value_and_dense(rs.value_and_row_grad(loss)(p, ids)[:2]))(params)
+        want_value, want = jax.jit(
+            lambda p: _value_and_dense(osa.value_and_row_grad(loss, lambda p: p["emb"])(p, ids))
+        )({"emb": jnp.asarray(table), "w": jnp.ones((D,), jnp.float32)})
+        dense = np.asarray(dense)
     np.testing.assert_allclose(float(value), float(want_value) / (8 if routing else 1), rtol=1e-6)
     np.testing.assert_array_equal(dense[[3, 5]], 0.0)  # never rows 5 and 3
-    np.testing.assert_array_equal(dense, np.asarray(want["emb"].todense()) / (8 if routing else 1))
+    np.testing.assert_array_equal(dense, np.asarray(want) / (8 if routing else 1))
+
+
+def _value_and_dense(value_and_grads: Any) -> tuple[jax.Array, jax.Array]:
+    value, grads = value_and_grads
+    return value, grads["emb"].todense()

@@ -9,6 +9,8 @@ within a few ulps, the step within a few ulps of itself.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,7 @@ MODES = {"global": False, "per_row": True}
 needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 
 
+@functools.cache  # one object for equal arguments: the tests share their compiled steps (see _step)
 def _tx(mode: str, lr=LR, **kw):
     return osa.sparse_rowwise_adam(lr, b1=B1, b2=B2, eps=EPS, per_row_bias_correction=MODES[mode], **kw)
 
@@ -53,8 +56,9 @@ def _start(tx, rng: np.random.Generator, tail: tuple[int, ...], rows: int = ROWS
     return p, optax.tree.set(s, ScaleByRowwiseAdamState=st)
 
 
+@functools.cache  # one function for equal arguments: jax.jit of it traces and compiles once for equal shapes
 def _step(tx, fused: bool, unique: bool = False, num_rows: int = ROWS):
-    """The jitted step: ``(params, state, update or None)``, as two calls or as update_and_apply."""
+    """The step to jit: ``(params, state, update or None)``, as two calls or as update_and_apply."""
 
     def step(p, s, ids, values):
         g = osa.IndexedRows(ids, values, num_rows, unique_indices=unique)
@@ -109,7 +113,8 @@ def test_native_within_the_stated_bounds_of_xla(tail, mode, kind):
     rng = np.random.default_rng([len(tail), sum(tail), len(mode), len(kind), 1])
     tx = _tx(mode)
     p, s = _start(tx, rng, tail)
-    ids, values = _batch(rng, kind, {"dups": 48, "promised": 30, "extreme": 6}[kind], tail)
+    # The extremes repeated to the size of the duplicates' batch: the two kinds share their compiled steps.
+    ids, values = _batch(rng, kind, {"dups": 48, "promised": 30, "extreme": 48}[kind], tail)
     for fused, threads in ((False, 1), (True, 4)):
         native, xla = _one_step(tx, p, s, ids, values, fused=fused, unique=kind == "promised", threads=threads)
         _assert_within_bounds(native, xla, np.asarray(p))
@@ -143,8 +148,9 @@ def test_without_a_row_sum_bitwise_xla(mode):
         tx = _tx(mode)
         p, s = _start(tx, rng, tail)
         ids, values = _batch(rng, "dups", 48, tail)
-        for fused in (False, True):
-            native, xla = _one_step(tx, p, s, ids, values, fused=fused)
+        # The threads of test_native_within_the_stated_bounds_of_xla: the same compiled steps.
+        for fused, threads in ((False, 1), (True, 4)):
+            native, xla = _one_step(tx, p, s, ids, values, fused=fused, threads=threads)
             assert_trees_equal(native[:2], xla[:2])
 
 
@@ -410,12 +416,17 @@ def test_differentiated_steps_take_the_xla_path(case):
         return loss(*osa.update_and_apply(tx, g, s, x[0]))
 
     x = (p, values)
+    tangent = jax.tree.map(jnp.ones_like, x)
     out = {}
     for kernels in (True, False):
         with osa.use_kernels(kernels):
             grad = jax.jit(jax.grad(f))
             assert "rowwise_adam" not in grad.lower(x).as_text()  # primal and tangents: the XLA path
-            out[kernels] = (grad(x), jax.jvp(f, (x,), (jax.tree.map(jnp.ones_like, x),))[1])
+            # Forward mode op by op on the kernels; the reference jitted (the same computation).
+            jvp = (
+                (lambda x, t: jax.jvp(f, (x,), (t,))[1]) if kernels else jax.jit(lambda x, t: jax.jvp(f, (x,), (t,))[1])
+            )
+            out[kernels] = (grad(x), jvp(x, tangent))
     assert_trees_equal(out[True], out[False], rtol=1e-6, atol=1e-7)
 
 

@@ -8,6 +8,8 @@ path within the bounds ``scale_by_rowwise_adagrad`` states, one step from the sa
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,7 @@ DECAY = {"none": 0, "l2": 1, "decoupled": 2}
 needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 
 
+@functools.cache  # one object for equal arguments: the tests share their compiled steps (see _step)
 def _tx(mode: str, lr=LR):
     return osa.sparse_rowwise_adagrad(lr, eps=EPS, **MODES[mode])
 
@@ -62,8 +65,9 @@ def _start(tx, rng: np.random.Generator, tail: tuple[int, ...], rows: int = ROWS
     return p, optax.tree.set(tx.init(p), sum_of_squares=acc)
 
 
+@functools.cache  # one function for equal arguments: jax.jit of it traces and compiles once for equal shapes
 def _step(tx, fused: bool, unique: bool = False, num_rows: int = ROWS):
-    """The jitted step: ``(params, state, update or None)``, as two calls or as update_and_apply."""
+    """The step to jit: ``(params, state, update or None)``, as two calls or as update_and_apply."""
 
     def step(p, s, ids, values):
         g = osa.IndexedRows(ids, values, num_rows, unique_indices=unique)
@@ -143,7 +147,8 @@ def test_native_within_the_stated_bounds_of_xla(tail, mode, kind):
     rng = np.random.default_rng([len(tail), sum(tail), len(mode), len(kind)])
     tx = _tx(mode)
     p, s = _start(tx, rng, tail)
-    ids, values = _batch(rng, kind, {"dups": 48, "promised": 30, "extreme": 6}[kind], tail)
+    # The extremes repeated to the size of the duplicates' batch: the two kinds share their compiled steps.
+    ids, values = _batch(rng, kind, {"dups": 48, "promised": 30, "extreme": 48}[kind], tail)
     for fused, threads in ((False, 1), (True, 4)):
         native, xla = _one_step(tx, p, s, ids, values, fused=fused, unique=kind == "promised", threads=threads)
         _assert_within_bounds(native, xla, np.asarray(p), ids, values, mode)
@@ -175,8 +180,9 @@ def test_width_one_without_l2_decay_is_bitwise_xla():
             tx = _tx(mode)
             p, s = _start(tx, rng, tail)
             ids, values = _batch(rng, "dups", 48, tail)
-            for fused in (False, True):
-                native, xla = _one_step(tx, p, s, ids, values, fused=fused)
+            # The threads of test_native_within_the_stated_bounds_of_xla: the same compiled steps.
+            for fused, threads in ((False, 1), (True, 4)):
+                native, xla = _one_step(tx, p, s, ids, values, fused=fused, threads=threads)
                 assert_trees_equal(native[:2], xla[:2])
 
 
@@ -444,13 +450,17 @@ def _acc_tree(s):
 @pytest.mark.parametrize("mode", ["l2", "decoupled"])
 def test_differentiated_steps_take_the_xla_path(case, mode):
     f, x = _grad_case(case, mode)
+    tangent = jax.tree.map(jnp.ones_like, x)
     out = {}
     for kernels in (True, False):
         with osa.use_kernels(kernels):
             grad = jax.jit(jax.grad(f))
             assert "rowwise_adagrad" not in grad.lower(x).as_text()  # primal and tangents: the XLA path
-            tangent = jax.tree.map(jnp.ones_like, x)
-            out[kernels] = (grad(x), jax.jvp(f, (x,), (tangent,))[1])
+            # Forward mode op by op on the kernels; the reference jitted (the same computation).
+            jvp = (
+                (lambda x, t: jax.jvp(f, (x,), (t,))[1]) if kernels else jax.jit(lambda x, t: jax.jvp(f, (x,), (t,))[1])
+            )
+            out[kernels] = (grad(x), jvp(x, tangent))
     assert_trees_equal(out[True], out[False], rtol=1e-6, atol=1e-7)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,12 +15,17 @@ import optax_sparse_adam as osa
 from tests.helpers import assert_trees_equal
 
 
+@functools.cache
+def _round_4000(dtype):
+    """``stochastic_round`` of 4,000 copies of a value, jitted: every example of a dtype shares one compilation."""
+    return jax.jit(lambda x: osa.stochastic_round(jnp.full((4000,), x, jnp.float32), dtype, jax.random.key(0)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @settings(max_examples=20, deadline=None)
 @given(x=st.floats(-1e3, 1e3, allow_nan=False, width=32))
 def test_rounds_to_a_neighbour_without_bias(dtype, x):
-    xs = jnp.full((4000,), x, jnp.float32)
-    y = np.asarray(osa.stochastic_round(xs, dtype, jax.random.key(0)).astype(jnp.float32))
+    y = np.asarray(_round_4000(dtype)(np.float32(x)).astype(jnp.float32))
     near = float(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32))
     values = set(np.unique(y).tolist())
     assert near in values and len(values) <= 2  # only the two neighbours of x
@@ -34,7 +41,7 @@ def test_rounds_to_a_neighbour_without_bias(dtype, x):
 def test_special_values_round_to_nearest():
     """As ``astype`` rounds them, bit for bit (the NaN's payload is the platform's: XLA:GPU gives 0x7fff)."""
     x = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, -0.0], jnp.float32)
-    y = osa.stochastic_round(x, jnp.bfloat16, jax.random.key(1))
+    y = jax.jit(osa.stochastic_round, static_argnums=1)(x, jnp.bfloat16, jax.random.key(1))
     assert np.asarray(y).tobytes() == np.asarray(x.astype(jnp.bfloat16)).tobytes()
     assert np.isnan(np.asarray(y, np.float32)[2])
 
@@ -54,10 +61,9 @@ def test_sparse_draws_follow_the_rows_not_the_order_of_the_ids(kernel_path):
     shuffled_ids = np.concatenate([ids, ids, [-1, -1]])[order]
     shuffled = np.concatenate([half, half, np.ones((2, 16), np.float32)])[order]
     key = jax.random.key(7)
-    a = osa.apply_updates_stochastic(p, osa.IndexedRows(jnp.asarray(ids), jnp.asarray(steps), 50), key)
-    b = jax.jit(osa.apply_updates_stochastic)(
-        p, osa.IndexedRows(jnp.asarray(shuffled_ids), jnp.asarray(shuffled), 50), key
-    )
+    apply = jax.jit(osa.apply_updates_stochastic)  # eager and jitted agree: test_deterministic_given_the_key...
+    a = apply(p, osa.IndexedRows(jnp.asarray(ids), jnp.asarray(steps), 50), key)
+    b = apply(p, osa.IndexedRows(jnp.asarray(shuffled_ids), jnp.asarray(shuffled), 50), key)
     assert_trees_equal(a, b)
     moved = np.asarray(a, np.float32) != np.asarray(p, np.float32)
     assert moved[ids].any() and not np.delete(moved, ids, axis=0).any()
@@ -69,13 +75,13 @@ def test_values_past_the_largest_finite_round_to_nearest_on_both_sides(dtype):
     past = [1e6, 7e4] if dtype == jnp.float16 else []  # overflow in float16, not in bfloat16
     x = jnp.array([float(jnp.finfo(jnp.float32).max), big * 1.0001, big, *past], jnp.float32)
     x = jnp.concatenate([x, -x])
-    y = osa.stochastic_round(x, dtype, jax.random.key(2))
+    y = jax.jit(osa.stochastic_round, static_argnums=1)(x, dtype, jax.random.key(2))
     np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(x.astype(dtype).astype(jnp.float32)))
     table = jnp.zeros((2, x.shape[0]), dtype)
     update = osa.IndexedRows(jnp.array([0, 1], jnp.int32), jnp.stack([x, -x]), 2)
     np.testing.assert_array_equal(
-        np.asarray(osa.apply_updates_stochastic(table, update, jax.random.key(3)).astype(jnp.float32)),
-        np.asarray(osa.apply_updates(table, update).astype(jnp.float32)),
+        np.asarray(jax.jit(osa.apply_updates_stochastic)(table, update, jax.random.key(3)).astype(jnp.float32)),
+        np.asarray(jax.jit(osa.apply_updates)(table, update).astype(jnp.float32)),
     )
 
 
@@ -85,9 +91,10 @@ def test_deterministic_given_the_key_and_lazy_on_sparse_updates():
         "emb": osa.IndexedRows(jnp.array([1, 4, 1, -1], jnp.int32), jnp.full((4, 64), 5e-4, jnp.float32), 6),
         "w": jnp.full((64,), 1e-3, jnp.float32),
     }
-    a = jax.jit(osa.apply_updates_stochastic)(p, u, jax.random.key(3))
-    b = osa.apply_updates_stochastic(p, u, jax.random.key(3))
-    c = osa.apply_updates_stochastic(p, u, jax.random.key(4))
+    apply = jax.jit(osa.apply_updates_stochastic)
+    a = apply(p, u, jax.random.key(3))
+    b = osa.apply_updates_stochastic(p, u, jax.random.key(3))  # eager: the same draws as jitted
+    c = apply(p, u, jax.random.key(4))
     assert_trees_equal(a, b)
     assert not np.array_equal(np.asarray(a["emb"], np.float32), np.asarray(c["emb"], np.float32))
     emb = np.asarray(a["emb"], np.float32)
@@ -102,9 +109,10 @@ def test_small_steps_survive_where_round_to_nearest_loses_them():
     p = jnp.ones((1, 512), jnp.bfloat16)
     u = jnp.full((1, 512), -2e-4, jnp.float32)  # 1/20 of bf16's spacing below 1
     nearest, stochastic = p, p
+    apply, apply_stochastic = jax.jit(osa.apply_updates), jax.jit(osa.apply_updates_stochastic)  # one compile each
     for step in range(200):
-        nearest = osa.apply_updates(nearest, u)
-        stochastic = osa.apply_updates_stochastic(stochastic, u, jax.random.fold_in(jax.random.key(0), step))
+        nearest = apply(nearest, u)
+        stochastic = apply_stochastic(stochastic, u, jax.random.fold_in(jax.random.key(0), step))
     np.testing.assert_array_equal(np.asarray(nearest, np.float32), 1.0)  # stalled
     np.testing.assert_allclose(np.asarray(stochastic, np.float32).mean(), 1 - 200 * 2e-4, atol=2e-3)
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,12 +123,13 @@ def test_rowwise_adagrad_equals_torch_adagrad_on_width_1_tables():
     tx = osa.sparse_rowwise_adagrad(0.05)
     p = jnp.asarray(init)
     s = tx.init(p)
+    update = jax.jit(tx.update)  # every batch padded to 7 entries: one compilation
     for _ in range(8):
         k = int(rng.integers(1, 7))
-        idx = np.concatenate([rng.integers(0, n, size=k), [-1]]).astype(np.int32)
-        vals = rng.standard_normal((k + 1, 1)).astype(np.float32)
+        idx = np.concatenate([rng.integers(0, n, size=k), [-1] * (7 - k)]).astype(np.int32)
+        vals = rng.standard_normal((7, 1)).astype(np.float32)
         g = osa.IndexedRows(jnp.asarray(idx), jnp.asarray(vals), n)
-        u, s = tx.update(g, s, p)
+        u, s = update(g, s, p)
         p = osa.apply_updates(p, u)
         t_opt.zero_grad()
         t_param.grad = torch.tensor(np.asarray(g.todense()))
@@ -160,36 +163,50 @@ def _rosenbrock_sparse_grads(param: torch.Tensor, w: int) -> tuple[list[int], to
     return [1, 1], torch.stack([y - y / 4.0, y / 4.0])
 
 
-def _rosenbrock_ratio(tx, maximize: bool, steps: int = 2000) -> float:
-    """Port of torch's ``test_sparse_adam``: cyclic coordinate descent on the Rosenbrock function with
-    ``SparseAdam(lr=4e-2)``, torch's gradients fed to ``tx`` too; returns the largest ``|p - p_torch|`` over all
-    steps, in units of torch's own float32 tolerance."""
+@functools.cache
+def _torch_rosenbrock(maximize: bool, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """torch's side of ``test_sparse_adam`` (the same on both kernel paths, so run once): cyclic coordinate descent
+    on the Rosenbrock function with ``SparseAdam(lr=4e-2)``; returns each step's ids, values and torch's parameters
+    after it, once torch's own end condition holds."""
     param = torch.nn.Parameter(torch.tensor([1.5, 1.5]))
     topt = torch.optim.SparseAdam([param], lr=4e-2, maximize=maximize)
-    p = jnp.asarray([1.5, 1.5], jnp.float32)
-    state = tx.init(p)
-
-    @jax.jit
-    def step(p, state, idx, values):
-        updates, state = tx.update(osa.IndexedRows(idx, values, 2), state, p)
-        return osa.apply_updates(p, updates), state
-
-    worst = 0.0
+    ids, grads, expected = [], [], []
     for i in range(steps):
         idx, values = _rosenbrock_sparse_grads(param, i % 2)
         param.grad = torch.sparse_coo_tensor(torch.tensor([idx]), values, (2,), check_invariants=True)
         topt.step()
-        p, state = step(p, state, jnp.asarray(idx, jnp.int32), jnp.asarray(values.numpy()))
-        expected = param.detach().numpy()
-        tolerance = TORCH_ATOL + TORCH_RTOL * np.abs(expected)
-        worst = max(worst, float(np.max(np.abs(np.asarray(p) - expected) / tolerance)))
+        ids.append(idx)
+        grads.append(values.numpy())
+        expected.append(param.detach().numpy().copy())
     # torch's own end condition
     init = torch.tensor([1.5, 1.5])
     if maximize:
         assert _rosenbrock(param.detach()) >= _rosenbrock(init)
     else:
         assert torch.dist(param.detach(), torch.ones(2)) <= torch.dist(init, torch.ones(2))
-    return worst
+    return np.array(ids, np.int32), np.stack(grads), np.stack(expected)
+
+
+def _rosenbrock_ratio(tx, maximize: bool, steps: int = 2000) -> float:
+    """Port of torch's ``test_sparse_adam``: torch's gradients fed to ``tx`` too, step after step (one jitted scan);
+    returns the largest ``|p - p_torch|`` over all steps, in units of torch's own float32 tolerance."""
+    ids, grads, expected = _torch_rosenbrock(maximize, steps)
+
+    @jax.jit
+    def run(p, state, ids, grads):
+        def step(carry, batch):
+            p, state = carry
+            updates, state = tx.update(osa.IndexedRows(batch[0], batch[1], 2), state, p)
+            p = osa.apply_updates(p, updates)
+            return (p, state), p
+
+        return jax.lax.scan(step, (p, state), (ids, grads))[1]
+
+    p = jnp.asarray([1.5, 1.5], jnp.float32)
+    got = np.asarray(run(p, tx.init(p), jnp.asarray(ids), jnp.asarray(grads)))
+    assert got.shape == expected.shape == (steps, 2)
+    tolerance = TORCH_ATOL + TORCH_RTOL * np.abs(expected)
+    return float(np.max(np.abs(got - expected) / tolerance))
 
 
 @pytest.mark.parametrize("maximize", [False, True])
@@ -219,6 +236,23 @@ class _Model(torch.nn.Module):
         return self.fc2(torch.tanh(self.fc1(self.emb(ids).sum(1)))).squeeze(-1)
 
 
+@functools.cache
+def _pair_step(kind: str, lr: float, eps: float, wd: float, path: str):
+    """The library's side of the pair and its jitted step, built once per kernel path: torch's ``foreach`` changes
+    torch's side only, so both of its values share one compilation."""
+    if kind == "adam":
+        tx = osa.sparse_adam(lr, eps=eps, eps_placement="torch")
+    else:
+        tx = osa.sparse_adamw(lr, eps=eps, weight_decay=wd, eps_placement="torch")
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return osa.apply_updates(params, updates), state
+
+    return tx, step
+
+
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
 @pytest.mark.parametrize("foreach", [None, True])
 @pytest.mark.parametrize("eps", [1e-8, 1e-3])
@@ -240,17 +274,11 @@ def test_torch_pair_sparse_adam_and_adam(eps, foreach, kind):
     sparse_opt = torch.optim.SparseAdam([model.emb.weight], lr=lr, eps=eps)
     if kind == "adam":
         dense_opt = torch.optim.Adam(dense, lr=lr, eps=eps, foreach=foreach)
-        tx = osa.sparse_adam(lr, eps=eps, eps_placement="torch")
     else:
         dense_opt = torch.optim.AdamW(dense, lr=lr, eps=eps, weight_decay=wd, foreach=foreach)
-        tx = osa.sparse_adamw(lr, eps=eps, weight_decay=wd, eps_placement="torch")
+    tx, step = _pair_step(kind, lr, eps, wd, osa.kernel_path())
     params = {name: jnp.asarray(p.detach().numpy()) for name, p in model.named_parameters()}
     state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return osa.apply_updates(params, updates), state
 
     for _ in range(steps):
         ids = torch.tensor(rng.integers(0, num_rows, size=(16, 3)))

@@ -119,13 +119,15 @@ def check_equals_optax_when_every_row_is_touched(
     }
     a, b = ours(), theirs()
     pa, pb, sa, sb = params, params, a.init(params), b.init(params)
+    update_a, update_b = jax.jit(a.update), jax.jit(b.update)
+    apply_a, apply_b = jax.jit(osa.apply_updates), jax.jit(optax.apply_updates)
     for _ in range(5):
         g = rng.standard_normal((6, width)).astype(np.float32)
         gb = {"emb": jnp.asarray(g), "bias": jnp.asarray(rng.standard_normal((width,)), jnp.float32)}
         ga = {**gb, "emb": _all_rows(g, rng) if sparse else gb["emb"]}
-        ua, sa = jax.jit(a.update)(ga, sa, pa)
-        ub, sb = jax.jit(b.update)(gb, sb, pb)
-        pa, pb = osa.apply_updates(pa, ua), optax.apply_updates(pb, ub)
+        ua, sa = update_a(ga, sa, pa)
+        ub, sb = update_b(gb, sb, pb)
+        pa, pb = apply_a(pa, ua), apply_b(pb, ub)
     assert_trees_equal(pa, pb, rtol=2e-6, atol=1e-7)
     if compare_state:  # the same state type as optax's
         # On a GPU, fused multiply-adds chosen per program (helpers.ON_CPU): mu = b1 mu + (1 - b1) g of O(1)
@@ -175,7 +177,14 @@ def check_bad_gradients_raise_naming_the_path(name: str) -> None:
         tx.update({"a": {"emb": jnp.ones((4, 3), jnp.float32)}}, (optax.EmptyState(), *state[1:]), params)
 
 
-def train(tx, params, state, steps, seed):
+def train(tx, params, state, steps, seed, jit=False):
+    """``steps`` steps of ``tx`` on :func:`params_tree`'s shapes; with ``jit``, each step compiled (once)."""
+
+    def step(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        return osa.apply_updates(params, updates), state
+
+    step = jax.jit(step) if jit else step
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         idx = jnp.asarray(rng.integers(-1, 12, size=6), jnp.int32)
@@ -183,8 +192,7 @@ def train(tx, params, state, steps, seed):
             "emb": osa.IndexedRows(idx, jnp.asarray(rng.standard_normal((6, 4)), jnp.float32), 12),
             "w": jnp.asarray(rng.standard_normal((4,)), jnp.float32),
         }
-        updates, state = tx.update(grads, state, params)
-        params = osa.apply_updates(params, updates)
+        params, state = step(grads, state, params)
     return params, state
 
 
@@ -195,8 +203,8 @@ def params_tree():
 def check_inject_hyperparams_matches_and_does_not_recompile(factory: Callable[..., Any], kwargs: dict) -> None:
     plain = factory(**kwargs)
     injected = optax.inject_hyperparams(factory)(**kwargs)
-    p1, _ = train(plain, params_tree(), plain.init(params_tree()), 3, seed=2)
-    p2, s2 = train(injected, params_tree(), injected.init(params_tree()), 3, seed=2)
+    p1, _ = train(plain, params_tree(), plain.init(params_tree()), 3, seed=2, jit=True)
+    p2, s2 = train(injected, params_tree(), injected.init(params_tree()), 3, seed=2, jit=True)
     assert_trees_equal(p1, p2, rtol=2e-5, atol=1e-6)  # injected values are float32 arrays
 
     def step(params, state, grads):
