@@ -17,7 +17,7 @@ from optax_sparse_adam._adam import (
 )
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state, mask_tree
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import apply_rule, map_rule, row_shape, stamp
+from optax_sparse_adam._row_engine import apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows
 
@@ -98,7 +98,7 @@ def lazy_decoupled_weight_decay(
             mask_tree(mask, params, "mask", _WHERE)
         return LazyWeightDecayState(
             count=jnp.zeros([], jnp.int32),
-            last_step=jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params),
+            last_step=jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params),
         )
 
     def update_fn(

@@ -24,7 +24,7 @@ from optax_sparse_adam import _catch_up, _ffi, _kernel_path
 from optax_sparse_adam._adam import _hyperparams, kernel_scalars
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_shape, stamp
+from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows
@@ -327,7 +327,7 @@ def _catch_up_amsgrad(
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),
             nu=optax.tree.zeros_like(params),
             nu_max=optax.tree.zeros_like(params),
-            last_step=jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params),
+            last_step=jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params),
         )
 
     def update_fn(

@@ -54,7 +54,7 @@ from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._checks import check_dense_gradient, check_params, check_state, mask_tree
 from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
-from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape, stamp
+from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
 
@@ -501,10 +501,16 @@ def _long_idle_loop(
                 term = term * jnp.exp(-through)
             return total + term, power, through
 
-        zeros = jnp.zeros((*last.shape, plan.rho.size), jnp.float32)
+        zeros = _zeros(last, plan.rho.size)
         return jax.lax.fori_loop(1, plan.cap + 1, body, (zeros, jnp.ones_like(zeros), zeros))[0]
 
-    return jax.lax.cond(jnp.any(rows), run, lambda last: jnp.zeros((*last.shape, plan.rho.size), jnp.float32), last)
+    return jax.lax.cond(jnp.any(rows), run, lambda last: _zeros(last, plan.rho.size), last)
+
+
+def _zeros(last: jax.Array, terms: int) -> jax.Array:
+    """Zeros of shape ``(*last.shape, terms)``, varying over the manual axes ``last`` varies over (inside
+    ``shard_map``, a loop's carry must keep its type)."""
+    return jnp.broadcast_to(jnp.zeros_like(last, jnp.float32)[..., None], (*last.shape, terms))
 
 
 def _replay_steps(
@@ -541,7 +547,7 @@ def _replay_steps(
         p_new = (p + broadcast_rows(-lr, p.ndim).astype(step.dtype) * step).astype(p.dtype)
         return k, jnp.where(active, p_new, p), jnp.where(active, m_new, m), jnp.where(active, v_new, v), through
 
-    start = (jnp.zeros([], jnp.int32), p, m, v, jnp.zeros(idle.shape, jnp.float32))
+    start = (jnp.zeros([], jnp.int32), p, m, v, jnp.zeros_like(idle, jnp.float32))  # varying as idle is (shard_map)
     _, p, m, v, through = jax.lax.while_loop(cond, body, start)
     if decay is not None:  # the idle steps past the first K decay the row, and move it by less than 2**-24
         rest_decay = jnp.where(idle > n, decay.far(idle) * jnp.exp(-through), 1.0)
@@ -671,7 +677,7 @@ def catch_up_adam(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),
             nu=optax.tree.zeros_like(params),
-            last_step=jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params),
+            last_step=jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params),
         )
 
     def update_fn(
@@ -910,12 +916,12 @@ def catch_up_adamw(
     def init_fn(params: optax.Params) -> CatchUpAdamWState:
         check_params(params, where)
         flags_of(params)  # checks the mask against the parameters
-        per_row = jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.float32), params)
+        per_row = jax.tree.map(lambda p: row_full(p, 0, jnp.float32), params)
         return CatchUpAdamWState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),
             nu=optax.tree.zeros_like(params),
-            last_step=jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params),
+            last_step=jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params),
             log_decay=jnp.zeros(2, jnp.float32),
             decay_mark=per_row,
         )

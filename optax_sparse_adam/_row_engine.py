@@ -67,6 +67,16 @@ def row_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(shape[:1])
 
 
+def row_full(p: Any, fill_value: Any, dtype: Any) -> jax.Array:
+    """``fill_value`` in ``row_shape(p.shape)`` (per-row state), placed as ``p``'s rows are: split by row like a
+    row-sharded table (eagerly, under ``jit`` on an ``Explicit`` mesh, varying inside ``shard_map``), not
+    replicated."""
+    shape = jnp.shape(p)
+    if len(shape) < 2 or 0 in shape[1:] or not isinstance(p, jax.Array):
+        return jnp.full(row_shape(shape), fill_value, dtype)
+    return jnp.full_like(p[(slice(None),) + (0,) * (len(shape) - 1)], fill_value, dtype)  # placement, not values
+
+
 def row_mean_square(g: jax.Array) -> jax.Array:
     """``mean(|g|^2)`` over each row of ``g`` (all axes but the first), shaped ``g.shape[:1]``."""
     sq = jnp.real(g * jnp.conj(g)) if jnp.iscomplexobj(g) else g * g

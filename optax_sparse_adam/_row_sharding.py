@@ -241,10 +241,15 @@ class RowSharding:
         return jax.device_put(params, self.shardings(params))
 
     def state_specs(self, tx: Any, state: Any, params: Any) -> Any:
-        """The ``PartitionSpec`` of each leaf of ``tx``'s state: the parameters' for moments, ``P()`` else."""
-        return optax.tree_utils.tree_map_params(
-            tx, lambda _, spec: spec, state, self.specs(params), transform_non_params=lambda _: _P()
-        )
+        """The ``PartitionSpec`` of each leaf of ``tx``'s state: the parameters' for the leaves in their place
+        (moments, and per-row state such as row-wise accumulators or catch-up's last steps, split by row like
+        their table), ``P()`` else."""
+
+        def fit(leaf: Any, spec: Any) -> Any:
+            # A per-row leaf (rows,) of a table (rows, width) takes the table's spec for its dimensions.
+            return _P(*tuple(spec)[: len(leaf.shape)]) if isinstance(spec, _P) else spec
+
+        return optax.tree_utils.tree_map_params(tx, fit, state, self.specs(params), transform_non_params=lambda _: _P())
 
     def _put(self, tree: Any, specs: Any) -> Any:
         """``tree`` resharded to ``specs`` where the mesh has ``Explicit`` axes (``shard_map`` wants that)."""

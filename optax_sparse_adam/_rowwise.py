@@ -27,7 +27,7 @@ import optax
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_mean_square, row_shape
+from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_full, row_mean_square, row_shape
 from optax_sparse_adam._row_ops import take_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
@@ -207,10 +207,10 @@ def scale_by_rowwise_adam(
 
     def init_fn(params: optax.Params) -> ScaleByRowwiseAdamState:
         check_params(params, where)
-        nu = jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), _row_dtype(p)), params)
+        nu = jax.tree.map(lambda p: row_full(p, 0, _row_dtype(p)), params)
         row_count: Any = optax.EmptyState()
         if per_row_bias_correction:
-            row_count = jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params)
+            row_count = jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params)
         return ScaleByRowwiseAdamState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),
@@ -407,9 +407,7 @@ def scale_by_rowwise_adagrad(
     def init_fn(params: optax.Params) -> ScaleByRowwiseAdagradState:
         check_params(params, where)
         return ScaleByRowwiseAdagradState(
-            sum_of_squares=jax.tree.map(
-                lambda p: jnp.full(row_shape(jnp.shape(p)), initial_accumulator_value, _row_dtype(p)), params
-            )
+            sum_of_squares=jax.tree.map(lambda p: row_full(p, initial_accumulator_value, _row_dtype(p)), params)
         )
 
     def update_fn(

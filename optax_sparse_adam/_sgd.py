@@ -23,7 +23,7 @@ import optax
 
 from optax_sparse_adam._catch_up import CatchUpUpdate, RowReplay, caught_up_update, rate_at
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
-from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_shape, stamp
+from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows, param_error
 
@@ -148,7 +148,7 @@ def _scheduled_sum(momentum: Any, schedule: optax.Schedule, last: jax.Array, idl
         return k - 1, acc
 
     start = jnp.max(n, initial=0).astype(jnp.int32)
-    zeros = jnp.zeros(last.shape, jnp.float32)
+    zeros = jnp.zeros_like(last, jnp.float32)  # varying as last is (inside shard_map, the carry keeps its type)
     return jax.lax.while_loop(lambda c: c[0] >= 1, body, (start, zeros))[1]
 
 
@@ -165,7 +165,7 @@ def _catch_up_sgd(
         return CatchUpSgdState(
             count=jnp.zeros([], jnp.int32),
             trace=optax.tree.zeros_like(params, dtype=accumulator_dtype),
-            last_step=jax.tree.map(lambda p: jnp.zeros(row_shape(jnp.shape(p)), jnp.int32), params),
+            last_step=jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params),
         )
 
     def replay_rows(p0: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:

@@ -827,3 +827,51 @@ def test_wide_ids_are_padding_on_every_routing(routing, x64):
 def _value_and_dense(value_and_grads: Any) -> tuple[jax.Array, jax.Array]:
     value, grads = value_and_grads
     return value, grads["emb"].todense()
+
+
+# Optimizers whose state has per-row leaves (row-wise accumulators, catch-up's last steps) or loops over idle steps.
+STATEFUL_ROWS = {
+    "rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(0.05, weight_decay=0.01),
+    "rowwise_adam": lambda: osa.sparse_rowwise_adam(0.05),
+    "adam_catch_up_schedule": lambda: osa.sparse_adam(optax.linear_schedule(0.05, 0.01, 3), catch_up=True),
+    "adamw_catch_up": lambda: osa.sparse_adamw(0.05, weight_decay=0.1, catch_up=True),
+    "sgd_momentum_catch_up_schedule": lambda: osa.sparse_sgd(
+        optax.linear_schedule(0.05, 0.01, 3), momentum=0.9, catch_up=True
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STATEFUL_ROWS))
+def test_routed_optimizers_with_per_row_state_match_one_device(name):
+    """``state_specs`` splits per-row state leaves ``(rows,)`` by row like their table (it gave them the table's
+    two-dimensional spec), and the routed steps (two calls, and ``update_and_apply``) of optimizers that keep such
+    state or loop over idle steps inside ``shard_map`` equal one device's."""
+    mesh = _mesh()
+    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"], batch_axis="x")
+    tx = STATEFUL_ROWS[name]()
+    batches = _batches(3, zipf=True)
+    params, state, _, _ = _routed_run(rs, tx, batches)
+    ref_params, ref_state, _ = _one_device_run(tx, batches)
+    tol = {"rtol": 1e-5, "atol": 1e-5}  # duplicates summed in another order on each device
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol), (params, state), (ref_params, ref_state))
+    _assert_row_sharded((params, state), mesh)
+
+    p = rs.shard(_params())
+    specs = rs.state_specs(tx, tx.init(p), p)
+    s = jax.tree.map(
+        lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
+        tx.init(p),
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    batch = NamedSharding(mesh, P("x"))
+
+    @jax.jit
+    def fused(p: Any, s: Any, ids: jax.Array, y: jax.Array) -> Any:
+        _, g, _ = rs.value_and_row_grad(loss_fn)(p, ids, y)
+        return rs.update_and_apply(tx, g, s, p)
+
+    for ids, y in batches:
+        p, s = fused(p, s, jax.device_put(ids, batch), jax.device_put(y, batch))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7), (p, s), (params, state))
+    _assert_row_sharded((p, s), mesh)

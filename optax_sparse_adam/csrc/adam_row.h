@@ -34,8 +34,8 @@ struct Options {
 // With kAmsgrad, AMSGrad's rule (optax's placement): vm, the largest
 // bias-corrected v, rises to v' / bc2, and the step divides by its root.
 template <bool kTorch, bool kMaximize, bool kApply, bool kDecay = false, bool kAmsgrad = false>
-inline void UpdateRow(const Scalars& s, const float* __restrict g, float* __restrict m, float* __restrict v,
-                      float* __restrict out, int64_t width, float* __restrict vm = nullptr) {
+OSA_ROW_INLINE void UpdateRow(const Scalars& s, const float* __restrict g, float* __restrict m, float* __restrict v,
+                              float* __restrict out, int64_t width, float* __restrict vm = nullptr) {
   // Locals, not loads through `s`: the rows written might alias it, which
   // would keep the compiler from vectorizing the loop.
   const float b1 = s.b1, one_minus_b1 = s.one_minus_b1, b2 = s.b2, one_minus_b2 = s.one_minus_b2;

@@ -58,7 +58,7 @@ struct IdleSteps {
   // The row's first min(idle, cap) idle steps one by one, from (p, m, v) into (ps, ms, vs), as
   // _catch_up._replay_steps takes them (dense Adam's arithmetic, with zero gradients, eps_root 0).
   template <bool kTorch>
-  void Replay(int32_t last, int32_t idle, const float* __restrict p, const float* __restrict m,
+  OSA_ROW_INLINE void Replay(int32_t last, int32_t idle, const float* __restrict p, const float* __restrict m,
               const float* __restrict v, float* __restrict ps, float* __restrict ms, float* __restrict vs,
               int64_t width) const {
     for (int64_t j = 0; j < width; ++j) {
@@ -104,7 +104,7 @@ struct CatchUp {
 };
 
 // The series sum_j (-z)^j C_j of a row's coefficients c, by Horner's rule.
-inline float Series(const float* c, float z) {
+OSA_ROW_INLINE float Series(const float* c, float z) {
   float series = c[kTerms - 1];
   for (int64_t i = kTerms - 2; i >= 0; --i) series = c[i] - z * series;
   return series;
@@ -114,8 +114,8 @@ inline float Series(const float* c, float z) {
 // XLA path tests it; false for NaN), the steps one by one where it does not and m != 0. False, and nothing
 // written, where those steps are needed and cannot be taken here. `work` holds 5 * width floats.
 template <bool kTorch>
-inline bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, float* __restrict p, float* __restrict m,
-                       float* __restrict v, float* __restrict work, int64_t width) {
+OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, float* __restrict p,
+                               float* __restrict m, float* __restrict v, float* __restrict work, int64_t width) {
   const float* c = cu.coefficients + slot * kCoefficients;
   const float eps = s.eps, binv = cu.binv, ratio = cu.ratio;
   float* __restrict inv = work;
@@ -159,8 +159,8 @@ inline bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, float*
 
 // One row whose gradient is g, entry `slot` standing for it; returns false (nothing written) for a flagged row.
 template <bool kTorch, bool kMaximize>
-inline bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, const float* g, float* p, float* m, float* v,
-                float* work, int64_t width) {
+OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, const float* g, float* p, float* m,
+                        float* v, float* work, int64_t width) {
   if (cu.idle[slot] > 0 && !CatchUpRow<kTorch>(s, cu, slot, p, m, v, work, width)) return false;
   UpdateRow<kTorch, kMaximize, true>(s, g, m, v, p, width);
   return true;
@@ -294,22 +294,28 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
 // element (the caller keeps the ones it needs); the moments are read, not written. limits: b1, b2, eps,
 // long_neg_lr, has_corrections. A row whose steps are not at hand is left as it is and flagged.
 template <bool kTorch>
+OSA_TARGET_CLONES void StepRange(const IdleSteps& steps, const int32_t* last, const int32_t* idle, const float* m,
+                                 const float* v, float* q, int32_t* flags, int64_t width, int64_t lo, int64_t hi) {
+  std::vector<float> work(3 * static_cast<size_t>(width));
+  for (int64_t r = lo; r < hi; ++r) {
+    if (idle[r] <= 0) continue;
+    if (!steps.CanStep(idle[r])) {
+      flags[r] = 1;
+      continue;
+    }
+    float* row = q + r * width;
+    steps.Replay<kTorch>(last[r], idle[r], row, m + r * width, v + r * width, work.data(), work.data() + width,
+                         work.data() + 2 * width, width);
+    std::memcpy(row, work.data(), sizeof(float) * static_cast<size_t>(width));
+  }
+}
+
+template <bool kTorch>
 void StepRows(ffi::ThreadPool& pool, const IdleSteps& steps, const int32_t* last, const int32_t* idle,
               const float* m, const float* v, float* q, int32_t* flags, int64_t rows, int64_t width,
               int64_t threads) {
   ParallelFor(pool, rows, std::min<int64_t>(threads, rows / 32 + 1), [&](int64_t lo, int64_t hi) {
-    std::vector<float> work(3 * static_cast<size_t>(width));
-    for (int64_t r = lo; r < hi; ++r) {
-      if (idle[r] <= 0) continue;
-      if (!steps.CanStep(idle[r])) {
-        flags[r] = 1;
-        continue;
-      }
-      float* row = q + r * width;
-      steps.Replay<kTorch>(last[r], idle[r], row, m + r * width, v + r * width, work.data(), work.data() + width,
-                           work.data() + 2 * width, width);
-      std::memcpy(row, work.data(), sizeof(float) * static_cast<size_t>(width));
-    }
+    StepRange<kTorch>(steps, last, idle, m, v, q, flags, width, lo, hi);
   });
 }
 

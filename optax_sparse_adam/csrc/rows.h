@@ -22,6 +22,11 @@
 #define OSA_TARGET_CLONES
 #endif
 
+// Row functions called from the loops of OSA_TARGET_CLONES are inlined into
+// them, so that each clone vectorizes them for its own ISA (a call would reach
+// the baseline build, and std::fma there is a library call).
+#define OSA_ROW_INLINE inline __attribute__((always_inline))
+
 namespace optax_sparse_adam {
 
 // Whether `key` addresses a row of a table with `num_rows` rows. Every other

@@ -60,10 +60,7 @@ namespace {
 
 constexpr int kPrefetchDistance = 4;
 
-// The rules' row functions are inlined into the loops of OSA_TARGET_CLONES so
-// that each clone vectorizes them for its own ISA (a call would reach the
-// baseline build, and std::fma there is a library call).
-#define OSA_ROW_INLINE inline __attribute__((always_inline))
+// The rules' row functions are OSA_ROW_INLINE (rows.h).
 
 struct Options {
   int64_t unique;  // 0: keys may repeat; 1: distinct by the user's promise, checked; 2: known distinct
