@@ -72,7 +72,7 @@ def row_full(p: Any, fill_value: Any, dtype: Any) -> jax.Array:
     row-sharded table (eagerly, under ``jit`` on an ``Explicit`` mesh, varying inside ``shard_map``), not
     replicated."""
     shape = jnp.shape(p)
-    if len(shape) < 2 or 0 in shape[1:] or not isinstance(p, jax.Array):
+    if not shape or 0 in shape[1:] or not isinstance(p, jax.Array):
         return jnp.full(row_shape(shape), fill_value, dtype)
     return jnp.full_like(p[(slice(None),) + (0,) * (len(shape) - 1)], fill_value, dtype)  # placement, not values
 

@@ -104,6 +104,20 @@ def test_apply_updates_stochastic_on_a_row_sharded_table_equals_one_device(mesh_
     assert not np.array_equal(np.asarray(want.astype(jnp.float32)), np.asarray(table.astype(jnp.float32)))
 
 
+@pytest.mark.parametrize("shape", [(ROWS,), (ROWS, WIDTH)], ids=["1-d", "2-d"])
+def test_per_row_state_is_split_by_row_like_its_table(shape):
+    """``init`` places per-row state (row-wise accumulators, catch-up's last steps) as a row-sharded table's rows,
+    a one-dimensional table's (a bias per item) too, instead of replicating it on every device."""
+    mesh = _mesh("explicit")
+    rows = NamedSharding(mesh, P("x"))
+    table = jax.device_put(jnp.zeros(shape, jnp.float32), NamedSharding(mesh, P("x", *(None,) * (len(shape) - 1))))
+    for tx in (osa.sparse_rowwise_adagrad(0.1), osa.sparse_adamw(0.1, weight_decay=0.1, catch_up=True)):
+        per_row = [x for x in jax.tree.leaves(tx.init(table)) if x.shape == (ROWS,)]
+        assert per_row
+        for leaf in per_row:
+            assert leaf.sharding.is_equivalent_to(rows, 1), leaf.sharding
+
+
 def _numpy_lazy_rule(g, state, lazy_rows):
     """A NumPy loop of what apply_rule does with a toy rule: ``s += g`` and step ``2 * g`` on touched rows."""
     new, step = state.copy(), np.zeros_like(g)
