@@ -80,6 +80,18 @@ def test_stacks_by_width_and_dtype_and_tables_are_blocks_of_them():
     assert 0.3 < std < 0.7  # variance scaling over the width: 1/sqrt(4)
 
 
+def test_each_table_is_its_initializer_applied_to_its_own_key():
+    """``init`` draws the tables left to the default initializer in one program, and runs a table's own initializer
+    as given: each table is bitwise its initializer applied to its key, eagerly and one table at a time."""
+    tables = dict(TABLES, tag=osa.TableSpec(20, 2, initializer=jax.nn.initializers.uniform(0.1)))
+    coll = osa.EmbeddingCollection(tables)
+    params = coll.init(jax.random.key(7))
+    default = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+    for (name, spec), key in zip(tables.items(), jax.random.split(jax.random.key(7), len(tables)), strict=True):
+        want = (spec.initializer or default)(key, (spec.num_rows, spec.width), spec.dtype)
+        assert_trees_equal(coll.table(params, name), jnp.asarray(want, spec.dtype))
+
+
 @functools.cache
 def _example(weighted: bool) -> tuple[dict[str, np.ndarray], np.ndarray, dict, dict, dict[str, osa.Bags]]:
     """The tables (on the host), the head's weights, the inputs, their weights and bags: built once, each in one
