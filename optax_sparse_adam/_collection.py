@@ -174,7 +174,7 @@ class EmbeddingCollection:
             parts = []
             for n in names:
                 t = self.tables[n]
-                if n not in made:
+                if t.initializer is not None:
                     made[n] = jnp.asarray(t.initializer(keys[n], (t.num_rows, t.width), t.dtype), t.dtype)
                 parts.append(made[n])
             out[stack] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
