@@ -476,15 +476,16 @@ def rowwise_adam_rows(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    per_row: tuple[jax.Array, jax.Array] | None = None,
+    per_row: tuple[jax.Array, ...] | None = None,
     *,
     unique: int,
 ) -> tuple[jax.Array, ...]:
     """The row-wise Adam leaf rule on the CPU: ``(mu, nu, keys, step[, row_count])``, the state updated in place.
 
-    ``per_row``: with per-row bias correction, the row counts and the corrections (``(k, 2)``: ``1 - b1^c``,
-    ``1 - b2^c`` for each key's row at its new count). The keys and step rows come back packed as in
-    :func:`sparse_adam_rows`.
+    ``per_row``: with per-row bias correction, the row counts, and either the corrections (``(k, 2)``:
+    ``1 - b1^c``, ``1 - b2^c`` for each key's row at its new count) or nothing more, the kernel then computing
+    them itself in float32 (once per row, with the C library's ``powf``, which is what XLA:CPU calls for them).
+    The keys and step rows come back packed as in :func:`sparse_adam_rows`.
     """
     attrs = _attrs(mu.shape[0], unique=unique)
     shape = values.shape
@@ -505,7 +506,8 @@ def rowwise_adam_rows(
             PREFIX + "rowwise_adam_rows", tuple(results), input_output_aliases=aliases, vmap_method="sequential"
         )(mu, nu, keys, values, scalars, row_begin, *rest, **attrs)
 
-    rule = "n w, n, k, k w, s" + (", n, k c" if extra else "") + " -> n w, n, k, k w" + (", n" if extra else "")
+    rule = "n w, n, k, k w, s" + ("", ", n", ", n, k c")[len(extra)] + " -> n w, n, k, k w"
+    rule += ", n" if extra else ""
     out = _by_row_shards(fn, rule, summed=(3,))(_rows2d(mu), nu, keys, _rows2d(values), scalars, *extra)
     m, v, keys, step, *count = out
     return (m.reshape(mu.shape), v, keys, step.reshape(shape), *count)
@@ -518,7 +520,7 @@ def rowwise_adam_apply(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    per_row: tuple[jax.Array, jax.Array] | None = None,
+    per_row: tuple[jax.Array, ...] | None = None,
     *,
     unique: int,
 ) -> tuple[jax.Array, ...]:
@@ -537,6 +539,7 @@ def rowwise_adam_apply(
             PREFIX + "rowwise_adam_apply", tuple(results), input_output_aliases=aliases, vmap_method="sequential"
         )(p, mu, nu, *rest[:3], row_begin, *rest[3:], **attrs)
 
-    rule = "n w, n w, n, k, k w, s" + (", n, k c" if extra else "") + " -> n w, n w, n" + (", n" if extra else "")
+    rule = "n w, n w, n, k, k w, s" + ("", ", n", ", n, k c")[len(extra)] + " -> n w, n w, n"
+    rule += ", n" if extra else ""
     new_p, m, v, *count = _by_row_shards(fn, rule)(_rows2d(p), _rows2d(mu), nu, keys, _rows2d(values), scalars, *extra)
     return (new_p.reshape(p.shape), m.reshape(mu.shape), v, *count)

@@ -91,6 +91,16 @@ def rowwise_adam_corrections(b1: Any, b2: Any, row_count: jax.Array, keys: jax.A
     return jnp.stack([(1 - jnp.power(b1, c)).astype(jnp.float32), (1 - jnp.power(b2, c)).astype(jnp.float32)], 1)
 
 
+def rowwise_adam_per_row(b1: Any, b2: Any, row_count: jax.Array, keys: jax.Array) -> tuple[jax.Array, ...]:
+    """The kernels' per-row bias correction operands: the row counts, and where the rule computes ``1 - b^c`` in
+    float32 nothing more (the kernel computes them once per row, with the ``powf`` XLA:CPU calls for the rule's
+    power: no gather of the counts and no power per entry in XLA); otherwise (jax's 64-bit mode with Python-float
+    betas, where the rule computes them in float64) :func:`rowwise_adam_corrections` too."""
+    if all(jnp.result_type(b, row_count.dtype) == jnp.float32 for b in (b1, b2)):
+        return (row_count,)
+    return (row_count, rowwise_adam_corrections(b1, b2, row_count, keys))
+
+
 def _adam_kernel(b1: Any, b2: Any, eps: Any, eps_root: Any, count: jax.Array, per_row: bool) -> Kernel:
     """The native CPU kernel in the rule's place (state: mu, nu and, with per-row bias correction, the row counts)."""
 
@@ -100,7 +110,7 @@ def _adam_kernel(b1: Any, b2: Any, eps: Any, eps_root: Any, count: jax.Array, pe
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
         keys = leaf.keys[:, 0]
         scalars = rowwise_adam_scalars(b1, b2, eps, eps_root, count)
-        extra = (state[2], rowwise_adam_corrections(b1, b2, state[2], keys)) if per_row else None
+        extra = rowwise_adam_per_row(b1, b2, state[2], keys) if per_row else None
         m, v, out_keys, step, *c = _ffi.rowwise_adam_rows(
             state[0], state[1], keys, leaf.values, scalars, extra, unique=_kernel_path.unique_flag(leaf)
         )
@@ -124,7 +134,7 @@ class RowwiseAdamFusion(NamedTuple):
         keys = leaf.keys[:, 0]
         extra = None
         if self.per_row_bias_correction:
-            extra = (state[2], rowwise_adam_corrections(self.b1, self.b2, state[2], keys))
+            extra = rowwise_adam_per_row(self.b1, self.b2, state[2], keys)
         return _ffi.rowwise_adam_apply(
             p, state[0], state[1], keys, leaf.values, scalars, extra, unique=_kernel_path.unique_flag(leaf)
         )

@@ -10,6 +10,7 @@ within a few ulps, the step within a few ulps of itself.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,22 @@ def test_native_within_the_stated_bounds_of_xla(tail, mode, kind):
         np.testing.assert_array_equal(np.asarray(new.nu)[~rows], np.asarray(old.nu)[~rows])  # untouched: bitwise
         np.testing.assert_array_equal(np.asarray(new.mu)[~rows], np.asarray(old.mu)[~rows])
         np.testing.assert_array_equal(np.asarray(native[0])[~rows], np.asarray(p)[~rows])
+
+
+@needs_kernels
+def test_per_row_corrections_in_64_bit_mode_are_the_rules():
+    """In jax's 64-bit mode the rule computes ``1 - b^c`` for Python-float betas in float64: the kernels are then given
+    XLA's corrections instead of computing their own in float32, and stay within the bounds of the XLA path."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(43)
+        tx = _tx("per_row")
+        p, s = _start(tx, rng, (5,))
+        ids, values = _batch(rng, "dups", 48, (5,))
+        for fused in (False, True):
+            native, xla = _one_step(tx, p, s, ids, values, fused=fused)
+            _assert_within_bounds(native, xla, np.asarray(p))
+        hlo = jax.jit(_step(tx, True)).lower(p, s, jnp.asarray(ids), jnp.asarray(values)).as_text()
+    assert re.search(r"rowwise_adam_apply\(([^,)]*,){8}[^,)]*\)", hlo), "the corrections are not passed"
 
 
 @needs_kernels
@@ -285,8 +302,13 @@ def _numpy_rule(p, mu, nu, count, ids, values, scalars, bc, apply: bool):
 
 @needs_kernels
 @pytest.mark.parametrize("tail", [(1,), (5,), (64,), (100,), (513,), (3, 4)], ids=lambda t: "x".join(map(str, t)))
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", [*sorted(MODES), "per_row_given"])
 def test_kernels_equal_a_numpy_loop_of_their_arithmetic(tail, mode):
+    """Each handler against a NumPy loop of its arithmetic, bitwise; with per-row bias correction, the corrections
+    computed by the kernel (``per_row``: the row counts alone) or given (``per_row_given``: XLA's, as the rule computes
+    them in 64-bit mode), the loop taking XLA's either way."""
+    given = mode == "per_row_given"
+    mode = "per_row" if given else mode
     rng = np.random.default_rng([len(tail), sum(tail), len(mode), 37])
     p = rng.standard_normal((ROWS, *tail)).astype(F32)
     mu = (rng.standard_normal((ROWS, *tail)) * 0.1).astype(F32)
@@ -298,7 +320,7 @@ def test_kernels_equal_a_numpy_loop_of_their_arithmetic(tail, mode):
     bc = None
     if count is not None:
         bc = rowwise_adam_corrections(B1, B2, jnp.asarray(count), jnp.asarray(ids))
-        per_row = (jnp.asarray(count), bc)
+        per_row = (jnp.asarray(count), bc) if given else (jnp.asarray(count),)
     want = _numpy_rule(p, mu, nu, count, ids, values, np.asarray(scalars), None if bc is None else np.asarray(bc), True)
     args = (jnp.asarray(ids), jnp.asarray(values), scalars, per_row)
     with osa.use_kernels(True, threads=4):
@@ -360,8 +382,8 @@ def test_in_place_under_donation_and_compiled_once(mode, fused):
         temps[rows] = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
     report = osa.step_report(step, *args, min_bytes=100_000 * 4)  # per-row state counts as table-sized
     assert report.in_place, str(report)
-    # + apply_updates' scatter; + the gather of the row counts for per-row bias correction
-    assert report.kernel_path == "native-cpu" and report.kernel_calls == 1 + (not fused) + MODES[mode]
+    # + apply_updates' scatter; per-row bias correction's corrections are the kernel's own (no gather of the counts)
+    assert report.kernel_path == "native-cpu" and report.kernel_calls == 1 + (not fused), str(report)
     assert temps[100_000] == temps[1_000] < 1_000 * 16 * 4
     once = jit_once(_step(tx, fused), donate_argnums=(0, 1))
     rng = np.random.default_rng(39)

@@ -11,13 +11,14 @@
 //     the rule and p += neg_lr * step (after decoupled weight decay, in that
 //     mode), touching each row of p and acc once.
 // Row-wise Adam (scale_by_rowwise_adam; FBGEMM's PARTIAL_ROWWISE_ADAM):
-//   optax_sparse_adam_v2_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count, bc]) -> (mu, nu, keys, step[, row_count])
-//   optax_sparse_adam_v2_rowwise_adam_apply (p, mu, nu, keys, values, scalars[, row_count, bc]) -> (p, mu, nu[, row_count])
+//   optax_sparse_adam_v2_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count[, bc]]) -> (mu, nu, keys, step[, row_count])
+//   optax_sparse_adam_v2_rowwise_adam_apply (p, mu, nu, keys, values, scalars[, row_count[, bc]]) -> (p, mu, nu[, row_count])
 //     mu per entry, nu one scalar per row; with per-row bias correction each
 //     row's update count rises by one (saturating, as optax.safe_increment)
-//     and bc (k x 2, per entry: 1 - b1^c, 1 - b2^c for the entry's row at its
-//     new count, computed by XLA as the rule computes them) replaces the
-//     global corrections.
+//     and 1 - b1^c, 1 - b2^c at the row's new count c replace the global
+//     corrections: computed here in float32 with powf (the function XLA:CPU
+//     calls for the rule's power), or given as bc (k x 2, per entry, computed
+//     by XLA as the rule computes them, where it does not in float32).
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
@@ -200,7 +201,7 @@ struct AdamRule {
   float* m;
   float* v;
   int32_t* count;   // per-row bias correction: each row's update count; null otherwise
-  const float* bc;  // per-row bias correction: (1 - b1^c, 1 - b2^c) per entry; null otherwise
+  const float* bc;  // per-row bias correction: (1 - b1^c, 1 - b2^c) per entry, or null to compute them; null otherwise
   float* out;
   int64_t width;
 
@@ -218,9 +219,15 @@ struct AdamRule {
     const float eps = s.eps, eps_root = s.eps_root, neg_lr = s.neg_lr;
     float bc1 = s.bc1, bc2 = s.bc2;
     if constexpr (kPerRow) {
-      bc1 = bc[2 * entry];
-      bc2 = bc[2 * entry + 1];
       if (count[r] < INT32_MAX) count[r] += 1;  // optax.safe_increment
+      if (bc != nullptr) {
+        bc1 = bc[2 * entry];
+        bc2 = bc[2 * entry + 1];
+      } else {  // 1 - b^c in float32, with XLA:CPU's function for it (the C library's powf)
+        const float c = static_cast<float>(count[r]);
+        bc1 = 1.0f - std::pow(b1, c);
+        bc2 = 1.0f - std::pow(b2, c);
+      }
     }
     // The row's mean square: XLA divides the sum by the constant d as a
     // multiplication by 1 / d (a row of one entry is its square).
@@ -470,23 +477,25 @@ ffi::Error CheckAdam(ffi::Span<const int64_t> mu, size_t nu_count, ffi::Span<con
   if (values.size() < 1 || values[0] != k || RowWidth(values) != width)
     return ffi::Error::InvalidArgument("values must have one row of mu's width per key");
   if (static_cast<int64_t>(scalars_count) != kAdamScalars) return ffi::Error::InvalidArgument("scalars must hold 9 values");
-  if ((extra.size() != 0 && extra.size() != 2) || extra_out.size() != extra.size() / 2)
-    return ffi::Error::InvalidArgument("per-row bias correction takes the row counts and the corrections");
-  if (extra.size() == 2) {
+  if (extra.size() > 2 || extra_out.size() != (extra.size() > 0 ? 1u : 0u))
+    return ffi::Error::InvalidArgument("per-row bias correction takes the row counts and, optionally, the corrections");
+  if (extra.size() > 0) {
     auto count = extra.get<ffi::BufferR1<ffi::S32>>(0);
-    auto bc = extra.get<ffi::Buffer<ffi::F32>>(1);
     auto count_out = extra_out.get<ffi::BufferR1<ffi::S32>>(0);
     if (count.has_error()) return count.error();
-    if (bc.has_error()) return bc.error();
     if (count_out.has_error()) return count_out.error();
     if (static_cast<int64_t>(count->element_count()) != shard.local_rows ||
         (*count_out)->element_count() != count->element_count())
       return ffi::Error::InvalidArgument("the row counts must be one per row");
-    if (static_cast<int64_t>(bc->element_count()) != 2 * k)
-      return ffi::Error::InvalidArgument("the corrections must be two per key");
+    if (extra.size() == 2) {
+      auto bc = extra.get<ffi::Buffer<ffi::F32>>(1);
+      if (bc.has_error()) return bc.error();
+      if (static_cast<int64_t>(bc->element_count()) != 2 * k)
+        return ffi::Error::InvalidArgument("the corrections must be two per key");
+      t.bc = bc->typed_data();
+    }
     t.count = (*count_out)->typed_data();
     CopyIfNotAliased(t.count, count->typed_data(), count->element_count());
-    t.bc = bc->typed_data();
   }
   return ffi::Error::Success();
 }
