@@ -74,5 +74,12 @@ def apply_if_finite(
 
 
 def is_finite(tree: Any) -> jax.Array:
-    """Whether every array of ``tree`` is finite, as :func:`optax.apply_if_finite` decides it."""
-    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    """Whether every array of ``tree`` is finite, as :func:`optax.apply_if_finite` decides it.
+
+    An inexact array is finite exactly where ``sum(x * 0)`` is: every finite element gives a zero, every infinity
+    or NaN a NaN, and a sum of zeros cannot overflow. XLA:CPU vectorizes that sum; ``all(isfinite(x))``, a
+    reduction of booleans, took about twice as long on a batch of gradient rows.
+    """
+    arrays = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+    flags = [jnp.isfinite(jnp.sum(x * 0)) for x in arrays if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.array(flags)) if flags else jnp.array(True)

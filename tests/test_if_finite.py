@@ -107,3 +107,39 @@ def test_fused_in_place_under_the_cond():
         report = osa.step_report(step, params, state, grads)
     assert report.fused and report.in_place, str(report)
     assert "sparse_adam_rows" not in report.kernels
+
+
+def test_the_finiteness_check_is_optaxs():
+    """``is_finite`` (a vectorizable ``sum(x * 0)`` per array) decides as optax's ``all(isfinite(x))`` does: on
+    infinities of either sign and NaN anywhere in an array (in a block of gradient rows too), the largest finite
+    floats, negative zeros and subnormals, low-precision and complex arrays, integer arrays and empty ones."""
+    from optax_sparse_adam._if_finite import is_finite
+
+    f32 = np.finfo(np.float32)
+    base = {
+        "big": np.array([f32.max, -f32.max, f32.max], np.float32),
+        "small": np.array([-0.0, f32.smallest_subnormal, -f32.tiny], np.float32),
+        "half": jnp.asarray([6.5e4, -6.5e4], jnp.float16),
+        "bf16": jnp.asarray([3e38, 1.0], jnp.bfloat16),
+        "complex": np.array([1e38 + 1e38j, -0.0j], np.complex64),
+        "ids": np.array([2**31 - 1, -1], np.int32),
+        "empty": np.zeros((0, 3), np.float32),
+        "rows": np.ones((1024, 64), np.float32),  # a batch's gradient rows: vectorized reductions
+    }
+    cases = [base]
+    for row in (0, 517, 1023):
+        for bad in (np.inf, -np.inf, np.nan):
+            x = np.ones((1024, 64), np.float32)
+            x[row, row % 64] = bad
+            cases.append(dict(base, rows=x))
+    for name in ("big", "small", "half", "bf16", "complex"):
+        for bad in (np.inf, -np.inf, np.nan, complex(np.inf, 0), complex(0, np.nan)):
+            if name != "complex" and isinstance(bad, complex):
+                continue
+            x = np.array(base[name])
+            x[-1] = bad
+            cases.append(dict(base, **{name: jnp.asarray(x, base[name].dtype)}))
+    want = [bool(jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)]))) for t in cases]
+    got = [bool(jax.jit(is_finite)(t)) for t in cases]
+    assert got == want
+    assert want[0] and not any(want[1:])
