@@ -164,8 +164,8 @@ class EmbeddingCollection:
         """The stacked tables, each table initialized by its own initializer from its own key."""
         keys = dict(zip(self.tables, jax.random.split(key, len(self.tables)), strict=True))
         # The tables left to the default initializer in one jitted call: one compilation for all their shapes (one
-        # by one, the initializer compiled once per distinct shape: ~8 s for the 26 tables of a DLRM). A table's
-        # own initializer runs as given.
+        # by one, the initializer compiled once per distinct shape: 19 compilations of ~0.33 s for the DLRM
+        # example's 26 tables). A table's own initializer runs as given.
         default = [n for n, t in self.tables.items() if t.initializer is None]
         specs = tuple((self.tables[n].num_rows, self.tables[n].width, jnp.dtype(self.tables[n].dtype)) for n in default)
         made = dict(zip(default, _default_tables(tuple(keys[n] for n in default), specs), strict=True))
@@ -174,9 +174,10 @@ class EmbeddingCollection:
             parts = []
             for n in names:
                 t = self.tables[n]
-                if t.initializer is not None:
-                    made[n] = jnp.asarray(t.initializer(keys[n], (t.num_rows, t.width), t.dtype), t.dtype)
-                parts.append(made[n])
+                if t.initializer is None:
+                    parts.append(made[n])
+                else:
+                    parts.append(jnp.asarray(t.initializer(keys[n], (t.num_rows, t.width), t.dtype), t.dtype))
             out[stack] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
         return out
 
