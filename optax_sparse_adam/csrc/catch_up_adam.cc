@@ -120,12 +120,17 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
   const float eps = s.eps, binv = cu.binv, ratio = cu.ratio;
   float* __restrict inv = work;
   float* __restrict z = work + width;
-  bool takes = true;
+  // An int OR of the elements the series does not take, not a bool AND: GCC vectorizes this loop only in
+  // that form (with `takes &= ...` it took a scalar square root and division per element).
+  int32_t refused = 0;
   for (int64_t j = 0; j < width; ++j) {
-    inv[j] = 1.0f / std::sqrt(v[j]);
-    z[j] = eps * inv[j];
-    takes &= z[j] * binv <= ratio;
+    const float inverse = 1.0f / std::sqrt(v[j]);
+    const float zj = eps * inverse;
+    inv[j] = inverse;
+    z[j] = zj;
+    refused |= !(zj * binv <= ratio);
   }
+  const bool takes = refused == 0;
   const float decay1 = c[kTerms], decay2 = c[kTerms + 1];
   if (takes) {
     for (int64_t j = 0; j < width; ++j) {
