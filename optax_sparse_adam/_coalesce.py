@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._sparse_leaf import SparseLeaf, padding_key
@@ -152,10 +153,7 @@ def coalesce(leaf: SparseLeaf) -> SparseLeaf:
         return leaf
 
     def xla() -> tuple[jax.Array, jax.Array]:
-        operands = (leaf.keys, leaf.valid(), padding_key(leaf.shape, leaf.n_sparse), leaf.values)
-        return jax.lax.platform_dependent(
-            *operands, cuda=_coalesce_sorted, rocm=_coalesce_sorted, default=_coalesce_hashed
-        )
+        return _coalesce_xla(leaf)
 
     if leaf.n_sparse == 1 and _kernel_path.supports(leaf.shape, 1, leaf.values):
 
@@ -167,6 +165,52 @@ def coalesce(leaf: SparseLeaf) -> SparseLeaf:
     else:
         keys, values = xla()
     return leaf._replace(keys=keys, values=values, distinct=True, sorted=False, promised=False)
+
+
+def _coalesce_xla(leaf: SparseLeaf) -> tuple[jax.Array, jax.Array]:
+    """:func:`coalesce`'s keys and values on the XLA path: a sort on GPUs, hash rounds elsewhere."""
+    operands = (leaf.keys, leaf.valid(), padding_key(leaf.shape, leaf.n_sparse), leaf.values)
+    return jax.lax.platform_dependent(*operands, cuda=_coalesce_sorted, rocm=_coalesce_sorted, default=_coalesce_hashed)
+
+
+def coalesce_with_squares(leaf: SparseLeaf) -> tuple[SparseLeaf, jax.Array]:
+    """:func:`coalesce` of a leaf it sums (not known distinct), and the sum of the squares of its summed values.
+
+    The sum is ``optax.tree.norm(values, squared=True)`` of them on the XLA path; on the CPU's native path the
+    coalescing kernel adds the squares of each row as it sums it, in double (:func:`._ffi.coalesce_squares`), so the
+    two may round an ulp or so apart (as the slot orders of the two paths' sums already let them).
+    """
+    assert not leaf.distinct, "a distinct leaf is not summed"
+
+    def xla() -> tuple[jax.Array, jax.Array, jax.Array]:
+        keys, values = _coalesce_xla(leaf)
+        return keys, values, optax.tree.norm(values, squared=True)
+
+    if leaf.n_sparse == 1 and _kernel_path.supports(leaf.shape, 1, leaf.values):
+
+        def native() -> tuple[jax.Array, jax.Array, jax.Array]:
+            keys, values, squares = _ffi.coalesce_squares(leaf.keys[:, 0], leaf.values, leaf.shape[0])
+            return keys[:, None], values, squares
+
+        keys, values, squares = _kernel_path.select(native, xla)
+    else:
+        keys, values, squares = xla()
+    summed = leaf._replace(keys=keys, values=values, distinct=True, sorted=False, promised=False)
+    return summed, squares
+
+
+def sum_of_squares(leaf: SparseLeaf) -> jax.Array:
+    """:func:`coalesce_with_squares`' sum of squares alone, bitwise, for a leaf of float32 values and one sparse
+    axis: on the CPU the kernel reads the entries without writing their sums."""
+    assert not leaf.distinct and leaf.n_sparse == 1, "a summed leaf of one sparse axis"
+
+    def xla() -> jax.Array:
+        return optax.tree.norm(_coalesce_xla(leaf)[1], squared=True)
+
+    def native() -> jax.Array:
+        return _ffi.sum_squares(leaf.keys[:, 0], leaf.values, leaf.shape[0])
+
+    return _kernel_path.select(native, xla) if _kernel_path.supports(leaf.shape, 1, leaf.values) else xla()
 
 
 def _coalesce_hashed(

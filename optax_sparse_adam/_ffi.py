@@ -402,6 +402,25 @@ def coalesce(keys: jax.Array, values: jax.Array, num_rows: int) -> tuple[jax.Arr
     return new_keys, new_values.reshape(values.shape)
 
 
+def coalesce_squares(keys: jax.Array, values: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`coalesce`, and the sum of the squares of its values (summed in double, rounded once to float32)."""
+    out = (
+        jax.ShapeDtypeStruct(keys.shape, jnp.int32),
+        jax.ShapeDtypeStruct(values.shape, values.dtype),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
+    new_keys, new_values, squares = _ffi_call(PREFIX + "coalesce_squares", out, vmap_method="sequential")(
+        keys, _rows2d(values), **_attrs(num_rows)
+    )
+    return new_keys, new_values.reshape(values.shape), squares
+
+
+def sum_squares(keys: jax.Array, values: jax.Array, num_rows: int) -> jax.Array:
+    """:func:`coalesce_squares`' sum of squares alone, bitwise, without writing the summed values."""
+    out = jax.ShapeDtypeStruct((), jnp.float32)
+    return _ffi_call(PREFIX + "sum_squares", out, vmap_method="sequential")(keys, _rows2d(values), **_attrs(num_rows))
+
+
 def rowwise_adagrad_rows(
     acc: jax.Array,
     keys: jax.Array,

@@ -15,7 +15,7 @@ from optax_sparse_adam._amsgrad import AmsgradFusion
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._catch_up import CatchUpFusion, fused_apply
 from optax_sparse_adam._checks import mask_tree
-from optax_sparse_adam._fusion import recording
+from optax_sparse_adam._fusion import Call, Clipped, recording
 from optax_sparse_adam._if_finite import IfFiniteFusion, is_finite
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
@@ -71,7 +71,9 @@ def update_and_apply(
     plus one of the largest update, because XLA:CPU chooses by shape which
     multiply-adds it fuses (and where ``maximize`` negates the gradient). For
     the row-wise optimizers see :func:`scale_by_rowwise_adam` and
-    :func:`scale_by_rowwise_adagrad` for how their numbers relate to the two calls'. On
+    :func:`scale_by_rowwise_adagrad` for how their numbers relate to the two calls'. After
+    ``sparse_aware(optax.clip_by_global_norm(c))``, the Adam kernels (lazy Adam, AdamW and AMSGrad) sum a table's
+    entries and clip each row themselves, bitwise as the two calls on the kernels clip them. On
     other platforms, for other leaves, under differentiation and in
     :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
@@ -163,6 +165,8 @@ class _Fusable(NamedTuple):
       apply: ``apply(p, state_leaves, leaf, scalars, option) -> (p, *state_leaves)``: the fused kernel on one leaf.
       count_owner: The name of the state class whose ``count`` a schedule reads.
       options: ``options(params)``: a tree of static per-parameter options for ``apply`` (AdamW's mask).
+      clips: Whether ``apply`` takes a leaf's entries and two more scalars that clip each summed row by the
+        global norm (:class:`~optax_sparse_adam._fusion.Clipped`) in place of the clipped leaf.
     """
 
     learning_rate: optax.ScalarOrSchedule
@@ -174,6 +178,7 @@ class _Fusable(NamedTuple):
     apply: Callable[[jax.Array, Arrays, SparseLeaf, Any, Any], tuple[jax.Array, ...]]
     count_owner: str = "ScaleByScheduleState"
     options: Callable[[Any], Any] = lambda params: jax.tree.map(lambda _: None, params, is_leaf=is_leaf)
+    clips: bool = False
 
     def leaf_options(self, treedef: Any, params: Any) -> list[Any]:
         """``options(params)``, a static option per parameter for ``apply``, as a list along ``treedef``."""
@@ -193,7 +198,9 @@ def _fusable(fusion: Any) -> _Fusable | None:
 
         def adam_apply(p: jax.Array, st: Arrays, sp: SparseLeaf, scalars: Any, decays: Any) -> tuple[jax.Array, ...]:
             if wd is not None and not decays:
-                scalars = scalars[:-1]  # a parameter the mask leaves out of the decay: plain Adam
+                # A parameter the mask leaves out of the decay: plain Adam (the weight decay is the eleventh scalar,
+                # before the clipping's two).
+                scalars = jnp.concatenate([scalars[:10], scalars[11:]])
             flags = kernel_flags(hp, sp)
             return _ffi.sparse_adam_apply(p, st[0], st[1], sp.keys[:, 0], sp.values, scalars, **flags, decay=decays)
 
@@ -210,6 +217,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             options=lambda params: mask_tree(
                 wd is not None and (True if mask is None else mask), params, "mask", "sparse_adamw"
             ),
+            clips=True,
         )
     if isinstance(fusion, CatchUpFusion) and fusion.fusable():
         replayer = fusion.replayer
@@ -240,6 +248,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             apply=lambda p, st, sp, scalars, _: _ffi.sparse_amsgrad_apply(
                 p, st[0], st[1], st[2], sp.keys[:, 0], sp.values, scalars, unique=_kernel_path.unique_flag(sp)
             ),
+            clips=True,
         )
     if isinstance(fusion, RowwiseAdagradFusion):
         eps, weight_decay, decay = fusion.eps, fusion.weight_decay, fusion.decay
@@ -347,9 +356,12 @@ def _wrapped(
         return apply_updates(params, updates), new_state
     position = {_ids(u): j for j, (_, u) in enumerate(u_leaves) if is_sparse(u)}
     in_state = {id(x) for x in jax.tree.leaves(new_state)}
+    clipped = {_ids(c.leaf): c for c in calls if isinstance(c, Clipped)}
     done: dict[int, jax.Array] = {}
     replaced: dict[int, jax.Array] = {}
     for call in calls:
+        if not isinstance(call, Call):
+            continue
         fusable = _fusable(call.fusion)
         if fusable is None:
             continue
@@ -375,9 +387,17 @@ def _wrapped(
         scalars = fusable.scalars(call.new_state, -1 * lr)
 
         options = fusable.leaf_options(call_treedef, call.params)
-        args = [(c_params[i], tuple(leaves[i] for leaves in c_old), fused[i], options[i]) for i in targets]
+        c_grads = call_treedef.flatten_up_to(call.grads)
+        args = []
+        for i in targets:
+            leaf, leaf_scalars = fused[i], scalars
+            clip = clipped.get(_ids(c_grads[i])) if fusable.clips else None
+            if clip is not None:  # the kernel sums and clips the entries' rows itself
+                leaf = clip.entries
+                leaf_scalars = jnp.concatenate([scalars, jnp.stack([clip.divisor, clip.factor])])
+            args.append((c_params[i], tuple(leaves[i] for leaves in c_old), leaf, options[i], leaf_scalars))
         xla_args = [(c_params[i], c_updates[i], tuple(leaves[i] for leaves in c_new)) for i in targets]
-        for (i, j), (p, *st) in zip(targets.items(), _select(fusable, scalars, args, xla_args), strict=True):
+        for (i, j), (p, *st) in zip(targets.items(), _select(fusable, args, xla_args), strict=True):
             done[j] = p
             replaced.update((id(leaves[i]), x) for leaves, x in zip(c_new, st, strict=True))
     if not done:
@@ -389,12 +409,12 @@ def _wrapped(
     return treedef.unflatten(out_p), jax.tree.map(lambda x: replaced.get(id(x), x), new_state)
 
 
-def _select(fusable: _Fusable, scalars: Any, args: list[Any], xla_args: list[Any]) -> list[tuple[jax.Array, ...]]:
-    """The fused kernel on each ``(p, state_leaves, leaf, option)`` of ``args``; where it does not run, the two
-    calls' results, ``apply_updates(p, updates)`` and the new state leaves of each ``(p, updates, new)``."""
+def _select(fusable: _Fusable, args: list[Any], xla_args: list[Any]) -> list[tuple[jax.Array, ...]]:
+    """The fused kernel on each ``(p, state_leaves, leaf, option, scalars)`` of ``args``; where it does not run, the
+    two calls' results, ``apply_updates(p, updates)`` and the new state leaves of each ``(p, updates, new)``."""
 
     def native() -> list[tuple[jax.Array, ...]]:
-        return [fusable.apply(p, st, sp, scalars, option) for p, st, sp, option in args]
+        return [fusable.apply(p, st, sp, scalars, option) for p, st, sp, option, scalars in args]
 
     def xla() -> list[tuple[jax.Array, ...]]:
         return [(apply_updates(p, u), *new) for p, u, new in xla_args]

@@ -36,18 +36,49 @@ class Call(NamedTuple):
     new_state: Any
 
 
-_CALLS: contextvars.ContextVar[list[Call] | None] = contextvars.ContextVar("optax_sparse_adam_calls", default=None)
+_CALLS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("optax_sparse_adam_calls", default=None)
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[Call]]:
-    """Collects the :class:`Call` of every fusable ``update`` called inside (a nested block collects its own)."""
-    calls: list[Call] = []
+def recording() -> Iterator[list[Any]]:
+    """Collects the :class:`Call` of every fusable ``update`` called inside, and the :class:`Clipped` of every
+    clipped sparse leaf (a nested block collects its own)."""
+    calls: list[Any] = []
     token = _CALLS.set(calls)
     try:
         yield calls
     finally:
         _CALLS.reset(token)
+
+
+class Clipped(NamedTuple):
+    """A sparse leaf that ``sparse_aware(optax.clip_by_global_norm(c))`` clipped inside :func:`recording`.
+
+    Attributes:
+      leaf: The clipped leaf it returned (summed rows, clipped).
+      entries: What a fused kernel sums and clips in its place: the
+        :class:`~optax_sparse_adam._sparse_leaf.SparseLeaf` of the entries it was given (their padding zeroed
+        where they are known distinct).
+      divisor: ``g_norm``, or 1 where the norm was below ``c``.
+      factor: ``c``, or 1 where the norm was below ``c``: each summed row ``g`` became ``(g / divisor) * factor``.
+    """
+
+    leaf: Any
+    entries: Any
+    divisor: Any
+    factor: Any
+
+
+def recording_active() -> bool:
+    """Whether a :func:`recording` block is collecting."""
+    return _CALLS.get() is not None
+
+
+def record_clip(leaf: Any, entries: Any, divisor: Any, factor: Any) -> None:
+    """Adds a :class:`Clipped` to the innermost :func:`recording`, if any."""
+    calls = _CALLS.get()
+    if calls is not None:
+        calls.append(Clipped(leaf, entries, divisor, factor))
 
 
 def record(fusion: Any, grads: Any, state: Any, params: Any, out: tuple[Any, Any]) -> None:

@@ -69,6 +69,8 @@ _SYMBOLS = {
     "scatter_add": "OptaxSparseAdamScatterAdd",
     "coalesce": "OptaxSparseAdamCoalesce",
     "distinct": "OptaxSparseAdamDistinct",
+    "coalesce_squares": "OptaxSparseAdamCoalesceSquares",
+    "sum_squares": "OptaxSparseAdamSumSquares",
     "gather": "OptaxSparseAdamGather",
     "rowwise_adagrad_rows": "OptaxSparseAdamRowwiseAdagradRows",
     "rowwise_adagrad_apply": "OptaxSparseAdamRowwiseAdagradApply",

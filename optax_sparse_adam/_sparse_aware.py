@@ -5,9 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from optax_sparse_adam import _kernel_path
 from optax_sparse_adam._coalesce import coalesce as coalesce_leaf
+from optax_sparse_adam._coalesce import coalesce_with_squares, sum_of_squares
+from optax_sparse_adam._fusion import record_clip, recording_active
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_ops import take_rows
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
@@ -16,6 +20,9 @@ from optax_sparse_adam._tree import is_leaf, map_leaves, path_str
 __all__ = ["sparse_aware"]
 
 _WHERE = "sparse_aware"
+# The update function of every optax.clip_by_global_norm(max_norm) shares this code, its max_norm a closure cell.
+_CLIP_CODE: Any = optax.clip_by_global_norm(1.0).update.__code__
+_CLIP_CELLS: tuple[str, ...] = _CLIP_CODE.co_freevars
 
 
 def sparse_aware(
@@ -30,6 +37,13 @@ def sparse_aware(
     under the same indices. Parameters, where given, are handed over as the
     touched rows only. Dense leaves pass through unchanged. An update leaf
     that :func:`sparse_adam` emitted is already summed and is used as it is.
+
+    ``optax.clip_by_global_norm(c)`` itself is recognized (by its update
+    function's code) and run as written there, with one difference on the
+    CPU's native path: the coalescing kernel adds the squares of the summed
+    rows in double, so the norm may round apart from the XLA path's by an ulp or
+    so; under :func:`update_and_apply` the fused optimizer kernels clip each
+    row as they read it (see there).
 
     The result equals that of ``inner`` on the dense equivalent gradient when
     ``inner`` works entry by entry or through sums over entries:
@@ -93,6 +107,7 @@ def sparse_aware(
       Array([[1.],
              [0.]], dtype=float32)
     """
+    max_norm = _clip_max_norm(inner) if coalesce else None
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> Any:
@@ -110,6 +125,9 @@ def sparse_aware(
     def update_fn(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, Any]:
+        if max_norm is not None:
+            return _clip_by_global_norm(updates, max_norm), state
+
         def split(path: Any, u: Any, p: Any) -> tuple[Any, Any, SparseLeaf | None]:
             """The values ``inner`` sees, the parameter rows it sees, and the sparse leaf to rebuild."""
             if not is_sparse(u):
@@ -140,3 +158,79 @@ def sparse_aware(
         return treedef.unflatten(out), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _clip_max_norm(inner: optax.GradientTransformation) -> Any | None:
+    """``max_norm`` where ``inner`` is ``optax.clip_by_global_norm(max_norm)`` (recognized by its update function's
+    code, shared by every instance), else ``None``."""
+    update: Any = getattr(inner, "update", None)
+    closure = getattr(update, "__closure__", None)
+    if getattr(update, "__code__", None) is not _CLIP_CODE or closure is None:
+        return None
+    cells = dict(zip(_CLIP_CELLS, closure, strict=True))
+    return cells["max_norm"].cell_contents if "max_norm" in cells else None
+
+
+def _clip_by_global_norm(updates: optax.Updates, max_norm: Any) -> optax.Updates:
+    """``sparse_aware(optax.clip_by_global_norm(max_norm))``'s update: optax's rule on the dense equivalent.
+
+    On the XLA path it is optax's update itself on the summed values (the norm ``optax.tree.norm`` of them, the
+    clipping ``select(g_norm < max_norm, t, (t / g_norm) * max_norm)``). On the CPU's native path the coalescing
+    kernel also adds the squares of a table's summed rows, in double (:func:`._coalesce.coalesce_with_squares`),
+    rather than XLA's float32 reduction reading them again: the norm may round apart from the XLA path's by an ulp
+    or so, as the two paths' coalesced rows, packed in other orders, already let it. Inside
+    :func:`~optax_sparse_adam.update_and_apply` each table's clipping is recorded (its entries, the clipping's
+    divisor and factor), and a fused optimizer kernel then sums and clips each row itself as it reads the entries,
+    bitwise as here; the squares then come from a kernel that reads the entries without writing their sums
+    (:func:`._coalesce.sum_of_squares`, bitwise the same), so that neither the summed nor the clipped rows are
+    written.
+    """
+
+    fusing = recording_active()
+    entries_of: dict[int, SparseLeaf] = {}  # by id of the summed leaf: the entries a fused kernel sums itself
+
+    def split(path: Any, u: Any) -> tuple[Any, SparseLeaf | None, Any]:
+        """The values the rule sees, the summed leaf to rebuild, and the sum of its squares where computed."""
+        if not is_sparse(u):
+            return u, None, None
+        entries = to_sparse_leaf(u, u.shape, path, _WHERE, emits=True)
+        if entries.distinct:
+            zeroed = entries.zero_padding()
+            entries_of[id(zeroed)] = zeroed
+            return zeroed.values, zeroed, None
+        if fusing and entries.n_sparse == 1 and _kernel_path.supports(entries.shape, 1, entries.values):
+            # The summed rows only where the fused step does not take this table (XLA drops them where it does):
+            # the squares from the entries, and the kernel sums them again, clipping each as it goes.
+            summed, squares = coalesce_leaf(entries), sum_of_squares(entries)
+            entries_of[id(summed)] = entries
+        else:
+            summed, squares = coalesce_with_squares(entries)
+            entries_of[id(summed)] = summed
+        return summed.values, summed, squares
+
+    values, summed, squares = map_leaves(split, updates, [], where=_WHERE, tree_name="updates", n_out=3)
+    treedef: Any = jax.tree.structure(updates, is_leaf=is_leaf)
+    value_leaves = treedef.flatten_up_to(values)
+    # optax.tree.norm(values), each leaf's sum of squares being the coalescing's where it computed one.
+    leaf_squares = [
+        None if v is None else optax.tree.norm(v, squared=True) if s is None else s
+        for v, s in zip(value_leaves, treedef.flatten_up_to(squares), strict=True)
+    ]
+    g_norm = jnp.sqrt(optax.tree.sum(treedef.unflatten(leaf_squares)))
+    # optax.clip_by_global_norm's update, as written there.
+    trigger = jnp.squeeze(g_norm < max_norm)
+    new_values = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm), values)
+
+    out = []
+    for sp, v in zip(treedef.flatten_up_to(summed), treedef.flatten_up_to(new_values), strict=True):
+        if sp is None:
+            out.append(v)
+            continue
+        leaf = sp._replace(values=v).to_leaf()
+        if fusing and v.dtype == jnp.float32:
+            one = jnp.ones([], jnp.float32)
+            divisor = jnp.where(trigger, one, g_norm.astype(jnp.float32))
+            factor = jnp.where(trigger, one, jnp.asarray(max_norm, jnp.float32))
+            record_clip(leaf, entries_of[id(sp)], divisor, factor)
+        out.append(leaf)
+    return treedef.unflatten(out)

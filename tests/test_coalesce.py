@@ -265,3 +265,55 @@ def test_the_optimizer_step_lowered_for_cuda_sums_duplicates_without_a_scatter_a
         cuda = jax.jit(step).trace(p, tx.init(p), g).lower(lowering_platforms=("cuda",)).as_text()
         cpu = jax.jit(step).trace(p, tx.init(p), g).lower(lowering_platforms=("cpu",)).as_text()
     assert _scatters(cpu).count(True) == _scatters(cuda).count(True) + 1, (_scatters(cpu), _scatters(cuda))
+
+
+@pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
+@pytest.mark.parametrize("kind", ["zipf", "all padding", "extremes", "empty", "one wide row"])
+def test_coalescing_with_squares_adds_the_squares_of_the_summed_rows(kind):
+    """sparse_aware's global norm on the native path: the coalescing kernel's keys and values bitwise as without
+    the squares, and the sum of the squares of the summed rows in double, rounded once. Against a NumPy loop of that
+    rule: within an ulp (the double sums run in another order), on one thread and on two alike, and bitwise the
+    kernel that adds them without writing the sums; the XLA path's sum (optax.tree.norm of its coalesced values)
+    within float32 summation error of it."""
+    from optax_sparse_adam import _ffi
+    from optax_sparse_adam._coalesce import coalesce_with_squares
+
+    rng = np.random.default_rng(3)
+    rows = 5_000
+    width = 67 if kind == "one wide row" else 16  # not a multiple of the kernel's eight lanes
+    keys = {
+        "zipf": (rng.zipf(1.2, 8192) - 1) % (rows + 40) - 20,
+        "all padding": np.where(np.arange(64) % 2 == 0, -1, rows),
+        "extremes": np.array([np.iinfo(np.int32).min, np.iinfo(np.int32).max, 3, rows, -1, 3]),
+        "empty": np.zeros(0, np.int64),
+        "one wide row": np.full(5, 42),
+    }[kind].astype(np.int32)
+    values = (rng.standard_normal((len(keys), width)) * np.float32(1e3)).astype(np.float32)
+    summed: dict[int, np.ndarray] = {}
+    for key, value in zip(keys.tolist(), values, strict=True):
+        if 0 <= key < rows:
+            summed[key] = summed.get(key, np.zeros(width, np.float32)) + value  # float32, in entry order, from 0
+    want = np.float32(sum(float(np.sum(row.astype(np.float64) ** 2)) for row in summed.values()))
+    got = {}
+    for threads in (1, 2):
+        with osa.use_kernels(True, threads=threads):
+            got[threads] = jax.jit(lambda k, v: _ffi.coalesce_squares(k, v, rows))(keys, values)
+        plain = jax.jit(lambda k, v: _ffi.coalesce(k, v, rows))(keys, values)
+        for x, y in zip(got[threads][:2], plain, strict=True):
+            np.testing.assert_array_equal(x, y)
+    squares = np.asarray(got[1][2])
+    assert squares == np.asarray(got[2][2]) and squares.dtype == np.float32 and squares.shape == ()
+    assert np.abs(squares - want) <= np.spacing(want), (squares, want)
+    for threads in (1, 2):  # the same sum from the kernel that writes no sums
+        with osa.use_kernels(True, threads=threads):
+            assert np.asarray(jax.jit(lambda k, v: _ffi.sum_squares(k, v, rows))(keys, values)) == squares
+
+    def leaf_squares(k, v):
+        return coalesce_with_squares(to_sparse_leaf(osa.IndexedRows(k, v, rows), (rows, width), (), "test"))[1]
+
+    for kernels in (True, False):
+        with osa.use_kernels(kernels):
+            text = jax.jit(leaf_squares).lower(keys, values).compile().as_text()
+            assert ("optax_sparse_adam_v2_coalesce_squares" in text) is kernels
+            xla = np.asarray(jax.jit(leaf_squares)(keys, values))
+        assert np.abs(xla - want) <= 1e-6 * want + np.spacing(want), (kernels, xla, want)

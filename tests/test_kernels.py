@@ -323,6 +323,33 @@ def test_update_and_apply_fuses_through_optax_wrappers(case):
 
 
 @needs_kernels
+@pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clips", "does not clip"])
+@pytest.mark.parametrize("kind", ["dups", "distinct"])
+@pytest.mark.parametrize("adam", sorted(ADAMS))
+def test_global_norm_clipping_is_taken_by_the_optimizer_kernel(adam, kind, max_norm):
+    """chain(sparse_aware(clip_by_global_norm(c)), optimizer) under update_and_apply: a table whose entries repeat
+    keys has the squares of its summed rows added by a kernel that writes no sums, and the optimizer's kernel sums
+    and clips each row as it reads the entries (no coalescing call: no summed or clipped copy of them), with the
+    two calls' numbers on the kernels (where one call coalesces with the squares): moments bitwise (so each clipped
+    row is), whether the norm clips or not, beside a dense leaf the norm includes; a table known distinct
+    (unique_indices) alike, its entries clipped as the kernel reads them."""
+    tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(max_norm)), _adam(adam, 0.05, **_STAGE_OPTIONS[adam]))
+    steps = _steps(kind, 64, n=3, seed=5)
+    unique = kind == "distinct"
+    with osa.use_kernels(True):
+        native = _run(tx, steps, fused=True, unique=unique)
+        targets = _kernel_targets(_run_step(tx, True, unique), *_run_start(tx), *map(jnp.asarray, steps[0]))
+        two_calls = _run(tx, steps, fused=False, unique=unique)
+    assert sum(t.endswith("_apply") for t in targets) == 1 and not any(t.endswith("_rows") for t in targets), targets
+    assert targets - {"sum_squares"} == {next(t for t in targets if t.endswith("_apply"))}, targets
+    assert ("sum_squares" in targets) is (kind == "dups"), targets
+    _assert_same((*native[:2], None), two_calls, len(steps), 0.05)
+
+
+_STAGE_OPTIONS = {"adam": {"eps_placement": "torch"}, "adamw": {}, "amsgrad": {}}
+
+
+@needs_kernels
 @pytest.mark.parametrize("adam", sorted(ADAMS))
 def test_threads_give_the_same_numbers(adam):
     steps = _steps("dups", 4096, n=2, seed=6)

@@ -473,3 +473,25 @@ def test_apply_if_finite_keeps_working_with_any_index_dtype(dtype):
         assert int(state.total_notfinite) == 0
         new = osa.apply_updates(params, updates)["emb"]
         np.testing.assert_array_equal(np.flatnonzero(np.any(new != params["emb"], axis=1)), [3])
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3, np.float32(0.5)], ids=["clipping", "not-clipping", "array"])
+def test_clip_by_global_norm_is_recognized_and_keeps_optaxs_numbers(max_norm):
+    """sparse_aware(optax.clip_by_global_norm(c)) runs its own form of the stage (the squares of a table's summed
+    rows from the coalescing kernel on the native path): on the XLA path bitwise what the stage computes by calling
+    optax's update (optax.chain around it hides it from the recognition), on the native path within an ulp or so
+    of it (the norm's sum rounds apart), and the native program coalesces with the squares in one kernel call."""
+    grads, _ = _grads(0)
+    recognized = osa.sparse_aware(optax.clip_by_global_norm(max_norm))
+    generic = osa.sparse_aware(optax.chain(optax.clip_by_global_norm(max_norm)))
+    out = {}
+    for kernels in (False, True):
+        with osa.use_kernels(kernels):
+            for name, tx in (("recognized", recognized), ("generic", generic)):
+                step = jax.jit(lambda g, tx=tx: tx.update(g, tx.init(_params()))[0])
+                text = step.lower(grads).compile().as_text()
+                assert ("optax_sparse_adam_v2_coalesce_squares" in text) is (kernels and name == "recognized")
+                out[kernels, name] = _dense(step(grads))
+    assert_trees_equal(out[False, "recognized"], out[False, "generic"])
+    for a, b in zip(jax.tree.leaves(out[True, "recognized"]), jax.tree.leaves(out[True, "generic"]), strict=True):
+        np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=4)

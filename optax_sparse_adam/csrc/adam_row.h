@@ -18,7 +18,11 @@ namespace {
 struct Scalars {
   float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, bc1, bc2, torch_scale, neg_lr;
   float weight_decay = 0.0f;  // an eleventh scalar, for the AdamW handler only
+  // Global-norm clipping of each summed gradient row before the step, (g / clip_div) * clip_mul, as optax's
+  // clip_by_global_norm computes it (1 and 1 where it does not clip): two more scalars, for the apply handlers.
+  float clip_div = 1.0f, clip_mul = 1.0f;
 };
+constexpr int64_t kNumClipScalars = 2;
 constexpr int64_t kNumScalars = 10;
 constexpr int kPrefetchDistance = 4;
 

@@ -1,6 +1,8 @@
 // Summing a batch's duplicate keys, and finding its distinct keys, as XLA FFI handlers for the CPU:
-//   optax_sparse_adam_v2_coalesce  (keys, values) -> (keys, values)
-//   optax_sparse_adam_v2_distinct  (keys) -> (keys, inverse)
+//   optax_sparse_adam_v2_coalesce          (keys, values) -> (keys, values)
+//   optax_sparse_adam_v2_coalesce_squares  (keys, values) -> (keys, values, sum of squares)
+//   optax_sparse_adam_v2_sum_squares       (keys, values) -> sum of squares
+//   optax_sparse_adam_v2_distinct          (keys) -> (keys, inverse)
 // Each distinct key in [0, num_rows) once, in order of first occurrence, in
 // the leading slots, its entries' values summed from 0 in entry order (the
 // order of XLA's scatter-add, so each sum is bitwise the XLA path's); the
@@ -8,7 +10,14 @@
 // The XLA path (_coalesce.pack_distinct) packs the same keys and sums in
 // another slot order. `distinct` packs the keys alike (for the lookups,
 // _row_grad.distinct_ids) and gives each entry its key's slot, the last slot
-// (k - 1) for a padding entry.
+// (k - 1) for a padding entry. `coalesce_squares` also returns the sum of
+// the squares of the summed values (sparse_aware's global-norm clipping: a
+// fused optimizer kernel then clips the summed rows itself): each row's
+// squares summed in double, eight lanes of elements apart, the rows' sums
+// added in slot order in double (so the result does not depend on the
+// threads), rounded once to float32. `sum_squares` is that sum alone, bitwise,
+// without writing the summed values (where a fused optimizer kernel sums the
+// rows again and clips them as it reads them).
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -21,23 +30,58 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-// The distinct keys [lo, hi): each one's entries summed into its slot.
-OSA_TARGET_CLONES void SumRows(const Coalesced& c, const float* values, float* out, int64_t width, int64_t lo,
-                               int64_t hi) {
+constexpr int64_t kLanes = 8;
+
+// The sum of the squares of a row in double: eight running sums, one per lane of eight elements (an in-order sum
+// would not vectorize), the same order on every ISA. A float's square is exact in double.
+OSA_ROW_INLINE double RowSquares(const float* __restrict row, int64_t width) {
+  double lane[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= width; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lane[l] += static_cast<double>(row[j + l]) * static_cast<double>(row[j + l]);
+  }
+  for (; j < width; ++j) lane[0] += static_cast<double>(row[j]) * static_cast<double>(row[j]);
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+constexpr int64_t kPrefetchDistance = 8;  // distinct keys ahead: their first two entries' rows
+
+// The distinct keys [lo, hi): each one's entries summed, into its slot of `out` (or, where `out` is null, into a
+// row of scratch); with `squares`, each one's sum of squares into its slot of `squares`.
+OSA_TARGET_CLONES void SumRows(const Coalesced& c, const float* values, float* out, double* squares, int64_t width,
+                               int64_t lo, int64_t hi) {
+  std::vector<float> scratch(out == nullptr ? static_cast<size_t>(width) : 0);
   for (int64_t d = lo; d < hi; ++d) {
-    float* __restrict row = out + d * width;
+    if (d + kPrefetchDistance < hi) {  // the rows of a batch's entries are read in no order a cache predicts
+      const int32_t ahead = c.first[d + kPrefetchDistance];
+      for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(values + static_cast<int64_t>(ahead) * width + j);
+      if (c.next[ahead] >= 0) {
+        for (int64_t j = 0; j < width; j += 16)
+          __builtin_prefetch(values + static_cast<int64_t>(c.next[ahead]) * width + j);
+      }
+    }
+    float* __restrict row = out != nullptr ? out + d * width : scratch.data();
     const float* first = values + static_cast<int64_t>(c.first[d]) * width;
     for (int64_t j = 0; j < width; ++j) row[j] = 0.0f + first[j];
     for (int32_t e = c.next[c.first[d]]; e >= 0; e = c.next[e]) {
       const float* __restrict u = values + static_cast<int64_t>(e) * width;
       for (int64_t j = 0; j < width; ++j) row[j] = row[j] + u[j];
     }
+    if (squares != nullptr) squares[d] = RowSquares(row, width);
   }
 }
 
-ffi::Error CoalesceImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
-                        ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> values_out,
-                        int64_t num_rows, int64_t threads) {
+// The rows' sums of squares added in slot order, in double, rounded once.
+float TotalSquares(const std::vector<double>& squares) {
+  double total = 0.0;
+  for (const double x : squares) total += x;
+  return static_cast<float>(total);
+}
+
+// Coalesces (keys, values) into (keys_out, values_out); with `sum_of_squares`, also the sum of their squares.
+ffi::Error CoalesceInto(ffi::ThreadPool& pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                        ffi::ResultBufferR1<ffi::S32>& keys_out, ffi::ResultBuffer<ffi::F32>& values_out,
+                        float* sum_of_squares, int64_t num_rows, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   if (num_rows < 0 || num_rows > INT32_MAX) return ffi::Error::InvalidArgument("at most 2**31 - 1 rows");
   auto dims = values.dimensions();
@@ -52,10 +96,41 @@ ffi::Error CoalesceImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi:
   for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
   float* out = values_out->typed_data();
   std::memset(out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
+  std::vector<double> squares(sum_of_squares != nullptr ? static_cast<size_t>(c.size) : 0);
   // A thread is worth its scheduling past a few dozen rows.
   ParallelFor(pool, c.size, std::min<int64_t>(threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    SumRows(c, values.typed_data(), out, width, lo, hi);
+    SumRows(c, values.typed_data(), out, sum_of_squares != nullptr ? squares.data() : nullptr, width, lo, hi);
   });
+  if (sum_of_squares != nullptr) *sum_of_squares = TotalSquares(squares);
+  return ffi::Error::Success();
+}
+
+ffi::Error CoalesceImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                        ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> values_out,
+                        int64_t num_rows, int64_t threads) {
+  return CoalesceInto(pool, keys, values, keys_out, values_out, nullptr, num_rows, threads);
+}
+
+ffi::Error CoalesceSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                               ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> values_out,
+                               ffi::ResultBufferR0<ffi::F32> sum_of_squares, int64_t num_rows, int64_t threads) {
+  return CoalesceInto(pool, keys, values, keys_out, values_out, sum_of_squares->typed_data(), num_rows, threads);
+}
+
+ffi::Error SumSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                          ffi::ResultBufferR0<ffi::F32> sum_of_squares, int64_t num_rows, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  if (num_rows < 0 || num_rows > INT32_MAX) return ffi::Error::InvalidArgument("at most 2**31 - 1 rows");
+  auto dims = values.dimensions();
+  if (dims.size() < 1 || dims[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
+  const int64_t width = RowWidth(dims);
+  Coalesced c;
+  Coalesce(keys.typed_data(), k, num_rows, 0, c);
+  std::vector<double> squares(static_cast<size_t>(c.size));
+  ParallelFor(pool, c.size, std::min<int64_t>(threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+    SumRows(c, values.typed_data(), nullptr, squares.data(), width, lo, hi);
+  });
+  *sum_of_squares->typed_data() = TotalSquares(squares);
   return ffi::Error::Success();
 }
 
@@ -101,6 +176,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCoalesce, optax_sparse_adam::Coales
                                   .Arg<ffi::Buffer<ffi::F32>>()     // values
                                   .Ret<ffi::BufferR1<ffi::S32>>()   // keys: distinct first, then padding
                                   .Ret<ffi::Buffer<ffi::F32>>()     // values summed per distinct key
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCoalesceSquares, optax_sparse_adam::CoalesceSquaresImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
+                                  .Ret<ffi::BufferR1<ffi::S32>>()   // keys: distinct first, then padding
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // values summed per distinct key
+                                  .Ret<ffi::BufferR0<ffi::F32>>()   // the sum of their squares
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamSumSquares, optax_sparse_adam::SumSquaresImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Ret<ffi::BufferR0<ffi::F32>>()  // coalesce_squares' sum of squares
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("threads"));
 

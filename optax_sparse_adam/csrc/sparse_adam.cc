@@ -16,6 +16,11 @@
 //     s = (m' (1 / bc1)) / (sqrt(nu_max' + eps_root) + eps), p += neg_lr s;
 //   optax_sparse_adam_v2_sparse_amsgrad_rows (mu, nu, nu_max, keys, values, scalars) -> (mu, nu, nu_max, keys, step)
 //     its leaf rule for tx.update: the moments in place, the step rows times neg_lr packed as above.
+// The apply handlers take two more scalars after the others where the
+// gradient was clipped by its global norm (sparse_aware(clip_by_global_norm)):
+// each summed row becomes (g / clip_div) * clip_mul first, bitwise what the
+// clipping stage computes on the coalesced rows, so the fused step reads the
+// batch's entries and no clipped copy of them.
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
@@ -46,7 +51,13 @@ namespace optax_sparse_adam {
 namespace {
 
 // The distinct rows [lo, hi) of a coalesced batch.
-template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad>
+// g = (g / clip_div) * clip_mul, in place.
+OSA_ROW_INLINE void ClipRow(const Scalars& s, float* __restrict g, int64_t width) {
+  const float div = s.clip_div, mul = s.clip_mul;
+  for (int64_t j = 0; j < width; ++j) g[j] = (g[j] / div) * mul;
+}
+
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const Shard& shard, const float* values,
                                      float* m, float* v, float* vm, float* out, int64_t width, int64_t lo,
                                      int64_t hi) {
@@ -71,6 +82,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
       const float* ge = values + static_cast<int64_t>(e) * width;
       for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
     }
+    if constexpr (kClip) ClipRow(s, g.data(), width);
     float* dst = kApply ? out + r * width : out + d * width;
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g.data(), m + r * width, v + r * width, dst, width,
                                                            kAmsgrad ? vm + r * width : nullptr);
@@ -78,9 +90,10 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
 }
 
 // The entries [lo, hi) of a batch whose in-range keys are distinct.
-template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad>
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const Shard& shard, const float* values,
                                   float* m, float* v, float* vm, float* out, int64_t width, int64_t lo, int64_t hi) {
+  std::vector<float> clipped(kClip ? static_cast<size_t>(width) : 0);
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
       const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
@@ -95,12 +108,18 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
     }
     const int64_t r = shard.Local(keys[i]);
     float* dst = kApply ? out + r * width : out + i * width;
-    UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, values + i * width, m + r * width, v + r * width, dst,
-                                                           width, kAmsgrad ? vm + r * width : nullptr);
+    const float* g = values + i * width;
+    if constexpr (kClip) {
+      std::memcpy(clipped.data(), g, sizeof(float) * static_cast<size_t>(width));
+      ClipRow(s, clipped.data(), width);
+      g = clipped.data();
+    }
+    UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
+                                                           kAmsgrad ? vm + r * width : nullptr);
   }
 }
 
-template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad>
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip = false>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k, const Shard& shard,
          const float* values, float* m, float* v, float* vm, float* out, int32_t* out_keys, int64_t width) {
   const auto pad = static_cast<int32_t>(shard.num_rows);
@@ -112,7 +131,8 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
       for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
     }
     ParallelForOwned(pool, keys, k, shard, o.threads, [&](int64_t lo, int64_t hi) {
-      UniqueRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, keys, shard, values, m, v, vm, out, width, lo, hi);
+      UniqueRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad, kClip>(s, keys, shard, values, m, v, vm, out, width, lo,
+                                                                     hi);
     });
     return;
   }
@@ -128,13 +148,16 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
   }
   // A thread is worth its scheduling past a few dozen rows.
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, c, shard, values, m, v, vm, out, width, lo, hi);
+    CoalescedRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad, kClip>(s, c, shard, values, m, v, vm, out, width, lo,
+                                                                        hi);
   });
 }
 
-// Checks the shapes shared by both handlers; sets the shard's local rows and the width.
+// Checks the shapes shared by both handlers; sets the shard's local rows and the width. An apply handler
+// (`clips`) also takes num_scalars + kNumClipScalars scalars.
 ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t nu_count, int64_t k,
-                       size_t values_count, size_t scalars_count, int64_t num_scalars, Shard& shard, int64_t& width) {
+                       size_t values_count, size_t scalars_count, int64_t num_scalars, Shard& shard, int64_t& width,
+                       bool clips = false) {
   if (table.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
   shard.local_rows = table[0];
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
@@ -143,17 +166,33 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t n
     return ffi::Error::InvalidArgument("mu and nu must have the parameter's shape");
   if (static_cast<int64_t>(values_count) != k * width)
     return ffi::Error::InvalidArgument("values must have one row per key");
-  if (static_cast<int64_t>(scalars_count) != num_scalars)
-    return ffi::Error::InvalidArgument(num_scalars == kNumScalars ? "scalars must hold 10 values"
-                                                                  : "scalars must hold 11 values");
+  const auto count = static_cast<int64_t>(scalars_count);
+  if (count != num_scalars && !(clips && count == num_scalars + kNumClipScalars))
+    return ffi::Error::InvalidArgument(num_scalars == kNumScalars ? "scalars must hold 10 values (12 to clip)"
+                                                                  : "scalars must hold 11 values (13 to clip)");
   return ffi::Error::Success();
+}
+
+// Whether `scalars` holds the clipping scalars after its first `num_scalars`; reads them into `s` if so.
+bool ReadClip(const ffi::BufferR1<ffi::F32>& scalars, int64_t num_scalars, Scalars& s) {
+  if (static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars) return false;
+  s.clip_div = scalars.typed_data()[num_scalars];
+  s.clip_mul = scalars.typed_data()[num_scalars + 1];
+  return true;
 }
 
 template <bool kApply, bool kDecay = false>
 void Dispatch(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k,
               const Shard& shard, const float* values, float* m, float* v, float* out, int32_t* out_keys,
-              int64_t width) {
+              int64_t width, bool clip = false) {
   auto run = [&](auto torch_eps, auto maximize) {
+    if constexpr (kApply) {
+      if (clip) {
+        Run<decltype(torch_eps)::value, decltype(maximize)::value, kApply, kDecay, false, true>(
+            pool, s, o, keys, k, shard, values, m, v, nullptr, out, out_keys, width);
+        return;
+      }
+    }
     Run<decltype(torch_eps)::value, decltype(maximize)::value, kApply, kDecay, false>(
         pool, s, o, keys, k, shard, values, m, v, nullptr, out, out_keys, width);
   };
@@ -200,7 +239,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
   if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
-                                 scalars.element_count(), kDecay ? kNumScalars + 1 : kNumScalars, shard, width);
+                                 scalars.element_count(), kDecay ? kNumScalars + 1 : kNumScalars, shard, width,
+                                 /*clips=*/true);
       e.failure())
     return e;
   if (p.element_count() != mu.element_count()) return ffi::Error::InvalidArgument("p must have mu's shape");
@@ -213,7 +253,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   Scalars s = ReadScalars(scalars);
   if constexpr (kDecay) s.weight_decay = scalars.typed_data()[kNumScalars];
-  Dispatch<true, kDecay>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr, width);
+  const bool clip = ReadClip(scalars, kDecay ? kNumScalars + 1 : kNumScalars, s);
+  Dispatch<true, kDecay>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr, width, clip);
   return ffi::Error::Success();
 }
 
@@ -229,7 +270,7 @@ ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
   if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
-                                 scalars.element_count(), kNumScalars, shard, width);
+                                 scalars.element_count(), kNumScalars, shard, width, /*clips=*/true);
       e.failure())
     return e;
   if (p.element_count() != mu.element_count() || nu_max.element_count() != mu.element_count())
@@ -243,8 +284,14 @@ ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
   CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
   CopyIfNotAliased(vm, nu_max.typed_data(), nu_max.element_count());
   const Options o{false, false, unique, threads};
-  Run<false, false, true, false, true>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard, values.typed_data(),
-                                       m, v, vm, q, nullptr, width);
+  Scalars s = ReadScalars(scalars);
+  if (ReadClip(scalars, kNumScalars, s)) {
+    Run<false, false, true, false, true, true>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, vm,
+                                               q, nullptr, width);
+  } else {
+    Run<false, false, true, false, true>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, vm, q,
+                                         nullptr, width);
+  }
   return ffi::Error::Success();
 }
 
