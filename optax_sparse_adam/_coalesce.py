@@ -178,7 +178,8 @@ def coalesce_with_squares(leaf: SparseLeaf) -> tuple[SparseLeaf, jax.Array]:
 
     The sum is ``optax.tree.norm(values, squared=True)`` of them on the XLA path; on the CPU's native path the
     coalescing kernel adds the squares of each row as it sums it, in double (:func:`._ffi.coalesce_squares`), so the
-    two may round an ulp or so apart (as the slot orders of the two paths' sums already let them).
+    two may differ by the XLA path's float32 summation error (as the slot orders of the two paths' sums already let
+    them).
     """
     assert not leaf.distinct, "a distinct leaf is not summed"
 

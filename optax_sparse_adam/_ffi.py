@@ -190,7 +190,8 @@ def sparse_adam_apply(
     """The sparse leaf rule and ``p += neg_lr * step`` in one pass over each touched row: ``(p, m, v)``.
 
     With ``decay``, ``sparse_adamw``'s lazy step ``p += neg_lr * (step + weight_decay * p)``, the weight decay
-    an eleventh scalar.
+    an eleventh scalar. Two more scalars ``(divisor, factor)`` after those clip each summed gradient row first,
+    ``(g / divisor) * factor`` (``sparse_aware(optax.clip_by_global_norm(c))``'s rule).
     """
     attrs = _attrs(p.shape[0], torch_eps=torch_eps, maximize=maximize, unique=unique)
     target = PREFIX + ("sparse_adamw_apply" if decay else "sparse_adam_apply")
@@ -222,7 +223,8 @@ def sparse_amsgrad_apply(
     unique: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``sparse_amsgrad``'s lazy step and ``p += neg_lr * step`` in one pass over each touched row:
-    ``(p, m, v, v_max)``; ``scalars`` as the Adam kernels take them."""
+    ``(p, m, v, v_max)``; ``scalars`` as the Adam kernels take them (with the clipping's two, as
+    :func:`sparse_adam_apply`)."""
     attrs = _attrs(p.shape[0], unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, *rest: jax.Array):

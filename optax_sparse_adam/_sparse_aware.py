@@ -41,9 +41,9 @@ def sparse_aware(
     ``optax.clip_by_global_norm(c)`` itself is recognized (by its update
     function's code) and run as written there, with one difference on the
     CPU's native path: the coalescing kernel adds the squares of the summed
-    rows in double, so the norm may round apart from the XLA path's by an ulp or
-    so; under :func:`update_and_apply` the fused optimizer kernels clip each
-    row as they read it (see there).
+    rows in double, so the norm may differ from the XLA path's by that path's
+    float32 summation error; under :func:`update_and_apply` the fused optimizer
+    kernels clip each row as they read it (see there).
 
     The result equals that of ``inner`` on the dense equivalent gradient when
     ``inner`` works entry by entry or through sums over entries:
@@ -126,7 +126,7 @@ def sparse_aware(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, Any]:
         if max_norm is not None:
-            return _clip_by_global_norm(updates, max_norm), state
+            return _clip_by_global_norm(updates, params, max_norm), state
 
         def split(path: Any, u: Any, p: Any) -> tuple[Any, Any, SparseLeaf | None]:
             """The values ``inner`` sees, the parameter rows it sees, and the sparse leaf to rebuild."""
@@ -171,14 +171,14 @@ def _clip_max_norm(inner: optax.GradientTransformation) -> Any | None:
     return cells["max_norm"].cell_contents if "max_norm" in cells else None
 
 
-def _clip_by_global_norm(updates: optax.Updates, max_norm: Any) -> optax.Updates:
+def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, max_norm: Any) -> optax.Updates:
     """``sparse_aware(optax.clip_by_global_norm(max_norm))``'s update: optax's rule on the dense equivalent.
 
     On the XLA path it is optax's update itself on the summed values (the norm ``optax.tree.norm`` of them, the
     clipping ``select(g_norm < max_norm, t, (t / g_norm) * max_norm)``). On the CPU's native path the coalescing
     kernel also adds the squares of a table's summed rows, in double (:func:`._coalesce.coalesce_with_squares`),
-    rather than XLA's float32 reduction reading them again: the norm may round apart from the XLA path's by an ulp
-    or so, as the two paths' coalesced rows, packed in other orders, already let it. Inside
+    rather than XLA's float32 reduction reading them again: the norm may differ from the XLA path's by that float32
+    summation's error, as the two paths' coalesced rows, packed in other orders, already let it. Inside
     :func:`~optax_sparse_adam.update_and_apply` each table's clipping is recorded (its entries, the clipping's
     divisor and factor), and a fused optimizer kernel then sums and clips each row itself as it reads the entries,
     bitwise as here; the squares then come from a kernel that reads the entries without writing their sums
@@ -186,14 +186,15 @@ def _clip_by_global_norm(updates: optax.Updates, max_norm: Any) -> optax.Updates
     written.
     """
 
-    fusing = recording_active()
+    # Inside update_and_apply, with the native kernels on: a fused Adam kernel may take the table's entries.
+    fusing = recording_active() and _kernel_path.enabled()
     entries_of: dict[int, SparseLeaf] = {}  # by id of the summed leaf: the entries a fused kernel sums itself
 
-    def split(path: Any, u: Any) -> tuple[Any, SparseLeaf | None, Any]:
+    def split(path: Any, u: Any, p: Any) -> tuple[Any, SparseLeaf | None, Any]:
         """The values the rule sees, the summed leaf to rebuild, and the sum of its squares where computed."""
         if not is_sparse(u):
             return u, None, None
-        entries = to_sparse_leaf(u, u.shape, path, _WHERE, emits=True)
+        entries = to_sparse_leaf(u, u.shape if p is None else p.shape, path, _WHERE, emits=True)
         if entries.distinct:
             zeroed = entries.zero_padding()
             entries_of[id(zeroed)] = zeroed
@@ -208,7 +209,14 @@ def _clip_by_global_norm(updates: optax.Updates, max_norm: Any) -> optax.Updates
             entries_of[id(summed)] = summed
         return summed.values, summed, squares
 
-    values, summed, squares = map_leaves(split, updates, [], where=_WHERE, tree_name="updates", n_out=3)
+    values, summed, squares = map_leaves(
+        lambda path, u, *p: split(path, u, p[0] if p else None),
+        updates,
+        [] if params is None else [(params, "parameters")],
+        where=_WHERE,
+        tree_name="updates",
+        n_out=3,
+    )
     treedef: Any = jax.tree.structure(updates, is_leaf=is_leaf)
     value_leaves = treedef.flatten_up_to(values)
     # optax.tree.norm(values), each leaf's sum of squares being the coalescing's where it computed one.
@@ -230,7 +238,7 @@ def _clip_by_global_norm(updates: optax.Updates, max_norm: Any) -> optax.Updates
         if fusing and v.dtype == jnp.float32:
             one = jnp.ones([], jnp.float32)
             divisor = jnp.where(trigger, one, g_norm.astype(jnp.float32))
-            factor = jnp.where(trigger, one, jnp.asarray(max_norm, jnp.float32))
+            factor = jnp.where(trigger, one, jnp.reshape(jnp.asarray(max_norm, jnp.float32), ()))
             record_clip(leaf, entries_of[id(sp)], divisor, factor)
         out.append(leaf)
     return treedef.unflatten(out)

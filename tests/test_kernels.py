@@ -350,6 +350,30 @@ _STAGE_OPTIONS = {"adam": {"eps_placement": "torch"}, "adamw": {}, "amsgrad": {}
 
 
 @needs_kernels
+@pytest.mark.parametrize("width", [1, 64, 513])
+def test_global_norm_clipping_in_the_kernel_is_the_two_calls_at_any_width(width):
+    """XLA:CPU picks its fusions by shape: the kernel's (g / g_norm) * c is bitwise the two calls' at other widths
+    than the test above (one step, ids repeated and padding, the norm clipping)."""
+    rng = np.random.default_rng(width)
+    tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(0.5)), osa.sparse_adam(0.05))
+    params = {"table": jnp.asarray(rng.standard_normal((NUM_ROWS, width)), jnp.float32)}
+    ids = jnp.asarray(rng.integers(-3, NUM_ROWS + 3, 64), jnp.int32)
+    grads = {"table": osa.IndexedRows(ids, jnp.asarray(rng.standard_normal((64, width)), jnp.float32), NUM_ROWS)}
+
+    def two_calls(p, s):
+        updates, s = tx.update(grads, s, p)
+        return osa.apply_updates(p, updates), s
+
+    with osa.use_kernels(True):
+        state = tx.init(params)
+        step = jax.jit(lambda p, s: osa.update_and_apply(tx, grads, s, p))
+        fused = step(params, state)
+        assert _kernel_targets(step, params, state) == {"sum_squares", "sparse_adam_apply"}
+        reference = jax.jit(two_calls)(params, state)
+    _assert_same((*fused, None), (*reference, None), 1, 0.05)
+
+
+@needs_kernels
 @pytest.mark.parametrize("adam", sorted(ADAMS))
 def test_threads_give_the_same_numbers(adam):
     steps = _steps("dups", 4096, n=2, seed=6)

@@ -44,23 +44,11 @@ OSA_ROW_INLINE double RowSquares(const float* __restrict row, int64_t width) {
   return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
-constexpr int64_t kPrefetchDistance = 8;  // distinct keys ahead: their first two entries' rows
-
-// The distinct keys [lo, hi): each one's entries summed, into its slot of `out` (or, where `out` is null, into a
-// row of scratch); with `squares`, each one's sum of squares into its slot of `squares`.
+// The distinct keys [lo, hi): each one's entries summed into its slot; with `squares`, each slot's sum of squares.
 OSA_TARGET_CLONES void SumRows(const Coalesced& c, const float* values, float* out, double* squares, int64_t width,
                                int64_t lo, int64_t hi) {
-  std::vector<float> scratch(out == nullptr ? static_cast<size_t>(width) : 0);
   for (int64_t d = lo; d < hi; ++d) {
-    if (d + kPrefetchDistance < hi) {  // the rows of a batch's entries are read in no order a cache predicts
-      const int32_t ahead = c.first[d + kPrefetchDistance];
-      for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(values + static_cast<int64_t>(ahead) * width + j);
-      if (c.next[ahead] >= 0) {
-        for (int64_t j = 0; j < width; j += 16)
-          __builtin_prefetch(values + static_cast<int64_t>(c.next[ahead]) * width + j);
-      }
-    }
-    float* __restrict row = out != nullptr ? out + d * width : scratch.data();
+    float* __restrict row = out + d * width;
     const float* first = values + static_cast<int64_t>(c.first[d]) * width;
     for (int64_t j = 0; j < width; ++j) row[j] = 0.0f + first[j];
     for (int32_t e = c.next[c.first[d]]; e >= 0; e = c.next[e]) {
@@ -69,6 +57,22 @@ OSA_TARGET_CLONES void SumRows(const Coalesced& c, const float* values, float* o
     }
     if (squares != nullptr) squares[d] = RowSquares(row, width);
   }
+}
+
+// The distinct keys [lo, hi): each one's row summed as SumRows sums it (from 0, in entry order), reading the
+// entries in order rather than along each key's chain of entries (which misses the cache at every entry), then
+// its sum of squares into its slot of `squares`.
+OSA_TARGET_CLONES void StreamSquares(const int32_t* row_of, int64_t k, const float* values, double* squares,
+                                     int64_t width, int64_t lo, int64_t hi) {
+  std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t d = row_of[i];
+    if (d < lo || d >= hi) continue;
+    float* __restrict g = sums.data() + (d - lo) * width;
+    const float* __restrict v = values + i * width;
+    for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
+  }
+  for (int64_t d = lo; d < hi; ++d) squares[d] = RowSquares(sums.data() + (d - lo) * width, width);
 }
 
 // The rows' sums of squares added in slot order, in double, rounded once.
@@ -127,8 +131,9 @@ ffi::Error SumSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ff
   Coalesced c;
   Coalesce(keys.typed_data(), k, num_rows, 0, c);
   std::vector<double> squares(static_cast<size_t>(c.size));
+  const std::vector<int32_t> row_of = EntryRows(c, k);
   ParallelFor(pool, c.size, std::min<int64_t>(threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    SumRows(c, values.typed_data(), nullptr, squares.data(), width, lo, hi);
+    StreamSquares(row_of.data(), k, values.typed_data(), squares.data(), width, lo, hi);
   });
   *sum_of_squares->typed_data() = TotalSquares(squares);
   return ffi::Error::Success();

@@ -142,6 +142,15 @@ inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coa
   }
 }
 
+// For each entry, the distinct row of a coalesced batch it adds to (-1 for padding).
+inline std::vector<int32_t> EntryRows(const Coalesced& c, int64_t k) {
+  std::vector<int32_t> row_of(static_cast<size_t>(k), -1);
+  for (int64_t d = 0; d < c.size; ++d) {
+    for (int32_t e = c.first[d]; e >= 0; e = c.next[e]) row_of[e] = static_cast<int32_t>(d);
+  }
+  return row_of;
+}
+
 // Runs fn(lo, hi) over [0, n) split into `parts` contiguous ranges, part 0 on
 // the calling thread and the others on XLA's intra-op pool. Parts are claimed
 // through a shared counter, so the caller runs any part no pool thread has

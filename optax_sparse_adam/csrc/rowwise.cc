@@ -264,15 +264,6 @@ struct AdamRule {
 
 // ---- The row loop, shared by the rules.
 
-// For each entry, the distinct row of a coalesced batch it adds to (-1 for padding).
-inline std::vector<int32_t> EntryRows(const Coalesced& c, int64_t k) {
-  std::vector<int32_t> row_of(static_cast<size_t>(k), -1);
-  for (int64_t d = 0; d < c.size; ++d) {
-    for (int32_t e = c.first[d]; e >= 0; e = c.next[e]) row_of[e] = static_cast<int32_t>(d);
-  }
-  return row_of;
-}
-
 // The distinct rows [lo, hi) of a coalesced batch.
 template <class Rule>
 OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Coalesced& c, const int32_t* row_of, int64_t k,

@@ -25,11 +25,13 @@
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
 // Numerics follow what XLA:CPU compiles the XLA path to, operation by
-// operation (it contracts a product into the following add, and turns a
-// division by a broadcast scalar into a multiplication by its reciprocal);
+// operation (it contracts a product into the following add, and turns the
+// divisions by the bias corrections into multiplications by their reciprocals,
+// where it keeps the clipping's division by the norm: the tests pin each);
 // build with -ffp-contract=off so that only the fused multiply-adds written
 // here occur:
 //   g   = ((0 + g_e1) + g_e2) + ...   over the entries of a row, in entry order
+//   g   = (g / clip_div) * clip_mul   (apply handlers given the clipping's scalars)
 //   m'  = fma(1 - b1, g, b1 m)        (maximize: fma(b1, m, -((1 - b1) g)))
 //   v'  = fma(1 - b2, g g, b2 v)
 //   optax: s = (m' (1 / bc1)) / (sqrt(v' (1 / bc2) + eps_root) + eps)
@@ -167,9 +169,11 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t n
   if (static_cast<int64_t>(values_count) != k * width)
     return ffi::Error::InvalidArgument("values must have one row per key");
   const auto count = static_cast<int64_t>(scalars_count);
-  if (count != num_scalars && !(clips && count == num_scalars + kNumClipScalars))
+  if (count != num_scalars && !(clips && count == num_scalars + kNumClipScalars)) {
+    if (!clips) return ffi::Error::InvalidArgument("scalars must hold 10 values");
     return ffi::Error::InvalidArgument(num_scalars == kNumScalars ? "scalars must hold 10 values (12 to clip)"
                                                                   : "scalars must hold 11 values (13 to clip)");
+  }
   return ffi::Error::Success();
 }
 
