@@ -52,8 +52,9 @@ from optax_sparse_adam._adam import (
 )
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._checks import check_dense_gradient, check_params, check_state, mask_tree
+from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
+from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
@@ -639,7 +640,9 @@ def fused_apply(
     keys, as the XLA path computes them on the rows; the kernel replays and steps each touched row in one pass,
     taking the idle steps one by one for the elements the series does not take (from the window's learning rates
     and the plan's bias corrections). Rows it flags (such steps of a row idle longer than the window under a
-    schedule, or no table of corrections) then take the XLA rule on those rows alone.
+    schedule, or no table of corrections) then take the XLA rule on those rows alone. ``scalars`` may end in a
+    global-norm clipping's divisor and factor (:func:`._fused._with_clip`): ``leaf`` is then the table's entries,
+    which the kernel sums and clips row by row, and which are summed and clipped alike for the flagged rows.
     """
     m, v, last = state
     hp = replayer.hp
@@ -659,7 +662,16 @@ def fused_apply(
     p, m, v, flags = _ffi.catch_up_adam_apply(*operands, cap=plan.cap, **kernel_flags(hp, leaf))
 
     def by_steps() -> tuple[jax.Array, ...]:
-        g = IndexedRows(jnp.where(flags > 0, keys, -1), leaf.values, rows)
+        flagged = leaf._replace(keys=jnp.where(flags[:, None] > 0, leaf.keys, rows))
+        if scalars.shape[0] == 12:  # Adam's 10 and a clipping's 2: the table's entries, summed here, then clipped
+            flagged = coalesce(flagged)
+            div, mul, t = scalars[-2], scalars[-1], flagged.values
+            # optax.clip_by_global_norm's expression, select(trigger, t, (t / g_norm) * max_norm): XLA:CPU keeps
+            # that division a division, where a bare (t / div) * mul becomes t * (1 / div) * mul and the moments
+            # round apart from the two calls'.
+            values = jax.lax.select((div == 1) & (mul == 1), t, (t / div) * mul)
+            flagged = flagged._replace(values=values)
+        g = flagged.to_leaf()  # known distinct where the leaf is: the rule does not coalesce it again
         rule = _rule(replayer, done, count, replayer.lr(done))
         out, (m2, v2, last2) = apply_rule((), g, p.shape, (m, v, last), (p,), rule, _WHERE, whole_rows=True)
         return apply_updates(p, out), m2, v2, last2

@@ -233,6 +233,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             ),
             apply=lambda p, st, sp, scalars, _: fused_apply(replayer, p, st, sp, *scalars),
             count_owner="CatchUpAdamState",
+            clips=True,
         )
     if isinstance(fusion, AmsgradFusion):
         hp = fusion.hp
@@ -262,6 +263,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             apply=lambda p, st, sp, scalars, _: _ffi.rowwise_adagrad_apply(
                 p, st[0], sp.keys[:, 0], sp.values, scalars, decay=decay, unique=_kernel_path.unique_flag(sp)
             ),
+            clips=True,
         )
     if isinstance(fusion, RowwiseAdamFusion):
         adam = fusion
@@ -281,6 +283,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
                 neg_lr,
             ),
             apply=lambda p, st, sp, scalars, _: adam.apply(p, st, sp, scalars),
+            clips=True,
         )
     return None
 
@@ -394,7 +397,7 @@ def _wrapped(
             clip = clipped.get(_ids(c_grads[i])) if fusable.clips else None
             if clip is not None:  # the kernel sums and clips the entries' rows itself
                 leaf = clip.entries
-                leaf_scalars = jnp.concatenate([scalars, jnp.stack([clip.divisor, clip.factor])])
+                leaf_scalars = _with_clip(scalars, clip)
             args.append((c_params[i], tuple(leaves[i] for leaves in c_old), leaf, options[i], leaf_scalars))
         xla_args = [(c_params[i], c_updates[i], tuple(leaves[i] for leaves in c_new)) for i in targets]
         for (i, j), (p, *st) in zip(targets.items(), _select(fusable, args, xla_args), strict=True):
@@ -407,6 +410,14 @@ def _wrapped(
     for j, p in done.items():
         out_p[j] = p
     return treedef.unflatten(out_p), jax.tree.map(lambda x: replaced.get(id(x), x), new_state)
+
+
+def _with_clip(scalars: Any, clip: Clipped) -> Any:
+    """A kernel's scalars followed by the clipping's divisor and factor (after the first array of a tuple)."""
+    extra = jnp.stack([clip.divisor, clip.factor])
+    if isinstance(scalars, tuple):  # catch-up's (scalars, count)
+        return (jnp.concatenate([scalars[0], extra]), *scalars[1:])
+    return jnp.concatenate([scalars, extra])
 
 
 def _select(fusable: _Fusable, args: list[Any], xla_args: list[Any]) -> list[tuple[jax.Array, ...]]:

@@ -354,6 +354,47 @@ def test_native_step_equals_the_xla_path(case: str) -> None:
         p, state = px, sx
 
 
+def _record_flags(monkeypatch: pytest.MonkeyPatch) -> list[np.ndarray]:
+    """The rows each call of the catch-up kernel flags for the XLA path (its flags per entry), as steps run."""
+    from optax_sparse_adam import _ffi
+
+    flagged: list[np.ndarray] = []
+    call = _ffi.catch_up_adam_apply
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        out = call(*args, **kwargs)
+        jax.debug.callback(lambda f: flagged.append(np.asarray(f)), out[3])
+        return out
+
+    monkeypatch.setattr(_ffi, "catch_up_adam_apply", recording)
+    return flagged
+
+
+_IDLE_SHAPE = (96, 8, 64, 400)  # rows, width, ids a step, the step count
+
+
+def _idle_start(init: Any, rng: np.random.Generator) -> tuple[jax.Array, Any, np.ndarray]:
+    """A table of ``_IDLE_SHAPE`` and the catch-up state ``init`` gives it, with moments the series does not take
+    in half the elements and rows idle for a while (within the window and longer): ``(p, state, last_step)``."""
+    rows, width, _, count = _IDLE_SHAPE
+    cap = int(idle_cap(0.9, 0.999))
+    p = jnp.asarray(rng.normal(size=(rows, width)).astype(np.float32))
+    # Every other element near eps (tiny v, m != 0): the series does not take those; the rest ordinary.
+    scale = np.where(rng.random((rows, width)) < 0.5, 1e-8, 1e-2).astype(np.float32)
+    v = (scale * (0.5 + rng.random((rows, width)))).astype(np.float32) ** 2
+    m = (np.sqrt(v) * rng.uniform(-0.3, 0.3, size=(rows, width))).astype(np.float32)
+    # Last steps: a third within the window, a third idle longer (down to step 1, early in the bias corrections).
+    last = np.concatenate([rng.integers(count - cap, count, rows // 3), rng.integers(1, count - cap - 1, rows // 3)])
+    last = np.concatenate([last, np.full(rows - last.size, count - 1)]).astype(np.int32)
+
+    def idle(state: Any) -> Any:
+        if isinstance(state, osa.CatchUpAdamState):
+            return state._replace(count=jnp.int32(count), mu=jnp.asarray(m), nu=jnp.asarray(v), last_step=last)
+        return state
+
+    return p, jax.tree.map(idle, init(p), is_leaf=lambda x: isinstance(x, osa.CatchUpAdamState)), last
+
+
 @pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 @pytest.mark.parametrize("case", ["optax", "torch", "schedule"])
 def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -366,31 +407,13 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     exactly those that need steps, and the XLA path takes them, with the same result. ``catch_up`` (every row,
     as the caught-up lookups read them) takes the same steps in a kernel of its own: bitwise the XLA path's with
     optax's placement of ``eps``, within an ulp with torch's."""
-    from optax_sparse_adam import _ffi
-
-    flagged: list[np.ndarray] = []
-    call = _ffi.catch_up_adam_apply
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        out = call(*args, **kwargs)
-        jax.debug.callback(lambda f: flagged.append(np.asarray(f)), out[3])
-        return out
-
-    monkeypatch.setattr(_ffi, "catch_up_adam_apply", recording)
-    rows, width, k, count = 96, 8, 64, 400
+    flagged = _record_flags(monkeypatch)
+    rows, width, k, count = _IDLE_SHAPE
     lr = optax.cosine_decay_schedule(1e-2, 1000) if case == "schedule" else 1e-2
     tx = osa.sparse_adam(lr, catch_up=True, eps_placement="torch" if case == "torch" else "optax")
     cap = int(idle_cap(0.9, 0.999))
     rng = np.random.default_rng(5)
-    p = jnp.asarray(rng.normal(size=(rows, width)).astype(np.float32))
-    # Every other element near eps (tiny v, m != 0): the series does not take those; the rest ordinary.
-    scale = np.where(rng.random((rows, width)) < 0.5, 1e-8, 1e-2).astype(np.float32)
-    v = (scale * (0.5 + rng.random((rows, width)))).astype(np.float32) ** 2
-    m = (np.sqrt(v) * rng.uniform(-0.3, 0.3, size=(rows, width))).astype(np.float32)
-    # Last steps: a third within the window, a third idle longer (down to step 1, early in the bias corrections).
-    last = np.concatenate([rng.integers(count - cap, count, rows // 3), rng.integers(1, count - cap - 1, rows // 3)])
-    last = np.concatenate([last, np.full(rows - last.size, count - 1)]).astype(np.int32)
-    state = tx.init(p)._replace(count=jnp.int32(count), mu=jnp.asarray(m), nu=jnp.asarray(v), last_step=last)
+    p, state, last = _idle_start(tx.init, rng)
     ids = jnp.asarray(rng.permutation(rows).astype(np.int32)[:k])
     g = osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(k, width)).astype(np.float32)), rows)
 
@@ -424,6 +447,37 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
         np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])
     else:
         assert not flags.any()
+
+
+@pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+def test_a_clipped_step_sums_and_clips_the_rows_it_leaves_to_the_xla_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """chain(sparse_aware(clip_by_global_norm), sparse_adam(schedule, catch_up=True)) under update_and_apply, ids
+    repeated: the kernel sums and clips each row as it reads the entries, and the rows it flags (idle longer than
+    the window under a schedule) are summed and clipped alike before the XLA rule takes them: the two calls'
+    numbers on the kernels, moments bitwise, parameters within two ulps (as in the test above)."""
+    flagged = _record_flags(monkeypatch)
+    rows, width, k, _ = _IDLE_SHAPE
+    tx = optax.chain(
+        osa.sparse_aware(optax.clip_by_global_norm(0.5)),
+        osa.sparse_adam(optax.cosine_decay_schedule(1e-2, 1000), catch_up=True),
+    )
+    rng = np.random.default_rng(6)
+    p, state, _ = _idle_start(tx.init, rng)
+    ids = rng.integers(0, rows, k).astype(np.int32)
+    ids[: k // 4] = ids[k // 2 : k // 2 + k // 4]  # repeated
+    g = osa.IndexedRows(jnp.asarray(ids), jnp.asarray(rng.normal(size=(k, width)).astype(np.float32)), rows)
+
+    def two_calls(p: jax.Array, s: Any) -> Any:
+        updates, s = tx.update(g, s, p)
+        return osa.apply_updates(p, updates), s
+
+    (pn, sn), (px, sx) = jax.jit(lambda p, s: osa.update_and_apply(tx, g, s, p))(p, state), jax.jit(two_calls)(p, state)
+    (flags,) = flagged
+    assert flags.any() and not flags.all(), flags
+    assert_trees_equal(sn, sx)
+    pn, px = np.asarray(pn), np.asarray(px)
+    bound = 2 * np.spacing(np.maximum(np.abs(px), np.abs(np.asarray(p))))
+    assert np.all(np.abs(pn - px) <= bound), np.abs(pn - px).max()
 
 
 def test_idle_cap_bounds_the_rest_below_float32_resolution() -> None:

@@ -22,7 +22,6 @@ struct Scalars {
   // clip_by_global_norm computes it (1 and 1 where it does not clip): two more scalars, for the apply handlers.
   float clip_div = 1.0f, clip_mul = 1.0f;
 };
-constexpr int64_t kNumClipScalars = 2;
 constexpr int64_t kNumScalars = 10;
 constexpr int kPrefetchDistance = 4;
 
@@ -78,6 +77,14 @@ OSA_ROW_INLINE void UpdateRow(const Scalars& s, const float* __restrict g, float
 inline Scalars ReadScalars(const xla::ffi::BufferR1<xla::ffi::F32>& b) {
   const float* x = b.typed_data();
   return Scalars{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9]};
+}
+
+// Whether `scalars` holds the clipping scalars after its first `num_scalars`; reads them into `s` if so.
+inline bool ReadClip(const xla::ffi::BufferR1<xla::ffi::F32>& scalars, int64_t num_scalars, Scalars& s) {
+  if (static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars) return false;
+  s.clip_div = scalars.typed_data()[num_scalars];
+  s.clip_mul = scalars.typed_data()[num_scalars + 1];
+  return true;
 }
 
 }  // namespace

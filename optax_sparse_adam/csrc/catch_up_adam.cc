@@ -3,6 +3,8 @@
 //   optax_sparse_adam_v2_catch_up_adam_apply
 //     (p, mu, nu, keys, values, scalars, coefficients, idle, last, limits, neg_rates, corrections)
 //       -> (p, mu, nu, flags)
+// (scalars: Adam's 10, or 12 with the global-norm clipping's divisor and
+// factor, each summed gradient row then clipped first as sparse_adam.cc does)
 // Each touched row first takes the `idle` steps it sat out as _catch_up.replay
 // takes them, then Adam's step as sparse_adam.cc takes it (the XLA side
 // records the step). Per element, the idle steps' displacement is the closed
@@ -173,8 +175,8 @@ OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, const
 
 template <bool kTorch, bool kMaximize>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const Coalesced& c, const Shard& shard,
-                                     const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
-                                     int64_t hi) {
+                                     const float* values, float* q, float* m, float* v, int64_t width, bool clip,
+                                     int64_t lo, int64_t hi) {
   std::vector<float> g(static_cast<size_t>(width)), work(5 * static_cast<size_t>(width));
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
@@ -192,6 +194,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
       const float* ge = values + static_cast<int64_t>(e) * width;
       for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
     }
+    if (clip) ClipRow(s.clip_div, s.clip_mul, g.data(), width);
     if (!Row<kTorch, kMaximize>(s, cu, first, g.data(), q + r * width, m + r * width, v + r * width, work.data(),
                                  width)) {
       for (int32_t e = first; e >= 0; e = c.next[e]) cu.flags[e] = 1;
@@ -201,9 +204,9 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
 
 template <bool kTorch, bool kMaximize>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int32_t* keys, const Shard& shard,
-                                  const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
-                                  int64_t hi) {
-  std::vector<float> work(5 * static_cast<size_t>(width));
+                                  const float* values, float* q, float* m, float* v, int64_t width, bool clip,
+                                  int64_t lo, int64_t hi) {
+  std::vector<float> work(5 * static_cast<size_t>(width)), clipped(clip ? static_cast<size_t>(width) : 0);
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
       const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
@@ -213,8 +216,13 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
     }
     if (!shard.Owns(keys[i])) continue;
     const int64_t r = shard.Local(keys[i]);
-    if (!Row<kTorch, kMaximize>(s, cu, i, values + i * width, q + r * width, m + r * width, v + r * width,
-                                 work.data(), width)) {
+    const float* g = values + i * width;
+    if (clip) {
+      std::memcpy(clipped.data(), g, sizeof(float) * static_cast<size_t>(width));
+      ClipRow(s.clip_div, s.clip_mul, clipped.data(), width);
+      g = clipped.data();
+    }
+    if (!Row<kTorch, kMaximize>(s, cu, i, g, q + r * width, m + r * width, v + r * width, work.data(), width)) {
       cu.flags[i] = 1;
     }
   }
@@ -222,17 +230,17 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
 
 template <bool kTorch, bool kMaximize>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchUp& cu, const int32_t* keys, int64_t k,
-         const Shard& shard, const float* values, float* q, float* m, float* v, int64_t width) {
+         const Shard& shard, const float* values, float* q, float* m, float* v, int64_t width, bool clip) {
   if (o.unique == 2 || (o.unique == 1 && !HasDuplicate(keys, k, shard.num_rows))) {
     ParallelForOwned(pool, keys, k, shard, o.threads, [&](int64_t lo, int64_t hi) {
-      UniqueRows<kTorch, kMaximize>(s, cu, keys, shard, values, q, m, v, width, lo, hi);
+      UniqueRows<kTorch, kMaximize>(s, cu, keys, shard, values, q, m, v, width, clip, lo, hi);
     });
     return;
   }
   Coalesced c;
   Coalesce(keys, k, shard.begin + shard.local_rows, shard.begin, c);
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows<kTorch, kMaximize>(s, cu, c, shard, values, q, m, v, width, lo, hi);
+    CoalescedRows<kTorch, kMaximize>(s, cu, c, shard, values, q, m, v, width, clip, lo, hi);
   });
 }
 
@@ -255,8 +263,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
     return ffi::Error::InvalidArgument("mu and nu must have the parameter's shape");
   if (static_cast<int64_t>(values.element_count()) != k * width)
     return ffi::Error::InvalidArgument("values must have one row per key");
-  if (static_cast<int64_t>(scalars.element_count()) != kNumScalars)
-    return ffi::Error::InvalidArgument("scalars must hold 10 values");
+  if (static_cast<int64_t>(scalars.element_count()) != kNumScalars &&
+      static_cast<int64_t>(scalars.element_count()) != kNumScalars + kNumClipScalars)
+    return ffi::Error::InvalidArgument("scalars must hold 10 values (12 to clip)");
   if (static_cast<int64_t>(coefficients.element_count()) != k * kCoefficients ||
       static_cast<int64_t>(idle.element_count()) != k || static_cast<int64_t>(last.element_count()) != k ||
       static_cast<int64_t>(flags->element_count()) != k)
@@ -272,7 +281,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
   std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(k));
   const float* limit = limits.typed_data();
-  const Scalars s = ReadScalars(scalars);
+  Scalars s = ReadScalars(scalars);
+  const bool clip = ReadClip(scalars, kNumScalars, s);
   const IdleSteps steps{s.b1, s.b2, s.eps, limit[2], limit[3] != 0.0f, neg_rates.typed_data(), cap,
                         corrections.typed_data(), table[0]};
   const CatchUp cu{coefficients.typed_data(), idle.typed_data(), last.typed_data(), limit[0], limit[1], steps,
@@ -280,7 +290,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   auto run = [&](auto torch_eps, auto maximize) {
     Run<decltype(torch_eps)::value, decltype(maximize)::value>(pool, s, o, cu, keys.typed_data(), k, shard,
-                                                               values.typed_data(), q, m, v, width);
+                                                               values.typed_data(), q, m, v, width, clip);
   };
   using T = std::true_type;
   using F = std::false_type;

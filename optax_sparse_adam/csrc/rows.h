@@ -67,6 +67,19 @@ inline void PrefetchRow(const float* row, int64_t width) {
   for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(row + j, 1, 3);
 }
 
+// Global-norm clipping of a summed gradient row, as optax.clip_by_global_norm
+// scales it: g = (g / div) * mul, in place (div = mul = 1 where it does not
+// clip). The apply handlers take div and mul as two more scalars.
+struct Clip {
+  bool on = false;
+  float div = 1.0f, mul = 1.0f;
+};
+constexpr int64_t kNumClipScalars = 2;
+
+OSA_ROW_INLINE void ClipRow(float div, float mul, float* __restrict g, int64_t width) {
+  for (int64_t j = 0; j < width; ++j) g[j] = (g[j] / div) * mul;
+}
+
 // The distinct in-range keys of a batch, in order of first occurrence, with
 // the entries of each chained in entry order (so sums of duplicates are taken
 // in the order XLA's scatter-add takes them).

@@ -19,6 +19,9 @@
 //     corrections: computed here in float32 with powf (the function XLA:CPU
 //     calls for the rule's power), or given as bc (k x 2, per entry, computed
 //     by XLA as the rule computes them, where it does not in float32).
+// The apply handlers take two more scalars after the rule's (3 + 2, 9 + 2):
+// the global-norm clipping's divisor and factor, each summed gradient row then
+// clipped first, g = (g / div) * mul (sparse_aware(clip_by_global_norm)'s rule).
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
@@ -28,6 +31,7 @@
 // its reciprocal); build with -ffp-contract=off so that only the fused
 // multiply-adds written here occur:
 //   g   = ((0 + g_e1) + g_e2) + ...     over the entries of a row, in entry order
+//   g   = (g / clip_div) * clip_mul     (apply handlers given the clipping's scalars)
 //   S   = sum_j g_j g_j                 in the order of RowSumOfSquares
 // Adagrad:
 //   g   = fma(wd, p, g)                 (L2 decay, before S)
@@ -66,6 +70,7 @@ constexpr int kPrefetchDistance = 4;
 struct Options {
   int64_t unique;  // 0: keys may repeat; 1: distinct by the user's promise, checked; 2: known distinct
   int64_t threads;
+  Clip clip = {};  // apply handlers: each summed gradient row clipped before the rule sees it
 };
 
 // sum_j g_j^2 in a fixed order: 16 lanes, each summing its products (rounded,
@@ -266,8 +271,8 @@ struct AdamRule {
 
 // The distinct rows [lo, hi) of a coalesced batch.
 template <class Rule>
-OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Coalesced& c, const int32_t* row_of, int64_t k,
-                                     const Shard& shard, const float* values, int64_t lo, int64_t hi) {
+OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const Coalesced& c, const int32_t* row_of,
+                                     int64_t k, const Shard& shard, const float* values, int64_t lo, int64_t hi) {
   const int64_t width = rule.width;
   // The gradient rows first: duplicates summed from 0 in entry order, as XLA's
   // scatter-add sums them, reading the values in order (following each row's
@@ -280,6 +285,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Coalesced& c, const
     const float* __restrict v = values + i * width;
     for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
   }
+  if (clip.on) ClipRow(clip.div, clip.mul, sums.data(), (hi - lo) * width);
   std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance]))
@@ -294,10 +300,11 @@ OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Coalesced& c, const
 
 // The entries [lo, hi) of a batch whose in-range keys are distinct.
 template <class Rule>
-OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const int32_t* keys, const Shard& shard, const float* values,
-                                  int64_t lo, int64_t hi) {
+OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const Clip& clip, const int32_t* keys, const Shard& shard,
+                                  const float* values, int64_t lo, int64_t hi) {
   const int64_t width = rule.width;
   std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
+  std::vector<float> clipped(clip.on ? static_cast<size_t>(width) : 0);
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance]))
       rule.Prefetch(shard.Local(keys[i + kPrefetchDistance]));
@@ -305,7 +312,13 @@ OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const int32_t* keys, const S
       if constexpr (!Rule::kApply) std::memset(rule.out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
       continue;
     }
-    rule.Row(values + i * width, shard.Local(keys[i]), i, i, scratch.data());
+    const float* g = values + i * width;
+    if (clip.on) {
+      std::memcpy(clipped.data(), g, sizeof(float) * static_cast<size_t>(width));
+      ClipRow(clip.div, clip.mul, clipped.data(), width);
+      g = clipped.data();
+    }
+    rule.Row(g, shard.Local(keys[i]), i, i, scratch.data());
   }
 }
 
@@ -324,7 +337,7 @@ void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_
       for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
     }
     ParallelForOwned(pool, keys, k, shard, o.threads,
-                     [&](int64_t lo, int64_t hi) { UniqueRows(rule, keys, shard, values, lo, hi); });
+                     [&](int64_t lo, int64_t hi) { UniqueRows(rule, o.clip, keys, shard, values, lo, hi); });
     return;
   }
   // The step rows are packed over all rows (so every shard packs alike); the
@@ -341,7 +354,7 @@ void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_
   const std::vector<int32_t> row_of = EntryRows(c, k);
   // A thread is worth its scheduling past a few dozen rows.
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows(rule, c, row_of.data(), k, shard, values, lo, hi);
+    CoalescedRows(rule, o.clip, c, row_of.data(), k, shard, values, lo, hi);
   });
 }
 
@@ -368,17 +381,24 @@ void DispatchAdagrad(ffi::ThreadPool& pool, const AdagradScalars& s, int64_t dec
 
 // Checks the shapes shared by the Adagrad handlers; sets the shard's local rows and the width.
 ffi::Error CheckAdagradShapes(ffi::Span<const int64_t> acc, ffi::Span<const int64_t> values, int64_t k,
-                              size_t scalars_count, int64_t decay, Shard& shard, int64_t& width) {
+                              size_t scalars_count, int64_t decay, Shard& shard, int64_t& width, bool clips) {
   if (acc.size() != 1) return ffi::Error::InvalidArgument("the accumulators must be one per row");
   shard.local_rows = acc[0];
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
   if (values.size() < 1 || values[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
   width = RowWidth(values);
   if (width < 1) return ffi::Error::InvalidArgument("rows must hold at least one entry");
-  if (static_cast<int64_t>(scalars_count) != kAdagradScalars)
-    return ffi::Error::InvalidArgument("scalars must hold 3 values");
+  if (static_cast<int64_t>(scalars_count) != kAdagradScalars &&
+      !(clips && static_cast<int64_t>(scalars_count) == kAdagradScalars + kNumClipScalars))
+    return ffi::Error::InvalidArgument(clips ? "scalars must hold 3 values (5 to clip)" : "scalars must hold 3 values");
   if (decay < kNoDecay || decay > kDecoupled) return ffi::Error::InvalidArgument("decay must be 0, 1 or 2");
   return ffi::Error::Success();
+}
+
+// The clipping's two scalars, where `scalars` holds them after the rule's `count`.
+Clip ReadClip(const ffi::BufferR1<ffi::F32>& scalars, int64_t count) {
+  if (static_cast<int64_t>(scalars.element_count()) != count + kNumClipScalars) return Clip{};
+  return Clip{true, scalars.typed_data()[count], scalars.typed_data()[count + 1]};
 }
 
 AdagradScalars ReadAdagradScalars(const ffi::BufferR1<ffi::F32>& b) {
@@ -396,7 +416,8 @@ ffi::Error AdagradRowsImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> acc, ff
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
   if (ffi::Error e =
-          CheckAdagradShapes(acc.dimensions(), values.dimensions(), k, scalars.element_count(), decay, shard, width);
+          CheckAdagradShapes(acc.dimensions(), values.dimensions(), k, scalars.element_count(), decay, shard, width,
+                             /*clips=*/false);
       e.failure())
     return e;
   if (decay == kDecoupled) return ffi::Error::InvalidArgument("decoupled decay is the apply handler's");
@@ -429,7 +450,8 @@ ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
   if (ffi::Error e =
-          CheckAdagradShapes(acc.dimensions(), values.dimensions(), k, scalars.element_count(), decay, shard, width);
+          CheckAdagradShapes(acc.dimensions(), values.dimensions(), k, scalars.element_count(), decay, shard, width,
+                             /*clips=*/true);
       e.failure())
     return e;
   if (static_cast<int64_t>(p.element_count()) != shard.local_rows * width)
@@ -438,7 +460,8 @@ ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
   float* a = acc_out->typed_data();
   CopyIfNotAliased(q, p.typed_data(), p.element_count());
   CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
-  DispatchAdagrad<true>(pool, ReadAdagradScalars(scalars), decay, Options{unique, threads}, keys.typed_data(), k,
+  DispatchAdagrad<true>(pool, ReadAdagradScalars(scalars), decay,
+                        Options{unique, threads, ReadClip(scalars, kAdagradScalars)}, keys.typed_data(), k,
                         shard, values.typed_data(), a, q, q, nullptr, width);
   return ffi::Error::Success();
 }
@@ -458,7 +481,7 @@ struct AdamTables {
 
 ffi::Error CheckAdam(ffi::Span<const int64_t> mu, size_t nu_count, ffi::Span<const int64_t> values, int64_t k,
                      size_t scalars_count, const ffi::RemainingArgs& extra, const ffi::RemainingRets& extra_out,
-                     Shard& shard, int64_t& width, AdamTables& t) {
+                     Shard& shard, int64_t& width, AdamTables& t, bool clips) {
   if (mu.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
   shard.local_rows = mu[0];
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
@@ -467,7 +490,9 @@ ffi::Error CheckAdam(ffi::Span<const int64_t> mu, size_t nu_count, ffi::Span<con
   if (static_cast<int64_t>(nu_count) != shard.local_rows) return ffi::Error::InvalidArgument("nu must be one per row");
   if (values.size() < 1 || values[0] != k || RowWidth(values) != width)
     return ffi::Error::InvalidArgument("values must have one row of mu's width per key");
-  if (static_cast<int64_t>(scalars_count) != kAdamScalars) return ffi::Error::InvalidArgument("scalars must hold 9 values");
+  if (static_cast<int64_t>(scalars_count) != kAdamScalars &&
+      !(clips && static_cast<int64_t>(scalars_count) == kAdamScalars + kNumClipScalars))
+    return ffi::Error::InvalidArgument(clips ? "scalars must hold 9 values (11 to clip)" : "scalars must hold 9 values");
   if (extra.size() > 2 || extra_out.size() != (extra.size() > 0 ? 1u : 0u))
     return ffi::Error::InvalidArgument("per-row bias correction takes the row counts and, optionally, the corrections");
   if (extra.size() > 0) {
@@ -519,7 +544,7 @@ ffi::Error AdamRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buf
   int64_t width = 0;
   AdamTables t{mu_out->typed_data(), nu_out->typed_data()};
   if (ffi::Error e = CheckAdam(mu.dimensions(), nu.element_count(), values.dimensions(), k, scalars.element_count(),
-                               extra, extra_out, shard, width, t);
+                               extra, extra_out, shard, width, t, /*clips=*/false);
       e.failure())
     return e;
   if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
@@ -542,7 +567,7 @@ ffi::Error AdamApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buf
   int64_t width = 0;
   AdamTables t{mu_out->typed_data(), nu_out->typed_data()};
   if (ffi::Error e = CheckAdam(mu.dimensions(), nu.element_count(), values.dimensions(), k, scalars.element_count(),
-                               extra, extra_out, shard, width, t);
+                               extra, extra_out, shard, width, t, /*clips=*/true);
       e.failure())
     return e;
   if (p.element_count() != mu.element_count()) return ffi::Error::InvalidArgument("p must have mu's shape");
@@ -550,7 +575,8 @@ ffi::Error AdamApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buf
   CopyIfNotAliased(q, p.typed_data(), p.element_count());
   CopyIfNotAliased(t.m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(t.v, nu.typed_data(), nu.element_count());
-  DispatchAdam<true>(pool, ReadAdamScalars(scalars), t, Options{unique, threads}, keys.typed_data(), k, shard,
+  DispatchAdam<true>(pool, ReadAdamScalars(scalars), t, Options{unique, threads, ReadClip(scalars, kAdamScalars)},
+                     keys.typed_data(), k, shard,
                      values.typed_data(), q, nullptr, width);
   return ffi::Error::Success();
 }

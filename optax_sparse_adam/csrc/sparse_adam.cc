@@ -53,12 +53,6 @@ namespace optax_sparse_adam {
 namespace {
 
 // The distinct rows [lo, hi) of a coalesced batch.
-// g = (g / clip_div) * clip_mul, in place.
-OSA_ROW_INLINE void ClipRow(const Scalars& s, float* __restrict g, int64_t width) {
-  const float div = s.clip_div, mul = s.clip_mul;
-  for (int64_t j = 0; j < width; ++j) g[j] = (g[j] / div) * mul;
-}
-
 template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const Shard& shard, const float* values,
                                      float* m, float* v, float* vm, float* out, int64_t width, int64_t lo,
@@ -84,7 +78,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
       const float* ge = values + static_cast<int64_t>(e) * width;
       for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
     }
-    if constexpr (kClip) ClipRow(s, g.data(), width);
+    if constexpr (kClip) ClipRow(s.clip_div, s.clip_mul, g.data(), width);
     float* dst = kApply ? out + r * width : out + d * width;
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g.data(), m + r * width, v + r * width, dst, width,
                                                            kAmsgrad ? vm + r * width : nullptr);
@@ -113,7 +107,7 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
     const float* g = values + i * width;
     if constexpr (kClip) {
       std::memcpy(clipped.data(), g, sizeof(float) * static_cast<size_t>(width));
-      ClipRow(s, clipped.data(), width);
+      ClipRow(s.clip_div, s.clip_mul, clipped.data(), width);
       g = clipped.data();
     }
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
@@ -175,14 +169,6 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t n
                                                                   : "scalars must hold 11 values (13 to clip)");
   }
   return ffi::Error::Success();
-}
-
-// Whether `scalars` holds the clipping scalars after its first `num_scalars`; reads them into `s` if so.
-bool ReadClip(const ffi::BufferR1<ffi::F32>& scalars, int64_t num_scalars, Scalars& s) {
-  if (static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars) return false;
-  s.clip_div = scalars.typed_data()[num_scalars];
-  s.clip_mul = scalars.typed_data()[num_scalars + 1];
-  return true;
 }
 
 template <bool kApply, bool kDecay = false>
