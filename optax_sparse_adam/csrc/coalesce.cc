@@ -59,19 +59,12 @@ OSA_TARGET_CLONES void SumRows(const Coalesced& c, const float* values, float* o
   }
 }
 
-// The distinct keys [lo, hi): each one's row summed as SumRows sums it (from 0, in entry order), reading the
-// entries in order rather than along each key's chain of entries (which misses the cache at every entry), then
-// its sum of squares into its slot of `squares`.
+// The distinct keys [lo, hi): each one's row summed as SumRows sums it (SumEntries: from 0, in entry order),
+// then its sum of squares into its slot of `squares`.
 OSA_TARGET_CLONES void StreamSquares(const int32_t* row_of, int64_t k, const float* values, double* squares,
                                      int64_t width, int64_t lo, int64_t hi) {
   std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t d = row_of[i];
-    if (d < lo || d >= hi) continue;
-    float* __restrict g = sums.data() + (d - lo) * width;
-    const float* __restrict v = values + i * width;
-    for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
-  }
+  SumEntries(row_of, k, values, width, lo, hi, sums.data());
   for (int64_t d = lo; d < hi; ++d) squares[d] = RowSquares(sums.data() + (d - lo) * width, width);
 }
 
@@ -82,15 +75,21 @@ float TotalSquares(const std::vector<double>& squares) {
   return static_cast<float>(total);
 }
 
+// Checks a batch of k keys with their values (one row each) for a table of num_rows rows; sets the row width.
+ffi::Error CheckBatch(int64_t k, ffi::Span<const int64_t> dims, int64_t num_rows, int64_t& width) {
+  if (num_rows < 0 || num_rows > INT32_MAX) return ffi::Error::InvalidArgument("at most 2**31 - 1 rows");
+  if (dims.size() < 1 || dims[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
+  width = RowWidth(dims);
+  return ffi::Error::Success();
+}
+
 // Coalesces (keys, values) into (keys_out, values_out); with `sum_of_squares`, also the sum of their squares.
 ffi::Error CoalesceInto(ffi::ThreadPool& pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
                         ffi::ResultBufferR1<ffi::S32>& keys_out, ffi::ResultBuffer<ffi::F32>& values_out,
                         float* sum_of_squares, int64_t num_rows, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
-  if (num_rows < 0 || num_rows > INT32_MAX) return ffi::Error::InvalidArgument("at most 2**31 - 1 rows");
-  auto dims = values.dimensions();
-  if (dims.size() < 1 || dims[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
-  const int64_t width = RowWidth(dims);
+  int64_t width = 0;
+  if (ffi::Error e = CheckBatch(k, values.dimensions(), num_rows, width); e.failure()) return e;
   if (keys_out->element_count() != keys.element_count() || values_out->element_count() != values.element_count())
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
   Coalesced c;
@@ -124,10 +123,8 @@ ffi::Error CoalesceSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> key
 ffi::Error SumSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
                           ffi::ResultBufferR0<ffi::F32> sum_of_squares, int64_t num_rows, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
-  if (num_rows < 0 || num_rows > INT32_MAX) return ffi::Error::InvalidArgument("at most 2**31 - 1 rows");
-  auto dims = values.dimensions();
-  if (dims.size() < 1 || dims[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
-  const int64_t width = RowWidth(dims);
+  int64_t width = 0;
+  if (ffi::Error e = CheckBatch(k, values.dimensions(), num_rows, width); e.failure()) return e;
   Coalesced c;
   Coalesce(keys.typed_data(), k, num_rows, 0, c);
   std::vector<double> squares(static_cast<size_t>(c.size));

@@ -164,6 +164,20 @@ inline std::vector<int32_t> EntryRows(const Coalesced& c, int64_t k) {
   return row_of;
 }
 
+// The gradient rows of the distinct rows [lo, hi) of a coalesced batch (row_of: EntryRows), summed into
+// `sums` ((hi - lo) x width, zeros on entry): each from 0 in entry order, as XLA's scatter-add sums them,
+// reading the entries in order (following each row's chain of entries instead misses the cache at every one).
+OSA_ROW_INLINE void SumEntries(const int32_t* row_of, int64_t k, const float* values, int64_t width, int64_t lo,
+                               int64_t hi, float* sums) {
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t d = row_of[i];
+    if (d < lo || d >= hi) continue;
+    float* __restrict g = sums + (d - lo) * width;
+    const float* __restrict v = values + i * width;
+    for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
+  }
+}
+
 // Runs fn(lo, hi) over [0, n) split into `parts` contiguous ranges, part 0 on
 // the calling thread and the others on XLA's intra-op pool. Parts are claimed
 // through a shared counter, so the caller runs any part no pool thread has

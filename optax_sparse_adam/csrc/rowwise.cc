@@ -274,17 +274,9 @@ template <class Rule>
 OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const Coalesced& c, const int32_t* row_of,
                                      int64_t k, const Shard& shard, const float* values, int64_t lo, int64_t hi) {
   const int64_t width = rule.width;
-  // The gradient rows first: duplicates summed from 0 in entry order, as XLA's
-  // scatter-add sums them, reading the values in order (following each row's
-  // chain of entries instead would miss the cache at every entry).
+  // The gradient rows first (duplicates summed from 0 in entry order).
   std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t d = row_of[i];
-    if (d < lo || d >= hi) continue;
-    float* __restrict g = sums.data() + (d - lo) * width;
-    const float* __restrict v = values + i * width;
-    for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
-  }
+  SumEntries(row_of, k, values, width, lo, hi, sums.data());
   if (clip.on) ClipRow(clip.div, clip.mul, sums.data(), (hi - lo) * width);
   std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
   for (int64_t d = lo; d < hi; ++d) {
