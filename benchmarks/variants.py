@@ -69,6 +69,9 @@ VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "chain(sparse_aware(clip_by_global_norm), sparse_adam)": lambda: optax.chain(
         osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(LR)
     ),
+    "chain(sparse_aware(clip_by_global_norm), sparse_rowwise_adagrad)": lambda: optax.chain(
+        osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_rowwise_adagrad(LR)
+    ),
     "multi_transform(sparse_adam)": lambda: optax.multi_transform({"table": osa.sparse_adam(LR)}, "table"),
     "apply_if_finite(sparse_adam)": lambda: optax.apply_if_finite(osa.sparse_adam(LR), 3),
     "osa.apply_if_finite(sparse_adam)": lambda: osa.apply_if_finite(osa.sparse_adam(LR), 3),

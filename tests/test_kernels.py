@@ -426,12 +426,16 @@ def test_global_norm_clipping_is_taken_by_the_optimizer_kernel(optimizer, kind, 
 
 
 @needs_kernels
-@pytest.mark.parametrize("width", [1, 64, 513])
-def test_global_norm_clipping_in_the_kernel_is_the_two_calls_at_any_width(width):
+@pytest.mark.parametrize(("width", "max_norm"), [(1, 0.5), (64, 0.5), (513, 0.5), (64, "shape (1,)")])
+def test_global_norm_clipping_in_the_kernel_is_the_two_calls_at_any_width(width, max_norm):
     """XLA:CPU picks its fusions by shape: the kernel's (g / g_norm) * c is bitwise the two calls' at other widths
-    than the test above (one step, ids repeated and padding, the norm clipping)."""
+    than the test above (one step, ids repeated and padding, the norm clipping), and with a max_norm of shape (1,)
+    (which optax takes, broadcasting it against the rows: rank promotion allowed, as it is by default)."""
     rng = np.random.default_rng(width)
-    tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(0.5)), osa.sparse_adam(0.05))
+    promotion = "raise"
+    if max_norm == "shape (1,)":
+        max_norm, promotion = jnp.asarray([0.5], jnp.float32), "allow"
+    tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(max_norm)), osa.sparse_adam(0.05))
     params = {"table": jnp.asarray(rng.standard_normal((NUM_ROWS, width)), jnp.float32)}
     ids = jnp.asarray(rng.integers(-3, NUM_ROWS + 3, 64), jnp.int32)
     grads = {"table": osa.IndexedRows(ids, jnp.asarray(rng.standard_normal((64, width)), jnp.float32), NUM_ROWS)}
@@ -440,7 +444,7 @@ def test_global_norm_clipping_in_the_kernel_is_the_two_calls_at_any_width(width)
         updates, s = tx.update(grads, s, p)
         return osa.apply_updates(p, updates), s
 
-    with osa.use_kernels(True):
+    with osa.use_kernels(True), jax.numpy_rank_promotion(promotion):
         state = tx.init(params)
         step = jax.jit(lambda p, s: osa.update_and_apply(tx, grads, s, p))
         fused = step(params, state)
