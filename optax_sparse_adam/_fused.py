@@ -72,8 +72,9 @@ def update_and_apply(
     multiply-adds it fuses (and where ``maximize`` negates the gradient). For
     the row-wise optimizers see :func:`scale_by_rowwise_adam` and
     :func:`scale_by_rowwise_adagrad` for how their numbers relate to the two calls'. After
-    ``sparse_aware(optax.clip_by_global_norm(c))``, the Adam kernels (lazy Adam, AdamW and AMSGrad) sum a table's
-    entries and clip each row themselves, bitwise as the two calls on the kernels clip them. On
+    ``sparse_aware(optax.clip_by_global_norm(c))``, every fused kernel (lazy Adam, AdamW, AMSGrad, catch-up Adam,
+    row-wise Adam and row-wise Adagrad) sums a table's entries and clips each row itself, bitwise as the two calls
+    on the kernels clip them. On
     other platforms, for other leaves, under differentiation and in
     :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
