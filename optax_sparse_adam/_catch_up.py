@@ -53,7 +53,7 @@ from optax_sparse_adam._adam import (
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._checks import check_dense_gradient, check_params, check_state, mask_tree
 from optax_sparse_adam._coalesce import coalesce
-from optax_sparse_adam._fusion import FusableUpdate
+from optax_sparse_adam._fusion import Clipped, FusableUpdate
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_leaf import SparseLeaf
@@ -633,6 +633,7 @@ def fused_apply(
     leaf: SparseLeaf,
     scalars: jax.Array,
     count: jax.Array,
+    clip: Clipped | None = None,
 ) -> tuple[jax.Array, ...]:
     """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, last_step)``.
 
@@ -640,9 +641,9 @@ def fused_apply(
     keys, as the XLA path computes them on the rows; the kernel replays and steps each touched row in one pass,
     taking the idle steps one by one for the elements the series does not take (from the window's learning rates
     and the plan's bias corrections). Rows it flags (such steps of a row idle longer than the window under a
-    schedule, or no table of corrections) then take the XLA rule on those rows alone. ``scalars`` may end in a
-    global-norm clipping's divisor and factor (:func:`._fused._with_clip`): ``leaf`` is then the table's entries,
-    which the kernel sums and clips row by row, and which are summed and clipped alike for the flagged rows.
+    schedule, or no table of corrections) then take the XLA rule on those rows alone. With a global-norm
+    ``clip``, ``leaf`` is the table's entries, which the kernel sums and clips row by row (its two scalars after
+    Adam's), and which are summed and clipped alike for the flagged rows.
     """
     m, v, last = state
     hp = replayer.hp
@@ -658,14 +659,16 @@ def fused_apply(
     long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
     has_table = float(plan.corrections is not None)
     limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table)])
+    if clip is not None:
+        scalars = clip.append_to(scalars)
     operands = (p, m, v, keys, leaf.values, scalars, coefficients, idle, last_k, limits, neg_rates, corrections)
     p, m, v, flags = _ffi.catch_up_adam_apply(*operands, cap=plan.cap, **kernel_flags(hp, leaf))
 
     def by_steps() -> tuple[jax.Array, ...]:
         flagged = leaf._replace(keys=jnp.where(flags[:, None] > 0, leaf.keys, rows))
-        if scalars.shape[0] == 12:  # Adam's 10 and a clipping's 2: the table's entries, summed here, then clipped
+        if clip is not None:  # the table's entries, summed here, then clipped
             flagged = coalesce(flagged)
-            div, mul, t = scalars[-2], scalars[-1], flagged.values
+            (div, mul), t = clip.scalars(), flagged.values
             # optax.clip_by_global_norm's expression, select(trigger, t, (t / g_norm) * max_norm): XLA:CPU keeps
             # that division a division, where a bare (t / div) * mul becomes t * (1 / div) * mul and the moments
             # round apart from the two calls'.

@@ -168,6 +168,8 @@ class _Fusable(NamedTuple):
       options: ``options(params)``: a tree of static per-parameter options for ``apply`` (AdamW's mask).
       clips: Whether ``apply`` takes a leaf's entries and two more scalars that clip each summed row by the
         global norm (:class:`~optax_sparse_adam._fusion.Clipped`) in place of the clipped leaf.
+      with_clip: ``with_clip(scalars, clipped)``: the scalars ``apply`` takes to clip (the kernel's, then the
+        clipping's two).
     """
 
     learning_rate: optax.ScalarOrSchedule
@@ -180,6 +182,7 @@ class _Fusable(NamedTuple):
     count_owner: str = "ScaleByScheduleState"
     options: Callable[[Any], Any] = lambda params: jax.tree.map(lambda _: None, params, is_leaf=is_leaf)
     clips: bool = False
+    with_clip: Callable[[Any, Clipped], Any] = lambda scalars, clip: clip.append_to(scalars)
 
     def leaf_options(self, treedef: Any, params: Any) -> list[Any]:
         """``options(params)``, a static option per parameter for ``apply``, as a list along ``treedef``."""
@@ -235,6 +238,9 @@ def _fusable(fusion: Any) -> _Fusable | None:
             apply=lambda p, st, sp, scalars, _: fused_apply(replayer, p, st, sp, *scalars),
             count_owner="CatchUpAdamState",
             clips=True,
+            # The kernel's scalars and the step count; the clipping goes to fused_apply, which also clips the rows
+            # it leaves to the XLA rule.
+            with_clip=lambda scalars, clip: (*scalars, clip),
         )
     if isinstance(fusion, AmsgradFusion):
         hp = fusion.hp
@@ -398,7 +404,7 @@ def _wrapped(
             clip = clipped.get(_ids(c_grads[i])) if fusable.clips else None
             if clip is not None:  # the kernel sums and clips the entries' rows itself
                 leaf = clip.entries
-                leaf_scalars = _with_clip(scalars, clip)
+                leaf_scalars = fusable.with_clip(scalars, clip)
             args.append((c_params[i], tuple(leaves[i] for leaves in c_old), leaf, options[i], leaf_scalars))
         xla_args = [(c_params[i], c_updates[i], tuple(leaves[i] for leaves in c_new)) for i in targets]
         for (i, j), (p, *st) in zip(targets.items(), _select(fusable, args, xla_args), strict=True):
@@ -411,14 +417,6 @@ def _wrapped(
     for j, p in done.items():
         out_p[j] = p
     return treedef.unflatten(out_p), jax.tree.map(lambda x: replaced.get(id(x), x), new_state)
-
-
-def _with_clip(scalars: Any, clip: Clipped) -> Any:
-    """A kernel's scalars followed by the clipping's divisor and factor (after the first array of a tuple)."""
-    extra = jnp.stack([clip.divisor, clip.factor])
-    if isinstance(scalars, tuple):  # catch-up's (scalars, count)
-        return (jnp.concatenate([scalars[0], extra]), *scalars[1:])
-    return jnp.concatenate([scalars, extra])
 
 
 def _select(fusable: _Fusable, args: list[Any], xla_args: list[Any]) -> list[tuple[jax.Array, ...]]:

@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
 __all__: list[str] = []
@@ -67,6 +69,14 @@ class Clipped(NamedTuple):
     entries: Any
     divisor: Any
     factor: Any
+
+    def scalars(self) -> jax.Array:
+        """``[divisor, factor]``, the two scalars the kernels take after their own to clip each summed row."""
+        return jnp.stack([self.divisor, self.factor])
+
+    def append_to(self, scalars: jax.Array) -> jax.Array:
+        """A kernel's ``scalars`` followed by the clipping's two."""
+        return jnp.concatenate([scalars, self.scalars()])
 
 
 def recording_active() -> bool:

@@ -18,9 +18,7 @@ namespace {
 struct Scalars {
   float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, bc1, bc2, torch_scale, neg_lr;
   float weight_decay = 0.0f;  // an eleventh scalar, for the AdamW handler only
-  // Global-norm clipping of each summed gradient row before the step, (g / clip_div) * clip_mul, as optax's
-  // clip_by_global_norm computes it (1 and 1 where it does not clip): two more scalars, for the apply handlers.
-  float clip_div = 1.0f, clip_mul = 1.0f;
+  Clip clip = {};             // two more, for the apply handlers: each summed gradient row clipped before the step
 };
 constexpr int64_t kNumScalars = 10;
 constexpr int kPrefetchDistance = 4;
@@ -77,14 +75,6 @@ OSA_ROW_INLINE void UpdateRow(const Scalars& s, const float* __restrict g, float
 inline Scalars ReadScalars(const xla::ffi::BufferR1<xla::ffi::F32>& b) {
   const float* x = b.typed_data();
   return Scalars{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9]};
-}
-
-// Whether `scalars` holds the clipping scalars after its first `num_scalars`; reads them into `s` if so.
-inline bool ReadClip(const xla::ffi::BufferR1<xla::ffi::F32>& scalars, int64_t num_scalars, Scalars& s) {
-  if (static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars) return false;
-  s.clip_div = scalars.typed_data()[num_scalars];
-  s.clip_mul = scalars.typed_data()[num_scalars + 1];
-  return true;
 }
 
 }  // namespace

@@ -188,13 +188,8 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
     if (!shard.Owns(c.row[d])) continue;
     const int64_t r = shard.Local(c.row[d]);
     const int32_t first = c.first[d];
-    const float* row = values + static_cast<int64_t>(first) * width;
-    for (int64_t j = 0; j < width; ++j) g[j] = 0.0f + row[j];
-    for (int32_t e = c.next[first]; e >= 0; e = c.next[e]) {
-      const float* ge = values + static_cast<int64_t>(e) * width;
-      for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
-    }
-    if (clip) ClipRow(s.clip_div, s.clip_mul, g.data(), width);
+    SumChain(c, d, values, width, g.data());
+    if (clip) ClipRow(s.clip, g.data(), width);
     if (!Row<kTorch, kMaximize>(s, cu, first, g.data(), q + r * width, m + r * width, v + r * width, work.data(),
                                  width)) {
       for (int32_t e = first; e >= 0; e = c.next[e]) cu.flags[e] = 1;
@@ -216,12 +211,7 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
     }
     if (!shard.Owns(keys[i])) continue;
     const int64_t r = shard.Local(keys[i]);
-    const float* g = values + i * width;
-    if (clip) {
-      std::memcpy(clipped.data(), g, sizeof(float) * static_cast<size_t>(width));
-      ClipRow(s.clip_div, s.clip_mul, clipped.data(), width);
-      g = clipped.data();
-    }
+    const float* g = ClippedRow(s.clip, values + i * width, clipped.data(), width);
     if (!Row<kTorch, kMaximize>(s, cu, i, g, q + r * width, m + r * width, v + r * width, work.data(), width)) {
       cu.flags[i] = 1;
     }
@@ -282,7 +272,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(k));
   const float* limit = limits.typed_data();
   Scalars s = ReadScalars(scalars);
-  const bool clip = ReadClip(scalars, kNumScalars, s);
+  s.clip = ReadClip(scalars, kNumScalars);
+  const bool clip = s.clip.on;
   const IdleSteps steps{s.b1, s.b2, s.eps, limit[2], limit[3] != 0.0f, neg_rates.typed_data(), cap,
                         corrections.typed_data(), table[0]};
   const CatchUp cu{coefficients.typed_data(), idle.typed_data(), last.typed_data(), limit[0], limit[1], steps,

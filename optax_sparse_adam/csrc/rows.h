@@ -76,8 +76,25 @@ struct Clip {
 };
 constexpr int64_t kNumClipScalars = 2;
 
-OSA_ROW_INLINE void ClipRow(float div, float mul, float* __restrict g, int64_t width) {
+OSA_ROW_INLINE void ClipRow(const Clip& clip, float* __restrict g, int64_t width) {
+  const float div = clip.div, mul = clip.mul;
   for (int64_t j = 0; j < width; ++j) g[j] = (g[j] / div) * mul;
+}
+
+// The gradient row g as the rule should see it: g itself where `clip` is off,
+// else a clipped copy of it in `buf` (width floats).
+OSA_ROW_INLINE const float* ClippedRow(const Clip& clip, const float* g, float* __restrict buf, int64_t width) {
+  if (!clip.on) return g;
+  std::memcpy(buf, g, sizeof(float) * static_cast<size_t>(width));
+  ClipRow(clip, buf, width);
+  return buf;
+}
+
+// The clipping's scalars where `scalars` holds them after its first `count`;
+// a clipping that is off where it holds `count` only.
+inline Clip ReadClip(const xla::ffi::BufferR1<xla::ffi::F32>& scalars, int64_t count) {
+  if (static_cast<int64_t>(scalars.element_count()) != count + kNumClipScalars) return Clip{};
+  return Clip{true, scalars.typed_data()[count], scalars.typed_data()[count + 1]};
 }
 
 // The distinct in-range keys of a batch, in order of first occurrence, with
@@ -89,6 +106,17 @@ struct Coalesced {
   std::vector<int32_t> next;   // next[i]: the next entry with entry i's key, or -1
   int64_t size = 0;            // number of distinct keys
 };
+
+// Distinct row d's gradient into g: its entries summed from 0 in entry order,
+// as XLA's scatter-add sums duplicates.
+OSA_ROW_INLINE void SumChain(const Coalesced& c, int64_t d, const float* values, int64_t width, float* __restrict g) {
+  const float* row = values + static_cast<int64_t>(c.first[d]) * width;
+  for (int64_t j = 0; j < width; ++j) g[j] = 0.0f + row[j];
+  for (int32_t e = c.next[c.first[d]]; e >= 0; e = c.next[e]) {
+    const float* ge = values + static_cast<int64_t>(e) * width;
+    for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
+  }
+}
 
 inline uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
   x ^= x >> 16;

@@ -277,7 +277,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const C
   // The gradient rows first (duplicates summed from 0 in entry order).
   std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
   SumEntries(row_of, k, values, width, lo, hi, sums.data());
-  if (clip.on) ClipRow(clip.div, clip.mul, sums.data(), (hi - lo) * width);
+  if (clip.on) ClipRow(clip, sums.data(), (hi - lo) * width);
   std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance]))
@@ -304,13 +304,7 @@ OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const Clip& clip, const int3
       if constexpr (!Rule::kApply) std::memset(rule.out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
       continue;
     }
-    const float* g = values + i * width;
-    if (clip.on) {
-      std::memcpy(clipped.data(), g, sizeof(float) * static_cast<size_t>(width));
-      ClipRow(clip.div, clip.mul, clipped.data(), width);
-      g = clipped.data();
-    }
-    rule.Row(g, shard.Local(keys[i]), i, i, scratch.data());
+    rule.Row(ClippedRow(clip, values + i * width, clipped.data(), width), shard.Local(keys[i]), i, i, scratch.data());
   }
 }
 
@@ -385,12 +379,6 @@ ffi::Error CheckAdagradShapes(ffi::Span<const int64_t> acc, ffi::Span<const int6
     return ffi::Error::InvalidArgument(clips ? "scalars must hold 3 values (5 to clip)" : "scalars must hold 3 values");
   if (decay < kNoDecay || decay > kDecoupled) return ffi::Error::InvalidArgument("decay must be 0, 1 or 2");
   return ffi::Error::Success();
-}
-
-// The clipping's two scalars, where `scalars` holds them after the rule's `count`.
-Clip ReadClip(const ffi::BufferR1<ffi::F32>& scalars, int64_t count) {
-  if (static_cast<int64_t>(scalars.element_count()) != count + kNumClipScalars) return Clip{};
-  return Clip{true, scalars.typed_data()[count], scalars.typed_data()[count + 1]};
 }
 
 AdagradScalars ReadAdagradScalars(const ffi::BufferR1<ffi::F32>& b) {

@@ -71,14 +71,8 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
       continue;
     }
     const int64_t r = shard.Local(c.row[d]);
-    // Duplicates are summed from 0 in entry order, as XLA's scatter-add does.
-    const float* first = values + static_cast<int64_t>(c.first[d]) * width;
-    for (int64_t j = 0; j < width; ++j) g[j] = 0.0f + first[j];
-    for (int32_t e = c.next[c.first[d]]; e >= 0; e = c.next[e]) {
-      const float* ge = values + static_cast<int64_t>(e) * width;
-      for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
-    }
-    if constexpr (kClip) ClipRow(s.clip_div, s.clip_mul, g.data(), width);
+    SumChain(c, d, values, width, g.data());
+    if constexpr (kClip) ClipRow(s.clip, g.data(), width);
     float* dst = kApply ? out + r * width : out + d * width;
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g.data(), m + r * width, v + r * width, dst, width,
                                                            kAmsgrad ? vm + r * width : nullptr);
@@ -104,12 +98,7 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
     }
     const int64_t r = shard.Local(keys[i]);
     float* dst = kApply ? out + r * width : out + i * width;
-    const float* g = values + i * width;
-    if constexpr (kClip) {
-      std::memcpy(clipped.data(), g, sizeof(float) * static_cast<size_t>(width));
-      ClipRow(s.clip_div, s.clip_mul, clipped.data(), width);
-      g = clipped.data();
-    }
+    const float* g = ClippedRow(s.clip, values + i * width, clipped.data(), width);
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
                                                            kAmsgrad ? vm + r * width : nullptr);
   }
@@ -243,8 +232,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   Scalars s = ReadScalars(scalars);
   if constexpr (kDecay) s.weight_decay = scalars.typed_data()[kNumScalars];
-  const bool clip = ReadClip(scalars, kDecay ? kNumScalars + 1 : kNumScalars, s);
-  Dispatch<true, kDecay>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr, width, clip);
+  s.clip = ReadClip(scalars, kDecay ? kNumScalars + 1 : kNumScalars);
+  Dispatch<true, kDecay>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr, width,
+                         s.clip.on);
   return ffi::Error::Success();
 }
 
@@ -275,7 +265,8 @@ ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
   CopyIfNotAliased(vm, nu_max.typed_data(), nu_max.element_count());
   const Options o{false, false, unique, threads};
   Scalars s = ReadScalars(scalars);
-  if (ReadClip(scalars, kNumScalars, s)) {
+  s.clip = ReadClip(scalars, kNumScalars);
+  if (s.clip.on) {
     Run<false, false, true, false, true, true>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, vm,
                                                q, nullptr, width);
   } else {
