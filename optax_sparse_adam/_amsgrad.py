@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -23,7 +24,7 @@ import optax
 from optax_sparse_adam import _catch_up, _ffi, _kernel_path
 from optax_sparse_adam._adam import _hyperparams, kernel_scalars
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
-from optax_sparse_adam._fusion import FusableUpdate
+from optax_sparse_adam._fusion import Clipped, FusableUpdate
 from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
@@ -366,9 +367,50 @@ def _catch_up_amsgrad(
         out, mu, nu, nu_max, last_step = map_rule(leaf, updates, trees, where, 5)
         return out, CatchUpAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max, last_step=last_step)
 
+    def idle_coefficients(last: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per row of ``last``: its idle steps and ``(C, b1**idle, b2**idle)``, as ``replay_rows`` computes them."""
+        idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
+        rest = idle.astype(jnp.float32)
+        coefficient = _catch_up._coefficients(plan, lr_at, last, idle, done)[:, 0]
+        return idle, jnp.stack([coefficient, _catch_up._power(b1, rest), _catch_up._power(b2, rest)], axis=1)
+
     rows = _catch_up.RowReplay(
         CatchUpAmsgradState,
         ("mu", "nu", "nu_max"),
         lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count),
     )
-    return optax.GradientTransformationExtraArgs(init_fn, _catch_up.CatchUpUpdate(update_fn, None, rows=rows))
+    fusion = CatchUpAmsgradFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, False, "optax"), idle_coefficients)
+    return optax.GradientTransformationExtraArgs(init_fn, _catch_up.CatchUpUpdate(update_fn, fusion, rows=rows))
+
+
+class CatchUpAmsgradFusion(NamedTuple):
+    """What :func:`update_and_apply` needs of a ``sparse_amsgrad(catch_up=True)`` to run its step in one pass per
+    row: the lazy AMSGrad kernel's scalars, and ``idle_coefficients(last, done)``, each row's idle steps and their
+    closed form's coefficients."""
+
+    learning_rate: optax.ScalarOrSchedule
+    hp: Any  # the Adam kernels' hyperparameters (_adam.AdamHyperparams)
+    idle_coefficients: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+    def apply(
+        self,
+        p: jax.Array,
+        state: tuple[jax.Array, ...],
+        leaf: SparseLeaf,
+        scalars: jax.Array,
+        count: jax.Array,
+        clip: Clipped | None = None,
+    ) -> tuple[jax.Array, ...]:
+        """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, nu_max,
+        last_step)``. The idle steps' coefficients are computed here on the keys, as the XLA path computes them on
+        the rows; the kernel catches each touched row up and steps it in one pass."""
+        m, v, v_max, last = state
+        keys = leaf.keys[:, 0]
+        idle, coefficients = self.idle_coefficients(_catch_up.last_of_keys(last, keys), count - 1)
+        if clip is not None:
+            scalars = clip.append_to(scalars)
+        unique = _kernel_path.unique_flag(leaf)
+        p, m, v, v_max = _ffi.catch_up_amsgrad_apply(
+            p, m, v, v_max, keys, leaf.values, scalars, coefficients, idle, unique=unique
+        )
+        return p, m, v, v_max, _catch_up.record_keys(last, keys, count)

@@ -650,7 +650,7 @@ def fused_apply(
     plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype)
     assert plan is not None, "fusable() checks the plan"
     keys, done, rows = leaf.keys[:, 0], count - 1, p.shape[0]
-    last_k = jnp.where((keys >= 0) & (keys < rows), last[jnp.clip(keys, 0, rows - 1)], 0)
+    last_k = last_of_keys(last, keys)
     idle = jnp.where(last_k > 0, done - last_k, 0).astype(jnp.int32)
     rest = idle.astype(jnp.float32)[:, None]
     coefficients = jnp.concatenate(
@@ -680,8 +680,19 @@ def fused_apply(
         return apply_updates(p, out), m2, v2, last2
 
     p, m, v, last = jax.lax.cond(jnp.any(flags > 0), by_steps, lambda: (p, m, v, last))
-    # Recorded here, after the gather above, so that XLA updates the per-row steps in place.
-    return p, m, v, last.at[jnp.where(keys >= 0, keys, rows)].set(count, mode="drop")
+    return p, m, v, record_keys(last, keys, count)
+
+
+def last_of_keys(last: jax.Array, keys: jax.Array) -> jax.Array:
+    """Each key's row's last step, from the per-row record ``last`` (0 for padding keys), for a fused step."""
+    rows = last.shape[0]
+    return jnp.where((keys >= 0) & (keys < rows), last[jnp.clip(keys, 0, rows - 1)], 0)
+
+
+def record_keys(last: jax.Array, keys: jax.Array, count: jax.Array) -> jax.Array:
+    """The per-row record ``last`` with the keys' rows at ``count`` (padding keys dropped). A fused step calls it
+    after :func:`last_of_keys`, so that XLA updates the record in place."""
+    return last.at[jnp.where(keys >= 0, keys, last.shape[0])].set(count, mode="drop")
 
 
 class CatchUpFusion(NamedTuple):

@@ -225,20 +225,56 @@ def sparse_amsgrad_apply(
     """``sparse_amsgrad``'s lazy step and ``p += neg_lr * step`` in one pass over each touched row:
     ``(p, m, v, v_max)``; ``scalars`` as the Adam kernels take them (with the clipping's two, as
     :func:`sparse_adam_apply`)."""
-    attrs = _attrs(p.shape[0], unique=unique)
+    return _amsgrad_apply("sparse_amsgrad_apply", (p, m, v, v_max), keys, values, scalars, (), unique)
+
+
+def catch_up_amsgrad_apply(
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    v_max: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    coefficients: jax.Array,
+    idle: jax.Array,
+    *,
+    unique: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``sparse_amsgrad(catch_up=True)``'s fused step: :func:`sparse_amsgrad_apply`, each touched row first taking
+    the ``idle`` steps it sat out (per key) in closed form, from ``coefficients`` per key (``(k, 3)``: the idle
+    steps' sum, ``b1**idle`` and ``b2**idle``, as ``_amsgrad``'s ``replay_rows`` computes them for the key's row).
+    The rows' last steps are the caller's to record."""
+    per_key = (coefficients, idle)
+    return _amsgrad_apply("catch_up_amsgrad_apply", (p, m, v, v_max), keys, values, scalars, per_key, unique)
+
+
+def _amsgrad_apply(
+    name: str,
+    tables: tuple[jax.Array, ...],
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    per_key: tuple[jax.Array, ...],
+    unique: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The AMSGrad apply handler ``name`` on ``(p, m, v, v_max)``, with operands ``per_key`` (``(k, 3)``
+    coefficients and ``(k,)`` idle steps) after the scalars where it takes them."""
+    shape = tables[0].shape
+    attrs = _attrs(shape[0], unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(p.shape, p.dtype)
         return _ffi_call(
-            PREFIX + "sparse_amsgrad_apply",
+            PREFIX + name,
             (table, table, table, table),
             input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
             vmap_method="sequential",
         )(p, m, v, v_max, *rest, row_begin, **attrs)
 
-    rule = "n w, n w, n w, n w, k, k w, s -> n w, n w, n w, n w"
-    out = _by_row_shards(fn, rule)(_rows2d(p), _rows2d(m), _rows2d(v), _rows2d(v_max), keys, _rows2d(values), scalars)
-    new_p, new_m, new_v, new_v_max = (x.reshape(p.shape) for x in out)
+    rule = "n w, n w, n w, n w, k, k w, s" + (", k c, k" if per_key else "") + " -> n w, n w, n w, n w"
+    out = _by_row_shards(fn, rule)(*map(_rows2d, tables), keys, _rows2d(values), scalars, *per_key)
+    new_p, new_m, new_v, new_v_max = (x.reshape(shape) for x in out)
     return new_p, new_m, new_v, new_v_max
 
 

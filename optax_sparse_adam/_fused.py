@@ -11,7 +11,7 @@ import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
-from optax_sparse_adam._amsgrad import AmsgradFusion
+from optax_sparse_adam._amsgrad import AmsgradFusion, CatchUpAmsgradFusion
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._catch_up import CatchUpFusion, fused_apply
 from optax_sparse_adam._checks import mask_tree
@@ -43,7 +43,7 @@ def update_and_apply(
     :func:`apply_if_finite` skips: see there). Where ``tx`` is an optimizer built by
     :func:`~optax_sparse_adam.sparse_adam` (``catch_up`` too),
     :func:`~optax_sparse_adam.sparse_adamw` (lazy),
-    :func:`~optax_sparse_adam.sparse_amsgrad` (lazy),
+    :func:`~optax_sparse_adam.sparse_amsgrad` (``catch_up`` too),
     :func:`~optax_sparse_adam.sparse_rowwise_adam` or
     :func:`~optax_sparse_adam.sparse_rowwise_adagrad`, or wraps one in a way
     that passes its updates and state through untouched
@@ -72,9 +72,9 @@ def update_and_apply(
     multiply-adds it fuses (and where ``maximize`` negates the gradient). For
     the row-wise optimizers see :func:`scale_by_rowwise_adam` and
     :func:`scale_by_rowwise_adagrad` for how their numbers relate to the two calls'. After
-    ``sparse_aware(optax.clip_by_global_norm(c))``, every fused kernel (lazy Adam, AdamW, AMSGrad, catch-up Adam,
-    row-wise Adam and row-wise Adagrad) sums a table's entries and clips each row itself, bitwise as the two calls
-    on the kernels clip them. On
+    ``sparse_aware(optax.clip_by_global_norm(c))``, every fused kernel (lazy Adam, AdamW, AMSGrad, catch-up Adam and
+    AMSGrad, row-wise Adam and row-wise Adagrad) sums a table's entries and clips each row itself, bitwise as the two
+    calls on the kernels clip them. On
     other platforms, for other leaves, under differentiation and in
     :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
@@ -257,6 +257,25 @@ def _fusable(fusion: Any) -> _Fusable | None:
                 p, st[0], st[1], st[2], sp.keys[:, 0], sp.values, scalars, unique=_kernel_path.unique_flag(sp)
             ),
             clips=True,
+        )
+    if isinstance(fusion, CatchUpAmsgradFusion):
+        amsgrad = fusion
+        return _Fusable(
+            amsgrad.learning_rate,
+            "sparse_amsgrad(catch_up=True)",
+            "CatchUpAmsgradState",
+            ("mu", "nu", "nu_max", "last_step"),
+            fits=lambda p, st: (
+                p.shape == st[0].shape == st[1].shape == st[2].shape and st[3].shape == row_shape(p.shape)
+            ),
+            scalars=lambda new_state, neg_lr: (
+                kernel_scalars(amsgrad.hp, optax.tree.get(new_state, "CatchUpAmsgradState").count, neg_lr),
+                optax.tree.get(new_state, "CatchUpAmsgradState").count,
+            ),
+            apply=lambda p, st, sp, scalars, _: amsgrad.apply(p, st, sp, *scalars),
+            count_owner="CatchUpAmsgradState",
+            clips=True,
+            with_clip=lambda scalars, clip: (*scalars, clip),  # the step count, then the clipping, as catch-up Adam's
         )
     if isinstance(fusion, RowwiseAdagradFusion):
         eps, weight_decay, decay = fusion.eps, fusion.weight_decay, fusion.decay

@@ -64,6 +64,7 @@ _SYMBOLS = {
     "sparse_adamw_apply": "OptaxSparseAdamWApply",
     "sparse_amsgrad_apply": "OptaxSparseAmsgradApply",
     "sparse_amsgrad_rows": "OptaxSparseAmsgradRows",
+    "catch_up_amsgrad_apply": "OptaxSparseAdamCatchUpAmsgradApply",
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "catch_up_adam_steps": "OptaxSparseAdamCatchUpSteps",
     "scatter_add": "OptaxSparseAdamScatterAdd",

@@ -13,7 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
+from optax_sparse_adam import _kernel_path
+from optax_sparse_adam._amsgrad import idle_cap
 from tests import variant_checks
+from tests.helpers import assert_trees_equal
 from tests.variant_checks import LR
 
 COMPARE_STATE = True  # the same ScaleByAmsgradState as optax's
@@ -107,8 +110,11 @@ def _amsgrad64(batches: list, p0: np.ndarray, learning_rate: Any, **kw: float) -
     return {"p": p, "mu": m, "nu": v, "nu_max": v_max}
 
 
-def _run(tx: optax.GradientTransformation, batches: list, p0: np.ndarray, sparse: bool) -> tuple[Any, Any]:
-    """The whole run in one jit (a scan over the batches): the final parameters and state."""
+def _run(
+    tx: optax.GradientTransformation, batches: list, p0: np.ndarray, sparse: bool, fused: bool = False
+) -> tuple[Any, Any]:
+    """The whole run in one jit (a scan over the batches): the final parameters and state; ``fused``: each step
+    by ``update_and_apply``, else by the two calls."""
     ids, values = (jnp.asarray(np.stack(x)) for x in zip(*batches, strict=True))
 
     def step(carry: Any, batch: Any) -> tuple[Any, None]:
@@ -118,6 +124,8 @@ def _run(tx: optax.GradientTransformation, batches: list, p0: np.ndarray, sparse
             g: Any = osa.IndexedRows(ids, values, ROWS)
         else:
             g = jnp.zeros((ROWS, WIDTH), jnp.float32).at[jnp.where(ids < 0, ROWS, ids)].add(values, mode="drop")
+        if fused:
+            return osa.update_and_apply(tx, g, state, p), None
         updates, state = tx.update(g, state, p)
         return (osa.apply_updates(p, updates), state), None
 
@@ -137,26 +145,83 @@ def _relative(run: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[st
     return {k: float(np.max(np.abs(run[k] - ref[k])) / np.max(np.abs(ref[k]))) for k in ref}
 
 
-@pytest.mark.parametrize("case", CATCH_UP_CASES)
-def test_catch_up_equals_dense_amsgrad_over_a_zipf_run(case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "fused"),
+    [(case, False) for case in CATCH_UP_CASES] + [("b1=0.9 schedule", True), ("b1=0", True)],
+    ids=[*CATCH_UP_CASES, "b1=0.9 schedule, fused", "b1=0, fused"],
+)
+def test_catch_up_equals_dense_amsgrad_over_a_zipf_run(case: str, fused: bool) -> None:
     """Parameters and moments of the caught-up run (every row brought up to date by ``catch_up`` at the end) are
-    within twice float32 optax.amsgrad's own distance from a float64 AMSGrad; lazy AMSGrad is not."""
+    within twice float32 optax.amsgrad's own distance from a float64 AMSGrad; lazy AMSGrad is not. ``fused``: the
+    steps by ``update_and_apply`` (on the CPU, the catch-up kernel)."""
     kw = CATCH_UP_CASES[case]
     batches = _zipf_batches(seed=len(case))
     p0 = np.random.default_rng(8).normal(size=(ROWS, WIDTH)).astype(np.float32)
     ref = _amsgrad64(batches, p0, **kw)
     drift = _relative(_moments(*_run(optax.amsgrad(**kw), batches, p0, sparse=False)), ref)
     tx = osa.sparse_amsgrad(**kw, catch_up=True)
-    p, state = _run(tx, batches, p0, sparse=True)
+    p, state = _run(tx, batches, p0, sparse=True, fused=fused)
     p, state = jax.jit(lambda p, s: osa.catch_up(tx, p, s))(p, state)
     assert isinstance(state, osa.CatchUpAmsgradState)
     np.testing.assert_array_equal(state.last_step[state.last_step > 0], STEPS)
     err = _relative(_moments(p, state), ref)
     for k in ref:
         assert err[k] <= 2 * drift[k] + 2e-7, (k, err, drift)
-    if kw.get("b1", 0.9) > 0:
+    if kw.get("b1", 0.9) > 0 and not fused:
         lazy = _relative(_moments(*_run(osa.sparse_amsgrad(**kw), batches, p0, sparse=True)), ref)
         assert lazy["p"] > 100 * max(drift["p"], 1e-7), (lazy, drift)
+
+
+FUSED_CASES = {
+    "b1=0.9": dict(learning_rate=1e-2),
+    "schedule": dict(learning_rate=SCHEDULE),
+    "distinct ids": dict(learning_rate=1e-2),
+    "b1=0.99 eps_root": dict(learning_rate=3e-3, b1=0.99, eps_root=1e-10),
+    "b1=0": dict(learning_rate=1e-2, b1=0.0),
+}
+
+
+@pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_the_fused_catch_up_step_on_the_kernel_equals_the_xla_path(case: str) -> None:
+    """``update_and_apply`` of ``sparse_amsgrad(catch_up=True)`` runs one kernel call that catches each touched row
+    up and steps it; from the same state as the XLA path's, step for step over a Zipf run with duplicates, padding
+    and rows idle for up to hundreds of steps: moments and last steps bitwise, parameters within two ulps of the
+    table's scale (the kernel rounds ``p - shift + step`` in its own order, the XLA path through the update)."""
+    tx = osa.sparse_amsgrad(**FUSED_CASES[case], catch_up=True)
+    rows, width, k, unique = 200, 8, 48, case == "distinct ids"
+    rng = np.random.default_rng(3)
+    p = jnp.asarray(rng.normal(size=(rows, width)).astype(np.float32))
+    # Past the window of steps the replay sums, every row last moved at a step of its own: rows come back within
+    # the window and after it (the long-idle table, or the loop under a schedule).
+    cap = idle_cap(FUSED_CASES[case].get("b1", 0.9))
+    v = (1e-2 * rng.random((rows, width))).astype(np.float32) ** 2
+    state = tx.init(p)._replace(
+        count=jnp.int32(cap + 200),
+        mu=jnp.asarray((np.sqrt(v) * rng.uniform(-0.5, 0.5, v.shape)).astype(np.float32)),
+        nu=jnp.asarray(v),
+        nu_max=jnp.asarray(v * (1 + rng.random(v.shape)).astype(np.float32)),
+        last_step=jnp.asarray(rng.integers(1, cap + 200, rows).astype(np.int32)),
+    )
+
+    def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
+        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows, unique_indices=unique), s, p)
+
+    native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
+    text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
+    assert text.count("optax_sparse_adam_v2_catch_up_amsgrad_apply") == 1 and "amsgrad_rows" not in text
+    idle = []
+    for _ in range(60):
+        # Distinct ids, or Zipf ids with duplicates and padding.
+        ids = rng.permutation(rows)[:k] if unique else np.where(rng.random(k) < 0.1, -1, (rng.zipf(1.3, k) - 1) % rows)
+        args = (jnp.asarray(ids.astype(np.int32)), jnp.asarray(rng.normal(size=(k, width)).astype(np.float32)))
+        idle.extend(np.asarray(state.count - state.last_step[ids[ids >= 0]]).tolist())
+        (pn, sn), (px, sx) = native(p, state, *args), xla(p, state, *args)
+        assert_trees_equal(sn, sx)
+        np.testing.assert_allclose(np.asarray(pn), np.asarray(px), rtol=0, atol=2 * 2.0**-23 * np.abs(px).max())
+        p, state = px, sx
+    within = cap == 0 or any(0 < i <= cap for i in idle)
+    assert min(idle) == 0 and within and max(idle) > cap, (cap, sorted(set(idle)))
 
 
 def test_catch_up_reads_caught_up_rows_and_dense_leaves_are_optax() -> None:

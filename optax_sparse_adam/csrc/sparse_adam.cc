@@ -15,7 +15,13 @@
 //     sparse_amsgrad's lazy step: nu_max' = max(nu_max, v' (1 / bc2)),
 //     s = (m' (1 / bc1)) / (sqrt(nu_max' + eps_root) + eps), p += neg_lr s;
 //   optax_sparse_adam_v2_sparse_amsgrad_rows (mu, nu, nu_max, keys, values, scalars) -> (mu, nu, nu_max, keys, step)
-//     its leaf rule for tx.update: the moments in place, the step rows times neg_lr packed as above.
+//     its leaf rule for tx.update: the moments in place, the step rows times neg_lr packed as above;
+//   optax_sparse_adam_v2_catch_up_amsgrad_apply
+//       (p, mu, nu, nu_max, keys, values, scalars, coefficients, idle) -> (p, mu, nu, nu_max)
+//     sparse_amsgrad(catch_up=True)'s fused step: a row whose entry says it sat out idle > 0 steps first takes
+//     them in their closed form (_amsgrad's replay_rows; coefficients per entry: the idle steps' sum C, b1**idle
+//     and b2**idle, computed by the XLA side as the XLA path computes them per row), then AMSGrad's step:
+//       p = p - C (m / (sqrt(nu_max + eps_root) + eps)),  m = m b1**idle,  v = v b2**idle.
 // The apply handlers take two more scalars after the others where the
 // gradient was clipped by its global norm (sparse_aware(clip_by_global_norm)):
 // each summed row becomes (g / clip_div) * clip_mul first, bitwise what the
@@ -52,11 +58,32 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
+// sparse_amsgrad(catch_up=True)'s idle steps, per entry: a row catches up from the entry that stands for it.
+struct IdleRows {
+  static constexpr int64_t kCoefficients = 3;  // C, b1**idle, b2**idle
+  const float* coefficients;                   // (k, kCoefficients)
+  const int32_t* idle;                         // (k,)
+};
+
+// The row's idle steps where its entry `slot` has any, in place (nu_max does not move while a row is idle).
+OSA_ROW_INLINE void CatchUpAmsgradRow(const Scalars& s, const IdleRows* idle, int64_t slot, float* __restrict p,
+                                      float* __restrict m, float* __restrict v, const float* __restrict vm,
+                                      int64_t width) {
+  if (idle == nullptr || idle->idle[slot] <= 0) return;
+  const float* c = idle->coefficients + slot * IdleRows::kCoefficients;
+  const float coefficient = c[0], decay1 = c[1], decay2 = c[2], eps = s.eps, eps_root = s.eps_root;
+  for (int64_t j = 0; j < width; ++j) {
+    p[j] = p[j] - coefficient * (m[j] / (std::sqrt(vm[j] + eps_root) + eps));
+    m[j] = m[j] * decay1;
+    v[j] = v[j] * decay2;
+  }
+}
+
 // The distinct rows [lo, hi) of a coalesced batch.
 template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const Shard& shard, const float* values,
                                      float* m, float* v, float* vm, float* out, int64_t width, int64_t lo,
-                                     int64_t hi) {
+                                     int64_t hi, const IdleRows* idle) {
   std::vector<float> g(static_cast<size_t>(width));
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
@@ -74,6 +101,8 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
     SumChain(c, d, values, width, g.data());
     if constexpr (kClip) ClipRow(s.clip, g.data(), width);
     float* dst = kApply ? out + r * width : out + d * width;
+    if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, c.first[d], dst, m + r * width, v + r * width,
+                                                        vm + r * width, width);
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g.data(), m + r * width, v + r * width, dst, width,
                                                            kAmsgrad ? vm + r * width : nullptr);
   }
@@ -82,7 +111,8 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
 // The entries [lo, hi) of a batch whose in-range keys are distinct.
 template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const Shard& shard, const float* values,
-                                  float* m, float* v, float* vm, float* out, int64_t width, int64_t lo, int64_t hi) {
+                                  float* m, float* v, float* vm, float* out, int64_t width, int64_t lo, int64_t hi,
+                                  const IdleRows* idle) {
   std::vector<float> clipped(kClip ? static_cast<size_t>(width) : 0);
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
@@ -99,6 +129,8 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
     const int64_t r = shard.Local(keys[i]);
     float* dst = kApply ? out + r * width : out + i * width;
     const float* g = ClippedRow(s.clip, values + i * width, clipped.data(), width);
+    if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, i, dst, m + r * width, v + r * width, vm + r * width,
+                                                        width);
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
                                                            kAmsgrad ? vm + r * width : nullptr);
   }
@@ -106,7 +138,8 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
 
 template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip = false>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k, const Shard& shard,
-         const float* values, float* m, float* v, float* vm, float* out, int32_t* out_keys, int64_t width) {
+         const float* values, float* m, float* v, float* vm, float* out, int32_t* out_keys, int64_t width,
+         const IdleRows* idle = nullptr) {
   const auto pad = static_cast<int32_t>(shard.num_rows);
   // A broken promise (a key twice) takes the coalescing path: its rows are
   // summed as without it, and no two threads ever write one row. Keys the
@@ -117,7 +150,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
     }
     ParallelForOwned(pool, keys, k, shard, o.threads, [&](int64_t lo, int64_t hi) {
       UniqueRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad, kClip>(s, keys, shard, values, m, v, vm, out, width, lo,
-                                                                     hi);
+                                                                     hi, idle);
     });
     return;
   }
@@ -134,7 +167,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
   // A thread is worth its scheduling past a few dozen rows.
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
     CoalescedRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad, kClip>(s, c, shard, values, m, v, vm, out, width, lo,
-                                                                        hi);
+                                                                        hi, idle);
   });
 }
 
@@ -238,14 +271,15 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-// sparse_amsgrad's fused step: (p, mu, nu, nu_max) updated in place on the touched rows.
-ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
-                            ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max, ffi::BufferR1<ffi::S32> keys,
-                            ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                            ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
-                            ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
-                            ffi::ResultBuffer<ffi::F32> nu_max_out, int64_t num_rows, int64_t unique,
-                            int64_t threads) {
+// sparse_amsgrad's fused step: (p, mu, nu, nu_max) updated in place on the touched rows, each first taking the
+// idle steps `idle` gives it (catch-up), where it is not null.
+ffi::Error AmsgradApply(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<ffi::F32>& mu,
+                        ffi::Buffer<ffi::F32>& nu, ffi::Buffer<ffi::F32>& nu_max, ffi::BufferR1<ffi::S32>& keys,
+                        ffi::Buffer<ffi::F32>& values, ffi::BufferR1<ffi::F32>& scalars,
+                        ffi::BufferR0<ffi::S32>& row_begin, ffi::ResultBuffer<ffi::F32>& p_out,
+                        ffi::ResultBuffer<ffi::F32>& mu_out, ffi::ResultBuffer<ffi::F32>& nu_out,
+                        ffi::ResultBuffer<ffi::F32>& nu_max_out, int64_t num_rows, int64_t unique, int64_t threads,
+                        const IdleRows* idle) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
@@ -268,12 +302,40 @@ ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
   s.clip = ReadClip(scalars, kNumScalars);
   if (s.clip.on) {
     Run<false, false, true, false, true, true>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, vm,
-                                               q, nullptr, width);
+                                               q, nullptr, width, idle);
   } else {
     Run<false, false, true, false, true>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, vm, q,
-                                         nullptr, width);
+                                         nullptr, width, idle);
   }
   return ffi::Error::Success();
+}
+
+ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+                            ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max, ffi::BufferR1<ffi::S32> keys,
+                            ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                            ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
+                            ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                            ffi::ResultBuffer<ffi::F32> nu_max_out, int64_t num_rows, int64_t unique,
+                            int64_t threads) {
+  return AmsgradApply(pool, p, mu, nu, nu_max, keys, values, scalars, row_begin, p_out, mu_out, nu_out, nu_max_out,
+                      num_rows, unique, threads, nullptr);
+}
+
+ffi::Error CatchUpAmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+                                   ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max,
+                                   ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                                   ffi::BufferR1<ffi::F32> scalars, ffi::BufferR2<ffi::F32> coefficients,
+                                   ffi::BufferR1<ffi::S32> idle, ffi::BufferR0<ffi::S32> row_begin,
+                                   ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
+                                   ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBuffer<ffi::F32> nu_max_out,
+                                   int64_t num_rows, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  const auto dims = coefficients.dimensions();
+  if (dims[0] != k || dims[1] != IdleRows::kCoefficients || static_cast<int64_t>(idle.element_count()) != k)
+    return ffi::Error::InvalidArgument("coefficients must hold 3 values per key, idle one");
+  const IdleRows rows{coefficients.typed_data(), idle.typed_data()};
+  return AmsgradApply(pool, p, mu, nu, nu_max, keys, values, scalars, row_begin, p_out, mu_out, nu_out, nu_max_out,
+                      num_rows, unique, threads, &rows);
 }
 
 // sparse_amsgrad's leaf rule for tx.update: (mu, nu, nu_max) in place and the step rows packed as the rows
@@ -351,24 +413,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRows, optax_sparse_adam::RowsImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamApply, optax_sparse_adam::ApplyImpl<false>, OSA_APPLY_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamWApply, optax_sparse_adam::ApplyImpl<true>, OSA_APPLY_BINDING);
 
+// The AMSGrad apply handlers' operands before their per-key ones, and what follows those.
+#define OSA_AMSGRAD_APPLY_BATCH                                          \
+  ffi::Ffi::Bind()                                                      \
+      .Ctx<ffi::ThreadPool>()                                           \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* p */                           \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* mu */                          \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* nu */                          \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* nu_max */                      \
+      .Arg<ffi::BufferR1<ffi::S32>>() /* keys */                        \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* values */                      \
+      .Arg<ffi::BufferR1<ffi::F32>>() /* scalars */
+#define OSA_AMSGRAD_APPLY_RESULTS                                         \
+  Arg<ffi::BufferR0<ffi::S32>>()      /* row_begin: first row held */   \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* p */                           \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* mu */                          \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* nu */                          \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* nu_max */                      \
+      .Attr<int64_t>("num_rows")                                        \
+      .Attr<int64_t>("unique")                                          \
+      .Attr<int64_t>("threads")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradApply, optax_sparse_adam::AmsgradApplyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // mu
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu_max
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
-                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
-                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // mu
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu_max
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<int64_t>("unique")
-                                  .Attr<int64_t>("threads"));
+                              OSA_AMSGRAD_APPLY_BATCH.OSA_AMSGRAD_APPLY_RESULTS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradRows, optax_sparse_adam::AmsgradRowsImpl,
                               ffi::Ffi::Bind()
@@ -388,3 +455,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradRows, optax_sparse_adam::Amsgrad
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradApply, optax_sparse_adam::CatchUpAmsgradApplyImpl,
+                              OSA_AMSGRAD_APPLY_BATCH
+                                  .Arg<ffi::BufferR2<ffi::F32>>()  // coefficients: C, b1**idle, b2**idle per key
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
+                                  .OSA_AMSGRAD_APPLY_RESULTS);
