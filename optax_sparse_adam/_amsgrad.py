@@ -307,19 +307,25 @@ def _catch_up_amsgrad(
 
     lr_at = functools.partial(_catch_up.rate_at, learning_rate)
 
+    def idle_coefficients(last: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per row of ``last``, brought up to step ``done``: its idle steps, and ``(C, b1**idle, b2**idle)`` with
+        ``C`` the sum over them of ``lr_t b1**k / (1 - b1**t)`` (the ``k``-th idle step, of count ``t``), capped
+        at :func:`idle_cap` steps. The native kernel reads these per id, so both paths compute them here."""
+        idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
+        rest = idle.astype(jnp.float32)
+        coefficient = _catch_up._coefficients(plan, lr_at, last, idle, done)[:, 0]
+        return idle, jnp.stack([coefficient, _catch_up._power(b1, rest), _catch_up._power(b2, rest)], axis=1)
+
     def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
         """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (mu, nu, nu_max))``."""
         m, v, v_max = moments
-        idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
-        coefficient = broadcast_rows(_catch_up._coefficients(plan, lr_at, last, idle, done)[:, 0], p.ndim)
+        idle, coefficients = idle_coefficients(last, done)
+        coefficient, decay1, decay2 = (broadcast_rows(coefficients[:, j], p.ndim) for j in range(3))
         wide = jnp.promote_types(p.dtype, jnp.float32)
         shift = coefficient * (m.astype(wide) / (jnp.sqrt(v_max + eps_root) + eps)).astype(wide)
         moved = broadcast_rows(idle > 0, p.ndim)
         p = jnp.where(moved, (p.astype(wide) - shift).astype(p.dtype), p)
-        rest = broadcast_rows(idle.astype(jnp.float32), m.ndim)
-        m = (m * _catch_up._power(b1, rest)).astype(m.dtype)
-        v = (v * _catch_up._power(b2, rest)).astype(v.dtype)
-        return p, (m, v, v_max)
+        return p, ((m * decay1).astype(m.dtype), (v * decay2).astype(v.dtype), v_max)
 
     def init_fn(params: optax.Params) -> CatchUpAmsgradState:
         check_params(params, where)
@@ -367,13 +373,6 @@ def _catch_up_amsgrad(
         out, mu, nu, nu_max, last_step = map_rule(leaf, updates, trees, where, 5)
         return out, CatchUpAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max, last_step=last_step)
 
-    def idle_coefficients(last: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Per row of ``last``: its idle steps and ``(C, b1**idle, b2**idle)``, as ``replay_rows`` computes them."""
-        idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
-        rest = idle.astype(jnp.float32)
-        coefficient = _catch_up._coefficients(plan, lr_at, last, idle, done)[:, 0]
-        return idle, jnp.stack([coefficient, _catch_up._power(b1, rest), _catch_up._power(b2, rest)], axis=1)
-
     rows = _catch_up.RowReplay(
         CatchUpAmsgradState,
         ("mu", "nu", "nu_max"),
@@ -406,11 +405,12 @@ class CatchUpAmsgradFusion(NamedTuple):
         the rows; the kernel catches each touched row up and steps it in one pass."""
         m, v, v_max, last = state
         keys = leaf.keys[:, 0]
-        idle, coefficients = self.idle_coefficients(_catch_up.last_of_keys(last, keys), count - 1)
+        last_k = _catch_up.last_of_keys(last, keys)
+        idle, coefficients = self.idle_coefficients(last_k, count - 1)
         if clip is not None:
             scalars = clip.append_to(scalars)
         unique = _kernel_path.unique_flag(leaf)
         p, m, v, v_max = _ffi.catch_up_amsgrad_apply(
             p, m, v, v_max, keys, leaf.values, scalars, coefficients, idle, unique=unique
         )
-        return p, m, v, v_max, _catch_up.record_keys(last, keys, count)
+        return p, m, v, v_max, _catch_up.record_keys(last, keys, last_k, count)

@@ -680,7 +680,7 @@ def fused_apply(
         return apply_updates(p, out), m2, v2, last2
 
     p, m, v, last = jax.lax.cond(jnp.any(flags > 0), by_steps, lambda: (p, m, v, last))
-    return p, m, v, record_keys(last, keys, count)
+    return p, m, v, record_keys(last, keys, last_k, count)
 
 
 def last_of_keys(last: jax.Array, keys: jax.Array) -> jax.Array:
@@ -689,10 +689,11 @@ def last_of_keys(last: jax.Array, keys: jax.Array) -> jax.Array:
     return jnp.where((keys >= 0) & (keys < rows), last[jnp.clip(keys, 0, rows - 1)], 0)
 
 
-def record_keys(last: jax.Array, keys: jax.Array, count: jax.Array) -> jax.Array:
-    """The per-row record ``last`` with the keys' rows at ``count`` (padding keys dropped). A fused step calls it
-    after :func:`last_of_keys`, so that XLA updates the record in place."""
-    return last.at[jnp.where(keys >= 0, keys, last.shape[0])].set(count, mode="drop")
+def record_keys(last: jax.Array, keys: jax.Array, last_k: jax.Array, count: jax.Array) -> jax.Array:
+    """The per-row record ``last`` with the keys' rows at ``count`` (padding keys dropped), from the keys' last
+    steps ``last_k`` (:func:`last_of_keys`): written as :func:`stamp` writes it, ``max(last_k, count)``, so that
+    the record's new rows depend on the ones read and XLA updates it in place, after the read."""
+    return last.at[jnp.where(keys >= 0, keys, last.shape[0])].set(stamp(last_k, count), mode="drop")
 
 
 class CatchUpFusion(NamedTuple):

@@ -242,8 +242,9 @@ def catch_up_amsgrad_apply(
     unique: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``sparse_amsgrad(catch_up=True)``'s fused step: :func:`sparse_amsgrad_apply`, each touched row first taking
-    the ``idle`` steps it sat out (per key) in closed form, from ``coefficients`` per key (``(k, 3)``: the idle
-    steps' sum, ``b1**idle`` and ``b2**idle``, as ``_amsgrad``'s ``replay_rows`` computes them for the key's row).
+    the ``idle`` steps it sat out (per key) in closed form, from ``coefficients`` per key (``(k, 3)``: ``C``, the
+    sum over the idle steps of ``lr_t b1**k / (1 - b1**t)``, then ``b1**idle`` and ``b2**idle``, as ``_amsgrad``'s
+    ``idle_coefficients`` computes them for the key's row).
     The rows' last steps are the caller's to record."""
     per_key = (coefficients, idle)
     return _amsgrad_apply("catch_up_amsgrad_apply", (p, m, v, v_max), keys, values, scalars, per_key, unique)

@@ -74,7 +74,8 @@ def update_and_apply(
     :func:`scale_by_rowwise_adagrad` for how their numbers relate to the two calls'. After
     ``sparse_aware(optax.clip_by_global_norm(c))``, every fused kernel (lazy Adam, AdamW, AMSGrad, catch-up Adam and
     AMSGrad, row-wise Adam and row-wise Adagrad) sums a table's entries and clips each row itself, bitwise as the two
-    calls on the kernels clip them. On
+    calls on the kernels clip them (for the catch-up optimizers on ids given as distinct, as they clip them computed
+    on their own: see the native kernels guide). On
     other platforms, for other leaves, under differentiation and in
     :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
@@ -166,10 +167,11 @@ class _Fusable(NamedTuple):
       apply: ``apply(p, state_leaves, leaf, scalars, option) -> (p, *state_leaves)``: the fused kernel on one leaf.
       count_owner: The name of the state class whose ``count`` a schedule reads.
       options: ``options(params)``: a tree of static per-parameter options for ``apply`` (AdamW's mask).
-      clips: Whether ``apply`` takes a leaf's entries and two more scalars that clip each summed row by the
-        global norm (:class:`~optax_sparse_adam._fusion.Clipped`) in place of the clipped leaf.
-      with_clip: ``with_clip(scalars, clipped)``: the scalars ``apply`` takes to clip (the kernel's, then the
-        clipping's two).
+      clips: Whether ``apply`` takes a leaf's entries in place of a leaf that
+        ``sparse_aware(clip_by_global_norm)`` clipped, and clips each summed row itself.
+      with_clip: ``with_clip(scalars, clipped)``: the scalars ``apply`` then takes: by default the kernel's followed
+        by the clipping's two (:class:`~optax_sparse_adam._fusion.Clipped`); the catch-up optimizers' scalars are a
+        tuple, which takes the ``Clipped`` itself last.
     """
 
     learning_rate: optax.ScalarOrSchedule

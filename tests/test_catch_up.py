@@ -596,7 +596,7 @@ def test_a_collection_with_pooled_bags_trains_as_dense_adam_through_partition_ta
 
 @pytest.mark.parametrize(
     ("name", "kernels"),
-    [("adam", True), ("adam", False), ("adamw", False), ("amsgrad", False), ("sgd", False)],
+    [("adam", True), ("adam", False), ("adamw", False), ("amsgrad", True), ("amsgrad", False), ("sgd", False)],
 )
 def test_the_fused_step_copies_no_per_row_record_and_its_temporaries_do_not_grow(name: str, kernels: bool) -> None:
     """The per-row last-step record (4 bytes a row) is updated in place: no copy of it, on the kernel path or in

@@ -835,6 +835,7 @@ STATEFUL_ROWS = {
     "rowwise_adam": lambda: osa.sparse_rowwise_adam(0.05),
     "adam_catch_up_schedule": lambda: osa.sparse_adam(optax.linear_schedule(0.05, 0.01, 3), catch_up=True),
     "adamw_catch_up": lambda: osa.sparse_adamw(0.05, weight_decay=0.1, catch_up=True),
+    "amsgrad_catch_up_schedule": lambda: osa.sparse_amsgrad(optax.linear_schedule(0.05, 0.01, 3), catch_up=True),
     "sgd_momentum_catch_up_schedule": lambda: osa.sparse_sgd(
         optax.linear_schedule(0.05, 0.01, 3), momentum=0.9, catch_up=True
     ),

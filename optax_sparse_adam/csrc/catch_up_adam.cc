@@ -175,8 +175,8 @@ OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, const
 
 template <bool kTorch, bool kMaximize>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const Coalesced& c, const Shard& shard,
-                                     const float* values, float* q, float* m, float* v, int64_t width, bool clip,
-                                     int64_t lo, int64_t hi) {
+                                     const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
+                                     int64_t hi) {
   std::vector<float> g(static_cast<size_t>(width)), work(5 * static_cast<size_t>(width));
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
@@ -189,7 +189,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
     const int64_t r = shard.Local(c.row[d]);
     const int32_t first = c.first[d];
     SumChain(c, d, values, width, g.data());
-    if (clip) ClipRow(s.clip, g.data(), width);
+    if (s.clip.on) ClipRow(s.clip, g.data(), width);
     if (!Row<kTorch, kMaximize>(s, cu, first, g.data(), q + r * width, m + r * width, v + r * width, work.data(),
                                  width)) {
       for (int32_t e = first; e >= 0; e = c.next[e]) cu.flags[e] = 1;
@@ -199,9 +199,9 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
 
 template <bool kTorch, bool kMaximize>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int32_t* keys, const Shard& shard,
-                                  const float* values, float* q, float* m, float* v, int64_t width, bool clip,
-                                  int64_t lo, int64_t hi) {
-  std::vector<float> work(5 * static_cast<size_t>(width)), clipped(clip ? static_cast<size_t>(width) : 0);
+                                  const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
+                                  int64_t hi) {
+  std::vector<float> work(5 * static_cast<size_t>(width)), clipped(s.clip.on ? static_cast<size_t>(width) : 0);
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
       const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
@@ -220,17 +220,17 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
 
 template <bool kTorch, bool kMaximize>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchUp& cu, const int32_t* keys, int64_t k,
-         const Shard& shard, const float* values, float* q, float* m, float* v, int64_t width, bool clip) {
+         const Shard& shard, const float* values, float* q, float* m, float* v, int64_t width) {
   if (o.unique == 2 || (o.unique == 1 && !HasDuplicate(keys, k, shard.num_rows))) {
     ParallelForOwned(pool, keys, k, shard, o.threads, [&](int64_t lo, int64_t hi) {
-      UniqueRows<kTorch, kMaximize>(s, cu, keys, shard, values, q, m, v, width, clip, lo, hi);
+      UniqueRows<kTorch, kMaximize>(s, cu, keys, shard, values, q, m, v, width, lo, hi);
     });
     return;
   }
   Coalesced c;
   Coalesce(keys, k, shard.begin + shard.local_rows, shard.begin, c);
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows<kTorch, kMaximize>(s, cu, c, shard, values, q, m, v, width, clip, lo, hi);
+    CoalescedRows<kTorch, kMaximize>(s, cu, c, shard, values, q, m, v, width, lo, hi);
   });
 }
 
@@ -273,7 +273,6 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   const float* limit = limits.typed_data();
   Scalars s = ReadScalars(scalars);
   s.clip = ReadClip(scalars, kNumScalars);
-  const bool clip = s.clip.on;
   const IdleSteps steps{s.b1, s.b2, s.eps, limit[2], limit[3] != 0.0f, neg_rates.typed_data(), cap,
                         corrections.typed_data(), table[0]};
   const CatchUp cu{coefficients.typed_data(), idle.typed_data(), last.typed_data(), limit[0], limit[1], steps,
@@ -281,7 +280,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   auto run = [&](auto torch_eps, auto maximize) {
     Run<decltype(torch_eps)::value, decltype(maximize)::value>(pool, s, o, cu, keys.typed_data(), k, shard,
-                                                               values.typed_data(), q, m, v, width, clip);
+                                                               values.typed_data(), q, m, v, width);
   };
   using T = std::true_type;
   using F = std::false_type;

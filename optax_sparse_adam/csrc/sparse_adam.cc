@@ -1,6 +1,6 @@
 // Lazy Adam on the rows a batch touches, as XLA FFI handlers for the CPU.
 //
-// Two handlers share one row loop:
+// The handlers share one row loop:
 //   optax_sparse_adam_v2_sparse_adam_rows   (mu, nu, keys, values, scalars) -> (mu, nu, keys, step)
 //     the sparse leaf rule of scale_by_sparse_adam: new moments in place, and
 //     the step rows times the scalar neg_lr (1, or sparse_adam's -lr) packed
@@ -19,9 +19,11 @@
 //   optax_sparse_adam_v2_catch_up_amsgrad_apply
 //       (p, mu, nu, nu_max, keys, values, scalars, coefficients, idle) -> (p, mu, nu, nu_max)
 //     sparse_amsgrad(catch_up=True)'s fused step: a row whose entry says it sat out idle > 0 steps first takes
-//     them in their closed form (_amsgrad's replay_rows; coefficients per entry: the idle steps' sum C, b1**idle
-//     and b2**idle, computed by the XLA side as the XLA path computes them per row), then AMSGrad's step:
-//       p = p - C (m / (sqrt(nu_max + eps_root) + eps)),  m = m b1**idle,  v = v b2**idle.
+//     them in their closed form (_amsgrad's replay_rows; coefficients per entry, computed by the XLA side as
+//     the XLA path computes them per row: C, the sum over the idle steps of lr_t b1^k / (1 - b1^t), then
+//     b1**idle and b2**idle), then AMSGrad's step:
+//       p = p - C (m / (sqrt(nu_max + eps_root) + eps)),  m = m b1**idle,  v = v b2**idle
+//     (the parameters within two ulps of the XLA path's, which rounds the caught-up row and the update apart).
 // The apply handlers take two more scalars after the others where the
 // gradient was clipped by its global norm (sparse_aware(clip_by_global_norm)):
 // each summed row becomes (g / clip_div) * clip_mul first, bitwise what the
@@ -43,7 +45,7 @@
 //   optax: s = (m' (1 / bc1)) / (sqrt(v' (1 / bc2) + eps_root) + eps)
 //   torch: s = (torch_scale m') / (sqrt(v' + eps_root) + eps)
 //   p'  = p + neg_lr s                (AdamW: p + neg_lr fma(weight_decay, p, s))
-// The tests compare both paths bitwise.
+// The tests compare both paths bitwise (but for the catch-up's parameters, above).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -128,7 +130,7 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
     }
     const int64_t r = shard.Local(keys[i]);
     float* dst = kApply ? out + r * width : out + i * width;
-    const float* g = ClippedRow(s.clip, values + i * width, clipped.data(), width);
+    const float* g = kClip ? ClippedRow(s.clip, values + i * width, clipped.data(), width) : values + i * width;
     if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, i, dst, m + r * width, v + r * width, vm + r * width,
                                                         width);
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
@@ -196,10 +198,10 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t n
 template <bool kApply, bool kDecay = false>
 void Dispatch(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k,
               const Shard& shard, const float* values, float* m, float* v, float* out, int32_t* out_keys,
-              int64_t width, bool clip = false) {
+              int64_t width) {
   auto run = [&](auto torch_eps, auto maximize) {
     if constexpr (kApply) {
-      if (clip) {
+      if (s.clip.on) {
         Run<decltype(torch_eps)::value, decltype(maximize)::value, kApply, kDecay, false, true>(
             pool, s, o, keys, k, shard, values, m, v, nullptr, out, out_keys, width);
         return;
@@ -266,8 +268,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   Scalars s = ReadScalars(scalars);
   if constexpr (kDecay) s.weight_decay = scalars.typed_data()[kNumScalars];
   s.clip = ReadClip(scalars, kDecay ? kNumScalars + 1 : kNumScalars);
-  Dispatch<true, kDecay>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr, width,
-                         s.clip.on);
+  Dispatch<true, kDecay>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, q, nullptr, width);
   return ffi::Error::Success();
 }
 
@@ -413,7 +414,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRows, optax_sparse_adam::RowsImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamApply, optax_sparse_adam::ApplyImpl<false>, OSA_APPLY_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamWApply, optax_sparse_adam::ApplyImpl<true>, OSA_APPLY_BINDING);
 
-// The AMSGrad apply handlers' operands before their per-key ones, and what follows those.
+// The AMSGrad apply handlers' bindings: the operands before the catch-up's per-key ones, and the rest (row_begin,
+// the results and the attributes).
 #define OSA_AMSGRAD_APPLY_BATCH                                          \
   ffi::Ffi::Bind()                                                      \
       .Ctx<ffi::ThreadPool>()                                           \
@@ -424,7 +426,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamWApply, optax_sparse_adam::ApplyImp
       .Arg<ffi::BufferR1<ffi::S32>>() /* keys */                        \
       .Arg<ffi::Buffer<ffi::F32>>()   /* values */                      \
       .Arg<ffi::BufferR1<ffi::F32>>() /* scalars */
-#define OSA_AMSGRAD_APPLY_RESULTS                                         \
+#define OSA_AMSGRAD_APPLY_TAIL                                         \
   Arg<ffi::BufferR0<ffi::S32>>()      /* row_begin: first row held */   \
       .Ret<ffi::Buffer<ffi::F32>>()   /* p */                           \
       .Ret<ffi::Buffer<ffi::F32>>()   /* mu */                          \
@@ -435,7 +437,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamWApply, optax_sparse_adam::ApplyImp
       .Attr<int64_t>("threads")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradApply, optax_sparse_adam::AmsgradApplyImpl,
-                              OSA_AMSGRAD_APPLY_BATCH.OSA_AMSGRAD_APPLY_RESULTS);
+                              OSA_AMSGRAD_APPLY_BATCH.OSA_AMSGRAD_APPLY_TAIL);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradRows, optax_sparse_adam::AmsgradRowsImpl,
                               ffi::Ffi::Bind()
@@ -460,4 +462,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradApply, optax_sparse_a
                               OSA_AMSGRAD_APPLY_BATCH
                                   .Arg<ffi::BufferR2<ffi::F32>>()  // coefficients: C, b1**idle, b2**idle per key
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
-                                  .OSA_AMSGRAD_APPLY_RESULTS);
+                                  .OSA_AMSGRAD_APPLY_TAIL);
+
+#undef OSA_AMSGRAD_APPLY_BATCH
+#undef OSA_AMSGRAD_APPLY_TAIL
