@@ -157,11 +157,11 @@ def test_catch_up_equals_dense_adam_over_a_zipf_run(case: str) -> None:
     # Float32 dense Adam: optax's itself, or for torch's placement the lazy rule fed every row (zeros elsewhere).
     f32 = _train(ours(**kw, **opts), batches, "every row") if torch else _train(theirs(**kw), batches, "dense")
     caught = _train(ours(**kw, **opts, catch_up=True), batches, "caught")
-    lazy = _train(ours(**kw, **opts), batches, "rows")
-    e32, ecu, elazy = _errors(f32, ref), _errors(caught, ref), _errors(lazy, ref)
+    e32, ecu = _errors(f32, ref), _errors(caught, ref)
     for key in e32:
         assert ecu[key] <= 2 * e32[key] + 1e-6, (key, ecu, e32)
-    if kw["b1"] > 0:
+    if kw["b1"] > 0:  # the lazy run is compared only here: not trained for b1=0
+        elazy = _errors(_train(ours(**kw, **opts), batches, "rows"), ref)
         assert elazy["p"] > 100 * max(ecu["p"], 1e-7), (elazy, ecu)  # what catch-up fixes
 
 
