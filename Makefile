@@ -48,7 +48,7 @@ browser:
 	fi
 
 test: lint docs browser
-	OPTAX_SPARSE_ADAM_REQUIRE_KERNELS=1 $(PY) -m pytest -n 2
+	OPTAX_SPARSE_ADAM_REQUIRE_KERNELS=1 $(PY) -m pytest -n 2 --dist worksteal
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

@@ -44,3 +44,10 @@ def kernel_path(request: pytest.FixtureRequest):
         if osa.kernel_path() != request.param:
             pytest.skip("the native kernels were not built (no C++ compiler at install time)")
         yield request.param
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long items first: the ``slow`` ones (builds, scripts, notebooks, the docs site) and the doctests (each
+    compiles a whole example), then the rest in their order. With ``--dist worksteal`` (``make test``) a worker that
+    runs out takes the other's last items, and those are short: the two workers finish together."""
+    items.sort(key=lambda item: not (item.get_closest_marker("slow") or isinstance(item, pytest.DoctestItem)))
