@@ -62,6 +62,7 @@ from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
 __all__ = ["CatchUpAdamState", "CatchUpAdamWState", "catch_up", "catch_up_adam", "catch_up_adamw", "idle_cap", "replay"]
 
 _WHERE = "sparse_adam(catch_up=True)"
+_WHERE_ADAMW = "sparse_adamw(catch_up=True)"
 
 
 class CatchUpAdamState(NamedTuple):
@@ -634,53 +635,75 @@ def fused_apply(
     scalars: jax.Array,
     count: jax.Array,
     clip: Clipped | None = None,
+    adamw: AdamWLeaf | None = None,
 ) -> tuple[jax.Array, ...]:
-    """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, last_step)``.
+    """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, last_step)``, and
+    with ``adamw`` (``sparse_adamw(catch_up=True)``'s leaf), ``(p, mu, nu, last_step, decay_mark)`` from a
+    ``state`` with the decay mark last.
 
-    The coefficients of each key's row (:func:`_coefficients`, and the moments' decays) are computed here, on the
-    keys, as the XLA path computes them on the rows; the kernel replays and steps each touched row in one pass,
-    taking the idle steps one by one for the elements the series does not take (from the window's learning rates
-    and the plan's bias corrections). Rows it flags (such steps of a row idle longer than the window under a
-    schedule, or no table of corrections) then take the XLA rule on those rows alone. With a global-norm
-    ``clip``, ``leaf`` is the table's entries, which the kernel sums and clips row by row (its two scalars after
-    Adam's), and which are summed and clipped alike for the flagged rows.
+    The coefficients of each key's row (:func:`_coefficients`, the moments' decays, and with AdamW's decay the
+    row's decay over its idle steps) are computed here, on the keys, as the XLA path computes them on the rows; the
+    kernel replays and steps each touched row in one pass, taking the idle steps one by one for the elements the
+    series does not take (from the window's learning rates and the plan's bias corrections). Rows it flags (such
+    steps of a row idle longer than the window under a schedule, or with AdamW's decay; no table of corrections)
+    then take the XLA rule on those rows alone. With a global-norm ``clip``, ``leaf`` is the table's entries, which
+    the kernel sums and clips row by row (its two scalars after Adam's), and which are summed and clipped alike for
+    the flagged rows.
     """
-    m, v, last = state
+    m, v, last = state[:3]
     hp = replayer.hp
-    plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype)
-    assert plan is not None, "fusable() checks the plan"
     keys, done, rows = leaf.keys[:, 0], count - 1, p.shape[0]
     last_k = last_of_keys(last, keys)
-    idle = jnp.where(last_k > 0, done - last_k, 0).astype(jnp.int32)
+    decay = None
+    if adamw is not None:
+        mark_k = state[3][jnp.clip(keys, 0, rows - 1)]
+        decay = adamw.decay.of(adamw.flag, adamw.old_log - mark_k)
+    plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=decay)
+    assert plan is not None, "fusable() checks the plan"
+    # With decay a row decays through its idle steps from step 0 on, moved or not.
+    idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
+    weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
     rest = idle.astype(jnp.float32)[:, None]
-    coefficients = jnp.concatenate(
-        [_coefficients(plan, replayer.lr, last_k, idle, done), _power(hp.b1, rest), _power(hp.b2, rest)], axis=1
-    )
+    columns = [_coefficients(plan, replayer.lr, last_k, idle, done, weights), _power(hp.b1, rest), _power(hp.b2, rest)]
+    if weights is not None:
+        columns.append(weights.rows[:, None])
     long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
     has_table = float(plan.corrections is not None)
     limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table)])
     if clip is not None:
         scalars = clip.append_to(scalars)
-    operands = (p, m, v, keys, leaf.values, scalars, coefficients, idle, last_k, limits, neg_rates, corrections)
-    p, m, v, flags = _ffi.catch_up_adam_apply(*operands, cap=plan.cap, **kernel_flags(hp, leaf))
+    operands = (p, m, v, keys, leaf.values, scalars, jnp.concatenate(columns, axis=1), idle, last_k, limits)
+    flags = kernel_flags(hp, leaf)
+    p, m, v, flagged = _ffi.catch_up_adam_apply(
+        *operands, neg_rates, corrections, cap=plan.cap, decay=decay is not None, **flags
+    )
+    tables = (m, v, last, *state[3:])
 
-    def by_steps() -> tuple[jax.Array, ...]:
-        flagged = leaf._replace(keys=jnp.where(flags[:, None] > 0, leaf.keys, rows))
+    def by_steps() -> tuple[jax.Array, ...]:  # p, m, v, last: AdamW's decay mark is recorded below for every key
+        g = leaf._replace(keys=jnp.where(flagged[:, None] > 0, leaf.keys, rows))
         if clip is not None:  # the table's entries, summed here, then clipped
-            flagged = coalesce(flagged)
-            (div, mul), t = clip.scalars(), flagged.values
+            g = coalesce(g)
+            (div, mul), t = clip.scalars(), g.values
             # optax.clip_by_global_norm's expression, select(trigger, t, (t / g_norm) * max_norm): XLA:CPU keeps
             # that division a division, where a bare (t / div) * mul becomes t * (1 / div) * mul and the moments
             # round apart from the two calls'.
-            values = jax.lax.select((div == 1) & (mul == 1), t, (t / div) * mul)
-            flagged = flagged._replace(values=values)
-        g = flagged.to_leaf()  # known distinct where the leaf is: the rule does not coalesce it again
-        rule = _rule(replayer, done, count, replayer.lr(done))
-        out, (m2, v2, last2) = apply_rule((), g, p.shape, (m, v, last), (p,), rule, _WHERE, whole_rows=True)
-        return apply_updates(p, out), m2, v2, last2
+            g = g._replace(values=jax.lax.select((div == 1) & (mul == 1), t, (t / div) * mul))
+        lr = replayer.lr(done)
+        if adamw is None:
+            rule, where = _rule(replayer, done, count, lr), _WHERE
+        else:
+            rule, where = adamw.rule(replayer, done, count, lr), _WHERE_ADAMW
+        # g is known distinct where the leaf is: the rule does not coalesce it again.
+        out, new = apply_rule((), g.to_leaf(), p.shape, tables, (p,), rule, where, whole_rows=True)
+        return apply_updates(p, out), *new[:3]
 
-    p, m, v, last = jax.lax.cond(jnp.any(flags > 0), by_steps, lambda: (p, m, v, last))
-    return p, m, v, record_keys(last, keys, last_k, count)
+    p, m, v, last = jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, m, v, last))
+    out = (p, m, v, record_keys(last, keys, last_k, count))
+    if adamw is None:
+        return out
+    # Every key's mark as the rule writes it, from the marks read: in place, after the read.
+    new_mark = jnp.minimum(mark_k, adamw.new_log)
+    return (*out, state[3].at[jnp.where(keys >= 0, keys, rows)].set(new_mark, mode="drop"))
 
 
 def last_of_keys(last: jax.Array, keys: jax.Array) -> jax.Array:
@@ -933,26 +956,108 @@ class CatchUpAdamWState(NamedTuple):
     decay_mark: optax.Updates
 
 
+@dataclasses.dataclass(frozen=True)
+class AdamWDecay:
+    """``sparse_adamw(catch_up=True)``'s decay: the rate, ``log(1 - lr * weight_decay)`` in double where both are
+    numbers (else ``None``: the idle steps' decay past the window is read from the state's record), and whether
+    the rate can be nonzero."""
+
+    weight_decay: Any
+    log_gamma: float | None
+    decaying: bool
+
+    def of(self, flag: bool, far_log: jax.Array | None) -> Decay | None:
+        """The :class:`Decay` of a leaf whose mask entry is ``flag`` (``None`` for a leaf that does not decay),
+        ``far_log`` the log of the decay over each row's idle steps from the state's record."""
+        if not flag or not self.decaying:
+            return None
+        return Decay(self.weight_decay, self.log_gamma, None if self.log_gamma is not None else far_log)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWLeaf:
+    """What a step of ``sparse_adamw(catch_up=True)`` needs on one leaf beyond Adam's: the decay, the leaf's mask
+    entry, and the state's record of ``log(1 - lr_t * weight_decay)`` before (``old_log``) and after this step."""
+
+    decay: AdamWDecay
+    flag: bool
+    old_log: jax.Array
+    new_log: jax.Array
+
+    def rule(self, replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array) -> Rule:
+        """The sparse leaf rule of step ``count`` on ``(mu, nu, last_step, decay_mark)``: the touched rows replay
+        their idle steps up to ``done``, decay included, then take AdamW's step; the update takes a replayed row
+        to where dense AdamW's steps took it."""
+        hp, weight_decay = replayer.hp, self.decay.weight_decay
+        decays = self.flag and self.decay.decaying
+
+        def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
+            (m0, v0, last, mark), (p0,) = st, reads
+            p, m, v = replay(p0, m0, v0, last, done, replayer, self.decay.of(self.flag, self.old_log - mark))
+            m, v = _moments(g, m, v, hp)
+            u = _step(m, v, count, hp)
+            if decays:  # as optax.add_decayed_weights, on the caught-up row
+                u = u + jnp.asarray(weight_decay, u.dtype) * p.astype(u.dtype)
+            step = _scaled(u, lr)
+            idle = done - last if decays else jnp.where(last > 0, done - last, 0)
+            moved = broadcast_rows(idle > 0, p0.ndim)
+            new_mark = jnp.minimum(mark, self.new_log)  # the record only falls: see stamp
+            return caught_up_update(p0, p, step, moved), (m, v, stamp(last, count), new_mark)
+
+        return rule
+
+
+class CatchUpAdamWFusion(NamedTuple):
+    """What :func:`update_and_apply` needs of a ``sparse_adamw(catch_up=True)`` to run its step in one pass per
+    row: the catch-up kernel with AdamW's decay (:func:`fused_apply` with an :class:`AdamWLeaf`)."""
+
+    replayer: Replayer
+    decay: AdamWDecay
+    mask: Any
+
+    def fusable(self) -> bool:
+        """Whether float32 tables take the kernel: the closed form applies (see :func:`_series_plan`)."""
+        return _series_plan(self.replayer, jnp.float32) is not None
+
+    def flags(self, params: Any) -> Any:
+        """Whether each parameter decays: the mask as a tree of bools."""
+        return mask_tree(True if self.mask is None else self.mask, params, "mask", _WHERE_ADAMW)
+
+    def apply(
+        self,
+        p: jax.Array,
+        state: tuple[jax.Array, ...],
+        leaf: SparseLeaf,
+        flag: bool,
+        scalars: jax.Array,
+        count: jax.Array,
+        old_log: jax.Array,
+        new_log: jax.Array,
+        clip: Clipped | None = None,
+    ) -> tuple[jax.Array, ...]:
+        """The fused step on one leaf: ``(p, mu, nu, last_step, decay_mark)``. ``scalars`` are the AdamW kernel's
+        (the weight decay the eleventh), dropped to Adam's ten for a leaf that does not decay."""
+        adamw = AdamWLeaf(self.decay, bool(flag), old_log, new_log)
+        if not (adamw.flag and self.decay.decaying):
+            scalars = scalars[:10]
+        return fused_apply(self.replayer, p, state, leaf, scalars, count, clip, adamw)
+
+
 def catch_up_adamw(
     learning_rate: optax.ScalarOrSchedule, hp: AdamHyperparams, mu_dtype: Any, weight_decay: Any, mask: Any
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW whose touched rows first replay their idle steps, decay included (``sparse_adamw(catch_up=True)``).
     Under ``inject_hyperparams`` (a traced learning rate or weight decay) the idle steps' decay is read from the
     state's record, and their learning rate is the current one, as for ``sparse_adam``."""
-    where = "sparse_adamw(catch_up=True)"
+    where = _WHERE_ADAMW
     replayer = Replayer(learning_rate, hp)
     lr_const, wd_const = _concrete(learning_rate), _concrete(weight_decay)
-    decaying = wd_const is None or wd_const != 0.0
     log_gamma = None if lr_const is None or wd_const is None else math.log1p(-lr_const * wd_const)
+    adamw = AdamWDecay(weight_decay, log_gamma, wd_const is None or wd_const != 0.0)
+    fusion = CatchUpAdamWFusion(replayer, adamw, mask)
 
     def flags_of(params: Any) -> list[bool]:
-        tree = mask_tree(True if mask is None else mask, params, "mask", where)
-        return [bool(f) for f in jax.tree.leaves(tree, is_leaf=is_leaf)]
-
-    def decay_of(flag: bool, far_log: jax.Array | None) -> Decay | None:
-        if not flag or not decaying:
-            return None
-        return Decay(weight_decay, log_gamma, None if log_gamma is not None else far_log)
+        return [bool(f) for f in jax.tree.leaves(fusion.flags(params), is_leaf=is_leaf)]
 
     def init_fn(params: optax.Params) -> CatchUpAdamWState:
         check_params(params, where)
@@ -969,7 +1074,7 @@ def catch_up_adamw(
 
     def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, state: Any, flag: bool) -> Any:
         m, v, mark = moments
-        decay = decay_of(flag, state.log_decay[0] - mark)
+        decay = adamw.of(flag, state.log_decay[0] - mark)
         p, m, v = replay(p, m, v, last, state.count, replayer, decay)
         return p, (m, v, jnp.full_like(mark, state.log_decay[0]))
 
@@ -1003,34 +1108,16 @@ def catch_up_adamw(
         plain_g, plain_m, plain_v = map_rule(plain, updates, trees, where, 3)
         dense = _dense_adam(plain_g, plain_m, plain_v, done, hp)  # as optax.adamw's scale_by_adam
 
-        def rule_for(flag: bool) -> Rule:
-            decays = flag and decaying
-
-            def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
-                (m0, v0, last, mark), (p0,) = st, reads
-                p, m, v = replay(p0, m0, v0, last, done, replayer, decay_of(flag, state.log_decay[0] - mark))
-                m, v = _moments(g, m, v, hp)
-                u = _step(m, v, count, hp)
-                if decays:  # as optax.add_decayed_weights, on the caught-up row
-                    u = u + jnp.asarray(weight_decay, u.dtype) * p.astype(u.dtype)
-                step = _scaled(u, lr)
-                idle = done - last if decays else jnp.where(last > 0, done - last, 0)
-                moved = broadcast_rows(idle > 0, p0.ndim)
-                new_mark = jnp.minimum(mark, log_decay[0])  # the record only falls: see stamp
-                return caught_up_update(p0, p, step, moved), (m, v, stamp(last, count), new_mark)
-
-            return rule
-
         def leaf(path: Any, g: Any, m: Any, v: Any, last: Any, mark: Any, p: Any, *rest: Any) -> Any:
             *dense_out, flag = rest
             du, dm, dv = dense_out
             if g is None:
                 return None, m, v, last, mark
             if not is_sparse(g):
-                u = du + weight_decay * p if flag and decaying else du  # as optax.adamw
+                u = du + weight_decay * p if flag and adamw.decaying else du  # as optax.adamw
                 return _scaled(u, lr), dm, dv, jnp.full_like(last, count), jnp.full_like(mark, log_decay[0])
-            shape = jnp.shape(p)
-            out, new = apply_rule(path, g, shape, (m, v, last, mark), (p,), rule_for(flag), where, whole_rows=True)
+            rule = AdamWLeaf(adamw, flag, state.log_decay[0], log_decay[0]).rule(replayer, done, count, lr)
+            out, new = apply_rule(path, g, jnp.shape(p), (m, v, last, mark), (p,), rule, where, whole_rows=True)
             return (out, *new)
 
         flag_tree = jax.tree.unflatten(jax.tree.structure(params, is_leaf=is_leaf), flags)
@@ -1038,5 +1125,5 @@ def catch_up_adamw(
         out, mu, nu, last_step, decay_mark = map_rule(leaf, updates, trees, where, 5)
         return out, CatchUpAdamWState(count, mu, nu, last_step, log_decay, decay_mark)
 
-    rows = RowReplay(CatchUpAdamWState, ("mu", "nu", "decay_mark"), replay_rows, flags_of, decaying)
-    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, None, rows=rows))
+    rows = RowReplay(CatchUpAdamWState, ("mu", "nu", "decay_mark"), replay_rows, flags_of, adamw.decaying)
+    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, fusion, rows=rows))

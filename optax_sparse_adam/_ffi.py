@@ -321,8 +321,10 @@ def catch_up_adam_apply(
     torch_eps: bool,
     maximize: bool,
     unique: int,
+    decay: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, flags)``.
+    """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, flags)``; with ``decay``,
+    ``sparse_adamw(catch_up=True)``'s.
 
     ``coefficients`` (``(k, 10)``: the series' eight, then ``b1**idle`` and
     ``b2**idle``), ``idle`` and ``last`` (the row's last step) are per key, as
@@ -335,8 +337,15 @@ def catch_up_adam_apply(
     every later count). Rows that need steps not at hand are left as they
     are, and ``flags`` is 1 in each of their keys. The rows' last steps are
     the caller's to record.
+
+    With ``decay``, ``scalars`` holds AdamW's weight decay after Adam's ten
+    (before the clipping's two) and ``coefficients`` an eleventh per key, the
+    row's decay over its idle steps (the series' terms carrying the decay of
+    the steps after theirs, as :func:`._catch_up.replay` computes them); the
+    kernel takes idle steps one by one only for rows idle within the window,
+    and flags the others that need them.
     """
-    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, unique=unique)
+    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(p.shape, p.dtype)

@@ -13,7 +13,7 @@ from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
 from optax_sparse_adam._amsgrad import AmsgradFusion, CatchUpAmsgradFusion
 from optax_sparse_adam._apply import apply_updates
-from optax_sparse_adam._catch_up import CatchUpFusion, fused_apply
+from optax_sparse_adam._catch_up import CatchUpAdamWFusion, CatchUpFusion, fused_apply
 from optax_sparse_adam._checks import mask_tree
 from optax_sparse_adam._fusion import Call, Clipped, recording
 from optax_sparse_adam._if_finite import IfFiniteFusion, is_finite
@@ -42,7 +42,7 @@ def update_and_apply(
     for any ``tx`` (but for a ``-0.0`` at row 0 of a table in a step that
     :func:`apply_if_finite` skips: see there). Where ``tx`` is an optimizer built by
     :func:`~optax_sparse_adam.sparse_adam` (``catch_up`` too),
-    :func:`~optax_sparse_adam.sparse_adamw` (lazy),
+    :func:`~optax_sparse_adam.sparse_adamw` (``catch_up`` too),
     :func:`~optax_sparse_adam.sparse_amsgrad` (``catch_up`` too),
     :func:`~optax_sparse_adam.sparse_rowwise_adam` or
     :func:`~optax_sparse_adam.sparse_rowwise_adagrad`, or wraps one in a way
@@ -72,10 +72,10 @@ def update_and_apply(
     multiply-adds it fuses (and where ``maximize`` negates the gradient). For
     the row-wise optimizers see :func:`scale_by_rowwise_adam` and
     :func:`scale_by_rowwise_adagrad` for how their numbers relate to the two calls'. After
-    ``sparse_aware(optax.clip_by_global_norm(c))``, every fused kernel (lazy Adam, AdamW, AMSGrad, catch-up Adam and
-    AMSGrad, row-wise Adam and row-wise Adagrad) sums a table's entries and clips each row itself, bitwise as the two
-    calls on the kernels clip them (for the catch-up optimizers on ids given as distinct, as they clip them computed
-    on their own: see the native kernels guide). On
+    ``sparse_aware(optax.clip_by_global_norm(c))``, every fused kernel (lazy Adam, AdamW, AMSGrad, catch-up Adam,
+    AdamW and AMSGrad, row-wise Adam and row-wise Adagrad) sums a table's entries and clips each row itself, bitwise
+    as the two calls on the kernels clip them (for the catch-up optimizers on ids given as distinct, as they clip
+    them computed on their own: see the native kernels guide). On
     other platforms, for other leaves, under differentiation and in
     :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
@@ -125,7 +125,7 @@ def update_and_apply(
     lr = fusable.learning_rate
     if callable(lr):
         lr = lr(optax.tree.get(state, fusable.count_owner).count)
-    scalars = fusable.scalars(new_state, -1 * lr)
+    scalars = fusable.scalars(state, new_state, -1 * lr)
     p_leaves = treedef.flatten_up_to(params)
     state_leaves = [treedef.flatten_up_to(tree) for tree in fusable.trees(state)]
     options = fusable.leaf_options(treedef, params)
@@ -163,7 +163,8 @@ class _Fusable(NamedTuple):
       owner: The name of the state class (in the chain's state) holding the trees the kernel updates.
       fields: Their field names, one state leaf per parameter each.
       fits: ``fits(p, state_leaves)``: whether the state leaves are the parameter's.
-      scalars: ``scalars(new_state, neg_lr)``: the kernel's scalar operand, from the chain's state after the step.
+      scalars: ``scalars(state, new_state, neg_lr)``: the kernel's scalar operand, from the chain's state before and
+        after the step.
       apply: ``apply(p, state_leaves, leaf, scalars, option) -> (p, *state_leaves)``: the fused kernel on one leaf.
       count_owner: The name of the state class whose ``count`` a schedule reads.
       options: ``options(params)``: a tree of static per-parameter options for ``apply`` (AdamW's mask).
@@ -179,7 +180,7 @@ class _Fusable(NamedTuple):
     owner: str
     fields: tuple[str, ...]
     fits: Callable[[jax.Array, Arrays], bool]
-    scalars: Callable[[Any, Any], Any]
+    scalars: Callable[[Any, Any, Any], Any]
     apply: Callable[[jax.Array, Arrays, SparseLeaf, Any, Any], tuple[jax.Array, ...]]
     count_owner: str = "ScaleByScheduleState"
     options: Callable[[Any], Any] = lambda params: jax.tree.map(lambda _: None, params, is_leaf=is_leaf)
@@ -216,7 +217,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "ScaleByAdamState",
             ("mu", "nu"),
             fits=lambda p, st: p.shape == st[0].shape == st[1].shape,
-            scalars=lambda new_state, neg_lr: kernel_scalars(
+            scalars=lambda state, new_state, neg_lr: kernel_scalars(
                 hp, optax.tree.get(new_state, "ScaleByAdamState").count, neg_lr, *decayed
             ),
             apply=adam_apply,
@@ -233,7 +234,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "CatchUpAdamState",
             ("mu", "nu", "last_step"),
             fits=lambda p, st: p.shape == st[0].shape == st[1].shape and st[2].shape == row_shape(p.shape),
-            scalars=lambda new_state, neg_lr: (
+            scalars=lambda state, new_state, neg_lr: (
                 kernel_scalars(replayer.hp, optax.tree.get(new_state, "CatchUpAdamState").count, neg_lr),
                 optax.tree.get(new_state, "CatchUpAdamState").count,
             ),
@@ -244,6 +245,29 @@ def _fusable(fusion: Any) -> _Fusable | None:
             # it leaves to the XLA rule.
             with_clip=lambda scalars, clip: (*scalars, clip),
         )
+    if isinstance(fusion, CatchUpAdamWFusion) and fusion.fusable():
+        adamw = fusion
+
+        def adamw_scalars(state: Any, new_state: Any, neg_lr: Any) -> tuple[jax.Array, ...]:
+            old, new = (optax.tree.get(s, "CatchUpAdamWState") for s in (state, new_state))
+            scalars = kernel_scalars(adamw.replayer.hp, new.count, neg_lr, adamw.decay.weight_decay)
+            return scalars, new.count, old.log_decay[0], new.log_decay[0]
+
+        return _Fusable(
+            adamw.replayer.learning_rate,
+            "sparse_adamw(catch_up=True)",
+            "CatchUpAdamWState",
+            ("mu", "nu", "last_step", "decay_mark"),
+            fits=lambda p, st: (
+                p.shape == st[0].shape == st[1].shape and st[2].shape == st[3].shape == row_shape(p.shape)
+            ),
+            scalars=adamw_scalars,
+            apply=lambda p, st, sp, scalars, flag: adamw.apply(p, st, sp, flag, *scalars),
+            count_owner="CatchUpAdamWState",
+            options=adamw.flags,
+            clips=True,
+            with_clip=lambda scalars, clip: (*scalars, clip),  # after the record of the decay, as catch-up Adam's
+        )
     if isinstance(fusion, AmsgradFusion):
         hp = fusion.hp
         return _Fusable(
@@ -252,7 +276,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "ScaleByAmsgradState",
             ("mu", "nu", "nu_max"),
             fits=lambda p, st: p.shape == st[0].shape == st[1].shape == st[2].shape,
-            scalars=lambda new_state, neg_lr: kernel_scalars(
+            scalars=lambda state, new_state, neg_lr: kernel_scalars(
                 hp, optax.tree.get(new_state, "ScaleByAmsgradState").count, neg_lr
             ),
             apply=lambda p, st, sp, scalars, _: _ffi.sparse_amsgrad_apply(
@@ -270,7 +294,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             fits=lambda p, st: (
                 p.shape == st[0].shape == st[1].shape == st[2].shape and st[3].shape == row_shape(p.shape)
             ),
-            scalars=lambda new_state, neg_lr: (
+            scalars=lambda state, new_state, neg_lr: (
                 kernel_scalars(amsgrad.hp, optax.tree.get(new_state, "CatchUpAmsgradState").count, neg_lr),
                 optax.tree.get(new_state, "CatchUpAmsgradState").count,
             ),
@@ -287,7 +311,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "ScaleByRowwiseAdagradState",
             ("sum_of_squares",),
             fits=lambda p, st: st[0].shape == row_shape(p.shape),
-            scalars=lambda new_state, neg_lr: adagrad_scalars(eps, weight_decay, neg_lr),
+            scalars=lambda state, new_state, neg_lr: adagrad_scalars(eps, weight_decay, neg_lr),
             apply=lambda p, st, sp, scalars, _: _ffi.rowwise_adagrad_apply(
                 p, st[0], sp.keys[:, 0], sp.values, scalars, decay=decay, unique=_kernel_path.unique_flag(sp)
             ),
@@ -302,7 +326,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "ScaleByRowwiseAdamState",
             ("mu", "nu", "row_count") if per_row else ("mu", "nu"),
             fits=lambda p, st: p.shape == st[0].shape and all(x.shape == row_shape(p.shape) for x in st[1:]),
-            scalars=lambda new_state, neg_lr: rowwise_adam_scalars(
+            scalars=lambda state, new_state, neg_lr: rowwise_adam_scalars(
                 adam.b1,
                 adam.b2,
                 adam.eps,
@@ -415,7 +439,7 @@ def _wrapped(
         lr = fusable.learning_rate
         if callable(lr):
             lr = lr(optax.tree.get(call.state, fusable.count_owner).count)
-        scalars = fusable.scalars(call.new_state, -1 * lr)
+        scalars = fusable.scalars(call.state, call.new_state, -1 * lr)
 
         options = fusable.leaf_options(call_treedef, call.params)
         c_grads = call_treedef.flatten_up_to(call.grads)
@@ -478,7 +502,7 @@ def _fusable_leaves(fusable: _Fusable, grads: Any, state: Any, params: Any) -> d
     for i, ((path, g), p, *st) in enumerate(zip(grad_leaves, p_leaves, *state_leaves, strict=True)):
         if not (is_sparse(g) and all(isinstance(x, jax.Array) for x in (p, *st))):
             continue
-        if not fusable.fits(p, tuple(st)):
+        if not fusable.fits(p, tuple(st)) or p.shape[0] == 0:  # a table of no rows: nothing to fuse
             continue
         sp = to_sparse_leaf(g, p.shape, path, fusable.where, emits=True)
         floats = [x for x in st if x.dtype != jnp.int32]  # per-row steps (catch-up's last_step) are int32

@@ -311,13 +311,28 @@ def test_dense_leaves_are_optax_adam_and_inject_hyperparams_agrees() -> None:
 
 @pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 @pytest.mark.parametrize(
-    "case", ["optax", "torch", "maximize", "b1=0.99", "schedule", "unique", "no series (eps_root)"]
+    "case",
+    [
+        "optax",
+        "torch",
+        "maximize",
+        "b1=0.99",
+        "schedule",
+        "unique",
+        "no series (eps_root)",
+        "adamw",
+        "adamw schedule",
+        "adamw torch maximize",
+        "adamw masked out",
+    ],
 )
 def test_native_step_equals_the_xla_path(case: str) -> None:
     """``update_and_apply`` on the kernel against the XLA path, step for step from the same state: moments and last
     steps bitwise, parameters within two ulps of the rows' scale (the kernel rounds ``p + shift + step`` in its own
     order). Some rows see gradients so small that ``v`` is below the series' reach: the kernel leaves them to the
-    XLA path's steps, which must then agree too."""
+    XLA path's steps, which must then agree too. ``sparse_adamw(catch_up=True)`` on the same kernel: every row
+    decays, those never touched too, and its record of the decay (``decay_mark``, ``log_decay``) is bitwise; a
+    table its mask leaves out takes Adam's catch-up."""
     rows, width, k = 200, 8, 48
     kwargs: dict[str, Any] = {
         "optax": {},
@@ -327,9 +342,18 @@ def test_native_step_equals_the_xla_path(case: str) -> None:
         "schedule": {},
         "unique": {},
         "no series (eps_root)": {"eps_root": 1e-12},
+        "adamw": {},
+        "adamw schedule": {},
+        "adamw torch maximize": {"eps_placement": "torch", "maximize": True},
+        "adamw masked out": {"mask": False},
     }[case]
-    lr = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 20, 300) if case == "schedule" else 1e-2
-    tx = osa.sparse_adam(lr, catch_up=True, **kwargs)
+    schedule = case.endswith("schedule")
+    lr = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 20, 300) if schedule else 1e-2
+    adamw = case.startswith("adamw")
+    if adamw:
+        tx = osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True, **kwargs)
+    else:
+        tx = osa.sparse_adam(lr, catch_up=True, **kwargs)
     rng = np.random.default_rng(3)
     p = jnp.asarray(rng.normal(size=(rows, width)).astype(np.float32))
     state = tx.init(p)
@@ -349,7 +373,7 @@ def test_native_step_equals_the_xla_path(case: str) -> None:
         values[: k // 4] *= 1e-7 if t % 10 == 0 else 1.0  # v below the series' reach on those rows
         args = (jnp.asarray(ids.astype(np.int32)), jnp.asarray(values))
         (pn, sn), (px, sx) = native(p, state, *args), xla(p, state, *args)
-        assert_trees_equal((sn.mu, sn.nu, sn.last_step, sn.count), (sx.mu, sx.nu, sx.last_step, sx.count))
+        assert_trees_equal(sn, sx)  # the moments, last steps, count (and AdamW's record of the decay)
         np.testing.assert_allclose(np.asarray(pn), np.asarray(px), rtol=0, atol=2 * 2.0**-23 * np.abs(px).max())
         p, state = px, sx
 
@@ -387,16 +411,23 @@ def _idle_start(init: Any, rng: np.random.Generator) -> tuple[jax.Array, Any, np
     last = np.concatenate([rng.integers(count - cap, count, rows // 3), rng.integers(1, count - cap - 1, rows // 3)])
     last = np.concatenate([last, np.full(rows - last.size, count - 1)]).astype(np.int32)
 
+    kinds = (osa.CatchUpAdamState, osa.CatchUpAdamWState)
+
     def idle(state: Any) -> Any:
-        if isinstance(state, osa.CatchUpAdamState):
-            return state._replace(count=jnp.int32(count), mu=jnp.asarray(m), nu=jnp.asarray(v), last_step=last)
+        if not isinstance(state, kinds):
+            return state
+        state = state._replace(count=jnp.int32(count), mu=jnp.asarray(m), nu=jnp.asarray(v), last_step=last)
+        if isinstance(state, osa.CatchUpAdamWState):  # a record of the decay as a rate of lr * wd = 3e-3 gives it
+            log_gamma = np.log1p(-3e-3)
+            log_decay = jnp.asarray([count * log_gamma, 0.0], jnp.float32)
+            state = state._replace(log_decay=log_decay, decay_mark=jnp.asarray(last * log_gamma, jnp.float32))
         return state
 
-    return p, jax.tree.map(idle, init(p), is_leaf=lambda x: isinstance(x, osa.CatchUpAdamState)), last
+    return p, jax.tree.map(idle, init(p), is_leaf=lambda x: isinstance(x, kinds)), last
 
 
 @pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
-@pytest.mark.parametrize("case", ["optax", "torch", "schedule"])
+@pytest.mark.parametrize("case", ["optax", "torch", "schedule", "adamw", "adamw schedule"])
 def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Elements with ``sqrt(v)`` near ``eps`` (the series in ``eps / sqrt(v)`` does not reach float32 resolution)
     replay their idle steps one by one inside the kernel, for rows idle within the window and longer: nothing is
@@ -406,11 +437,16 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     docstring). Under a schedule the kernel has no rates for rows idle longer than the window: it flags
     exactly those that need steps, and the XLA path takes them, with the same result. ``catch_up`` (every row,
     as the caught-up lookups read them) takes the same steps in a kernel of its own: bitwise the XLA path's with
-    optax's placement of ``eps``, within an ulp with torch's."""
+    optax's placement of ``eps``, within an ulp with torch's. With AdamW's decay (``sparse_adamw(catch_up=True)``)
+    the kernel steps the rows idle within the window, each step decaying the row, and flags the long-idle ones
+    that need steps: their decay past the window is a sum of logs the XLA path takes."""
     flagged = _record_flags(monkeypatch)
     rows, width, k, count = _IDLE_SHAPE
-    lr = optax.cosine_decay_schedule(1e-2, 1000) if case == "schedule" else 1e-2
-    tx = osa.sparse_adam(lr, catch_up=True, eps_placement="torch" if case == "torch" else "optax")
+    lr = optax.cosine_decay_schedule(1e-2, 1000) if case.endswith("schedule") else 1e-2
+    if case.startswith("adamw"):
+        tx = osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True)
+    else:
+        tx = osa.sparse_adam(lr, catch_up=True, eps_placement="torch" if case == "torch" else "optax")
     cap = int(idle_cap(0.9, 0.999))
     rng = np.random.default_rng(5)
     p, state, last = _idle_start(tx.init, rng)
@@ -421,13 +457,17 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
         return osa.update_and_apply(tx, g, s, p)
 
     (pn, sn), (px, sx) = jax.jit(step)(p, state), jax.jit(osa.use_kernels(False)(step))(p, state)
-    assert_trees_equal((sn.mu, sn.nu, sn.last_step), (sx.mu, sx.nu, sx.last_step))
+    assert_trees_equal(sn, sx)
     pn, px = np.asarray(pn), np.asarray(px)
     bound = 2 * np.spacing(np.maximum(np.abs(px), np.abs(np.asarray(p))))
     assert np.all(np.abs(pn - px) <= bound), np.abs(pn - px).max()
     moved = np.abs(px - np.asarray(p)) > 0
     assert moved[np.asarray(ids)].all()
     (flags,) = flagged
+    long_idle = np.isin(np.arange(rows), np.asarray(ids)) & (count - 1 - last > cap)
+    if case.startswith("adamw"):  # catch_up's replay with decay runs the XLA loop: nothing more to compare
+        np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])
+        return
     # Bringing every row up to date (the lookups' replay too) takes those steps in the row kernel: the XLA path's
     # bits, every row, where the schedule's long-idle rows fall back to the XLA loop.
     caught = jax.jit(lambda p, s: osa.catch_up(tx, p, s))
@@ -442,7 +482,6 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     else:
         assert_trees_equal(pc, pcx)
     assert "optax_sparse_adam_v2_catch_up_adam_steps" in caught.lower(p, state).as_text()
-    long_idle = np.isin(np.arange(rows), np.asarray(ids)) & (count - 1 - last > cap)
     if case == "schedule":  # the long-idle rows (each with tiny elements) are flagged, the others not
         np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])
     else:
@@ -596,7 +635,7 @@ def test_a_collection_with_pooled_bags_trains_as_dense_adam_through_partition_ta
 
 @pytest.mark.parametrize(
     ("name", "kernels"),
-    [("adam", True), ("adam", False), ("adamw", False), ("amsgrad", True), ("amsgrad", False), ("sgd", False)],
+    [(name, kernels) for name in ("adam", "adamw", "amsgrad") for kernels in (True, False)] + [("sgd", False)],
 )
 def test_the_fused_step_copies_no_per_row_record_and_its_temporaries_do_not_grow(name: str, kernels: bool) -> None:
     """The per-row last-step record (4 bytes a row) is updated in place: no copy of it, on the kernel path or in

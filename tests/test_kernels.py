@@ -26,6 +26,7 @@ ADAMS = {
     "adamw": lambda lr, **kw: osa.sparse_adamw(lr, weight_decay=0.3, **kw),
     "amsgrad": lambda lr, **kw: osa.sparse_amsgrad(lr, **kw),
     "amsgrad catch_up": lambda lr, **kw: osa.sparse_amsgrad(lr, catch_up=True, **kw),
+    "adamw catch_up": lambda lr, **kw: osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True, **kw),
 }
 ADAM_OPTIONS = [
     (adam, placement, maximize)
@@ -33,13 +34,15 @@ ADAM_OPTIONS = [
     for placement in ("optax", "torch")
     for maximize in (False, True)
     if not adam.startswith("amsgrad") or (placement == "optax" and not maximize)
+    # The catch-up AdamW kernel's placement and maximize are the lazy kernels' templates: each value once.
+    if adam != "adamw catch_up" or (placement == "torch") == maximize
 ]
 
 needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 
 
 # The fused step's kernel, where it is not sparse_{adam}_apply.
-_APPLY_KERNELS = {"amsgrad catch_up": "catch_up_amsgrad_apply"}
+_APPLY_KERNELS = {"amsgrad catch_up": "catch_up_amsgrad_apply", "adamw catch_up": "catch_up_adam_apply"}
 
 
 def _adam_state(state):
@@ -373,6 +376,7 @@ _CLIPPED = {
     "amsgrad": lambda: _adam("amsgrad", 0.05),
     "adam catch_up": lambda: osa.sparse_adam(0.05, catch_up=True),
     "amsgrad catch_up": lambda: osa.sparse_amsgrad(0.05, catch_up=True),
+    "adamw catch_up": lambda: osa.sparse_adamw(0.05, weight_decay=0.3, catch_up=True),
     "rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(0.05),
     "rowwise_adagrad L2": lambda: osa.sparse_rowwise_adagrad(0.05, weight_decay=0.01),
     "rowwise_adagrad decoupled": lambda: osa.sparse_rowwise_adagrad(
@@ -413,9 +417,9 @@ def test_global_norm_clipping_is_taken_by_the_optimizer_kernel(optimizer, kind, 
         native = _run(tx, steps, fused=True, unique=unique)
         calls = _kernel_calls(_run_step(tx, True, unique), *_run_start(tx), *map(jnp.asarray, steps[0]))
         two_calls = _run(tx, steps, fused=False, unique=unique)
-    if optimizer == "adam catch_up":
+    if optimizer in ("adam catch_up", "adamw catch_up"):
         # Rows the kernel flags take the XLA rule in a conditional branch (catch_up_adam_steps, gather,
-        # scatter_add), their entries summed there by the one coalescing call.
+        # scatter_add; AdamW's steps in an XLA loop), their entries summed there by the one coalescing call.
         assert calls.pop("coalesce", 0) == (kind == "dups"), calls
         for branch in ("catch_up_adam_steps", "gather", "scatter_add"):
             calls.pop(branch, None)

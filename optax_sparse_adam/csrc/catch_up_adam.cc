@@ -1,10 +1,12 @@
-// Lazy Adam with exact catch-up (sparse_adam(catch_up=True)) and its
-// application, as an XLA FFI handler for the CPU:
+// Lazy Adam with exact catch-up (sparse_adam(catch_up=True), and with
+// decay sparse_adamw(catch_up=True)) and its application, as an XLA FFI
+// handler for the CPU:
 //   optax_sparse_adam_v2_catch_up_adam_apply
 //     (p, mu, nu, keys, values, scalars, coefficients, idle, last, limits, neg_rates, corrections)
 //       -> (p, mu, nu, flags)
-// (scalars: Adam's 10, or 12 with the global-norm clipping's divisor and
-// factor, each summed gradient row then clipped first as sparse_adam.cc does)
+// (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
+// global-norm clipping's divisor and factor, each summed gradient row then
+// clipped first as sparse_adam.cc does)
 // Each touched row first takes the `idle` steps it sat out as _catch_up.replay
 // takes them, then Adam's step as sparse_adam.cc takes it (the XLA side
 // records the step). Per element, the idle steps' displacement is the closed
@@ -25,6 +27,17 @@
 //   i = 1 / sqrt(v), z = eps i, S = C_{T-1}, S = C_j - z S for j = T-2 .. 0
 //   p = p + (-(m i)) S,  m = m b1**idle,  v = v b2**idle
 //   then Adam's step from (m, v) and p += neg_lr step (adam_row.h).
+//
+// With `decay` (AdamW's decoupled decay, sparse_adamw(catch_up=True)) each
+// idle step also multiplies the row by gamma = 1 - lr wd first: a key's
+// coefficients hold an eleventh, W, the product of gamma over its idle steps
+// (the series' C_j then carry the decay of the steps after theirs), and
+//   p = fma(W, p, (-(m i)) S)
+// the idle steps one by one add wd p to each step, as _replay_steps does, and
+// are taken here only within the window (idle <= cap: past it their decay is
+// read from a log the XLA path sums; such rows are flagged); the current step
+// is AdamW's (p += neg_lr fma(wd, p, step)). Rows idle since step 0 (never
+// moved) decay too: the XLA side gives them idle = the step count.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -47,6 +60,7 @@ constexpr int64_t kCoefficients = kTerms + 2;
 // What taking a row's idle steps one by one needs beyond the row: the rates and the bias corrections.
 struct IdleSteps {
   float b1, b2, eps;
+  float weight_decay;         // AdamW's decay of each idle step (kDecay)
   float long_neg_lr;          // -lr of the idle steps of rows idle longer than the window; NaN where a schedule
   bool has_corrections;
   const float* neg_rates;     // (cap,): -lr of the idle step with count done - o
@@ -54,12 +68,17 @@ struct IdleSteps {
   const float* corrections;   // (corrections_len, 2): the bias corrections of the idle step with that count
   int64_t corrections_len;
 
-  // Whether the first min(idle, cap) idle steps of a row can be taken here.
-  bool CanStep(int32_t idle) const { return has_corrections && (idle <= cap || !std::isnan(long_neg_lr)); }
+  // Whether the first min(idle, cap) idle steps of a row can be taken here (with decay, the row's idle steps past
+  // the window decay it by a product this does not have: only rows idle within the window).
+  template <bool kDecay>
+  bool CanStep(int32_t idle) const {
+    return has_corrections && (idle <= cap || (!kDecay && !std::isnan(long_neg_lr)));
+  }
 
   // The row's first min(idle, cap) idle steps one by one, from (p, m, v) into (ps, ms, vs), as
-  // _catch_up._replay_steps takes them (dense Adam's arithmetic, with zero gradients, eps_root 0).
-  template <bool kTorch>
+  // _catch_up._replay_steps takes them (dense Adam's arithmetic, with zero gradients, eps_root 0; with kDecay
+  // AdamW's, the step plus weight_decay times the row).
+  template <bool kTorch, bool kDecay = false>
   OSA_ROW_INLINE void Replay(int32_t last, int32_t idle, const float* __restrict p, const float* __restrict m,
               const float* __restrict v, float* __restrict ps, float* __restrict ms, float* __restrict vs,
               int64_t width) const {
@@ -76,7 +95,8 @@ struct IdleSteps {
       const float scale = std::sqrt(c2) / c1;  // torch's placement
       for (int64_t j = 0; j < width; ++j) {
         const float mj = b1 * ms[j], vj = b2 * vs[j];
-        const float step = kTorch ? (scale * mj) / (std::sqrt(vj) + eps) : (mj / c1) / (std::sqrt(vj / c2) + eps);
+        float step = kTorch ? (scale * mj) / (std::sqrt(vj) + eps) : (mj / c1) / (std::sqrt(vj / c2) + eps);
+        if constexpr (kDecay) step = std::fma(weight_decay, ps[j], step);  // XLA:CPU contracts step + wd * p
         ms[j] = mj;
         vs[j] = vj;
         ps[j] = std::fma(neg_lr, step, ps[j]);  // XLA:CPU contracts _replay_steps' p + (-lr) * step
@@ -97,7 +117,8 @@ inline ffi::Error CheckSteps(int64_t cap, const ffi::BufferR1<ffi::F32>& neg_rat
 }
 
 struct CatchUp {
-  const float* coefficients;  // (k, kCoefficients)
+  const float* coefficients;  // (k, stride)
+  int64_t stride;             // kCoefficients, and one more (W) with decay
   const int32_t* idle;        // (k,)
   const int32_t* last;        // (k,)
   float binv, ratio;
@@ -114,11 +135,12 @@ OSA_ROW_INLINE float Series(const float* c, float z) {
 
 // The row's idle steps, in place: the closed form where the series takes an element (z * binv <= ratio, as the
 // XLA path tests it; false for NaN), the steps one by one where it does not and m != 0. False, and nothing
-// written, where those steps are needed and cannot be taken here. `work` holds 5 * width floats.
-template <bool kTorch>
+// written, where those steps are needed and cannot be taken here. `work` holds 5 * width floats. With kDecay the
+// row is first scaled by its decay W (the key's eleventh coefficient), as _catch_up.replay scales it.
+template <bool kTorch, bool kDecay>
 OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, float* __restrict p,
                                float* __restrict m, float* __restrict v, float* __restrict work, int64_t width) {
-  const float* c = cu.coefficients + slot * kCoefficients;
+  const float* c = cu.coefficients + slot * cu.stride;
   const float eps = s.eps, binv = cu.binv, ratio = cu.ratio;
   float* __restrict inv = work;
   float* __restrict z = work + width;
@@ -134,9 +156,12 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
   }
   const bool takes = refused == 0;
   const float decay1 = c[kTerms], decay2 = c[kTerms + 1];
+  const float w = kDecay ? c[kCoefficients] : 1.0f;
+  // The replay's (W p) + shift: XLA:CPU contracts it into a multiply-add with W; without decay, p + shift.
+  auto moved = [w](float pj, float shift) { return kDecay ? std::fma(w, pj, shift) : pj + shift; };
   if (takes) {
     for (int64_t j = 0; j < width; ++j) {
-      p[j] = p[j] + (-(m[j] * inv[j])) * Series(c, z[j]);
+      p[j] = moved(p[j], (-(m[j] * inv[j])) * Series(c, z[j]));
       m[j] = m[j] * decay1;
       v[j] = v[j] * decay2;
     }
@@ -147,16 +172,16 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
   float* __restrict ps = work + 2 * width;
   if (steps) {
     const int32_t idle = cu.idle[slot];
-    if (!cu.steps.CanStep(idle)) return false;
-    cu.steps.Replay<kTorch>(cu.last[slot], idle, p, m, v, ps, work + 3 * width, work + 4 * width, width);
+    if (!cu.steps.CanStep<kDecay>(idle)) return false;
+    cu.steps.Replay<kTorch, kDecay>(cu.last[slot], idle, p, m, v, ps, work + 3 * width, work + 4 * width, width);
   }
   for (int64_t j = 0; j < width; ++j) {
     if (z[j] * binv <= ratio) {
-      p[j] = p[j] + (-(m[j] * inv[j])) * Series(c, z[j]);
+      p[j] = moved(p[j], (-(m[j] * inv[j])) * Series(c, z[j]));
     } else if (m[j] != 0.0f) {
       p[j] = ps[j];
     } else {
-      p[j] = p[j] + 0.0f;  // the XLA path's p + shift, the shift 0
+      p[j] = moved(p[j], 0.0f);  // the XLA path's W p + shift, the shift 0
     }
     m[j] = m[j] * decay1;
     v[j] = v[j] * decay2;
@@ -165,15 +190,15 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
 }
 
 // One row whose gradient is g, entry `slot` standing for it; returns false (nothing written) for a flagged row.
-template <bool kTorch, bool kMaximize>
+template <bool kTorch, bool kMaximize, bool kDecay>
 OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, const float* g, float* p, float* m,
                         float* v, float* work, int64_t width) {
-  if (cu.idle[slot] > 0 && !CatchUpRow<kTorch>(s, cu, slot, p, m, v, work, width)) return false;
-  UpdateRow<kTorch, kMaximize, true>(s, g, m, v, p, width);
+  if (cu.idle[slot] > 0 && !CatchUpRow<kTorch, kDecay>(s, cu, slot, p, m, v, work, width)) return false;
+  UpdateRow<kTorch, kMaximize, true, kDecay>(s, g, m, v, p, width);
   return true;
 }
 
-template <bool kTorch, bool kMaximize>
+template <bool kTorch, bool kMaximize, bool kDecay>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const Coalesced& c, const Shard& shard,
                                      const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
                                      int64_t hi) {
@@ -190,14 +215,14 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
     const int32_t first = c.first[d];
     SumChain(c, d, values, width, g.data());
     if (s.clip.on) ClipRow(s.clip, g.data(), width);
-    if (!Row<kTorch, kMaximize>(s, cu, first, g.data(), q + r * width, m + r * width, v + r * width, work.data(),
+    if (!Row<kTorch, kMaximize, kDecay>(s, cu, first, g.data(), q + r * width, m + r * width, v + r * width, work.data(),
                                  width)) {
       for (int32_t e = first; e >= 0; e = c.next[e]) cu.flags[e] = 1;
     }
   }
 }
 
-template <bool kTorch, bool kMaximize>
+template <bool kTorch, bool kMaximize, bool kDecay>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int32_t* keys, const Shard& shard,
                                   const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
                                   int64_t hi) {
@@ -212,25 +237,25 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
     if (!shard.Owns(keys[i])) continue;
     const int64_t r = shard.Local(keys[i]);
     const float* g = ClippedRow(s.clip, values + i * width, clipped.data(), width);
-    if (!Row<kTorch, kMaximize>(s, cu, i, g, q + r * width, m + r * width, v + r * width, work.data(), width)) {
+    if (!Row<kTorch, kMaximize, kDecay>(s, cu, i, g, q + r * width, m + r * width, v + r * width, work.data(), width)) {
       cu.flags[i] = 1;
     }
   }
 }
 
-template <bool kTorch, bool kMaximize>
+template <bool kTorch, bool kMaximize, bool kDecay>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchUp& cu, const int32_t* keys, int64_t k,
          const Shard& shard, const float* values, float* q, float* m, float* v, int64_t width) {
   if (o.unique == 2 || (o.unique == 1 && !HasDuplicate(keys, k, shard.num_rows))) {
     ParallelForOwned(pool, keys, k, shard, o.threads, [&](int64_t lo, int64_t hi) {
-      UniqueRows<kTorch, kMaximize>(s, cu, keys, shard, values, q, m, v, width, lo, hi);
+      UniqueRows<kTorch, kMaximize, kDecay>(s, cu, keys, shard, values, q, m, v, width, lo, hi);
     });
     return;
   }
   Coalesced c;
   Coalesce(keys, k, shard.begin + shard.local_rows, shard.begin, c);
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows<kTorch, kMaximize>(s, cu, c, shard, values, q, m, v, width, lo, hi);
+    CoalescedRows<kTorch, kMaximize, kDecay>(s, cu, c, shard, values, q, m, v, width, lo, hi);
   });
 }
 
@@ -241,7 +266,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                      ffi::BufferR2<ffi::F32> corrections, ffi::BufferR0<ffi::S32> row_begin,
                      ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
                      ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
-                     int64_t cap, int64_t torch_eps, int64_t maximize, int64_t unique, int64_t threads) {
+                     int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
+                     int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   const auto dims = p.dimensions();
@@ -253,10 +279,14 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
     return ffi::Error::InvalidArgument("mu and nu must have the parameter's shape");
   if (static_cast<int64_t>(values.element_count()) != k * width)
     return ffi::Error::InvalidArgument("values must have one row per key");
-  if (static_cast<int64_t>(scalars.element_count()) != kNumScalars &&
-      static_cast<int64_t>(scalars.element_count()) != kNumScalars + kNumClipScalars)
-    return ffi::Error::InvalidArgument("scalars must hold 10 values (12 to clip)");
-  if (static_cast<int64_t>(coefficients.element_count()) != k * kCoefficients ||
+  const int64_t num_scalars = kNumScalars + (decay != 0);  // AdamW's weight decay the eleventh
+  if (static_cast<int64_t>(scalars.element_count()) != num_scalars &&
+      static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars)
+    return ffi::Error::InvalidArgument("scalars must hold 10 values (11 with decay; 2 more to clip)");
+  const int64_t stride = kCoefficients + (decay != 0);
+  if (coefficients.dimensions()[1] != stride)
+    return ffi::Error::InvalidArgument("coefficients must hold 10 values per key (11 with decay)");
+  if (static_cast<int64_t>(coefficients.element_count()) != k * stride ||
       static_cast<int64_t>(idle.element_count()) != k || static_cast<int64_t>(last.element_count()) != k ||
       static_cast<int64_t>(flags->element_count()) != k)
     return ffi::Error::InvalidArgument("coefficients, idle, last and flags must have one row per key");
@@ -272,22 +302,26 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(k));
   const float* limit = limits.typed_data();
   Scalars s = ReadScalars(scalars);
-  s.clip = ReadClip(scalars, kNumScalars);
-  const IdleSteps steps{s.b1, s.b2, s.eps, limit[2], limit[3] != 0.0f, neg_rates.typed_data(), cap,
-                        corrections.typed_data(), table[0]};
-  const CatchUp cu{coefficients.typed_data(), idle.typed_data(), last.typed_data(), limit[0], limit[1], steps,
-                   flags->typed_data()};
+  if (decay != 0) s.weight_decay = scalars.typed_data()[kNumScalars];
+  s.clip = ReadClip(scalars, num_scalars);
+  const IdleSteps steps{s.b1,   s.b2, s.eps, s.weight_decay, limit[2], limit[3] != 0.0f, neg_rates.typed_data(),
+                        cap, corrections.typed_data(), table[0]};
+  const CatchUp cu{coefficients.typed_data(), stride, idle.typed_data(), last.typed_data(), limit[0], limit[1],
+                   steps, flags->typed_data()};
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
-  auto run = [&](auto torch_eps, auto maximize) {
-    Run<decltype(torch_eps)::value, decltype(maximize)::value>(pool, s, o, cu, keys.typed_data(), k, shard,
-                                                               values.typed_data(), q, m, v, width);
+  auto run = [&](auto torch_eps, auto maximize, auto decays) {
+    Run<decltype(torch_eps)::value, decltype(maximize)::value, decltype(decays)::value>(
+        pool, s, o, cu, keys.typed_data(), k, shard, values.typed_data(), q, m, v, width);
+  };
+  auto with_decay = [&](auto torch_eps, auto maximize) {
+    decay != 0 ? run(torch_eps, maximize, std::true_type{}) : run(torch_eps, maximize, std::false_type{});
   };
   using T = std::true_type;
   using F = std::false_type;
   if (o.torch_eps) {
-    o.maximize ? run(T{}, T{}) : run(T{}, F{});
+    o.maximize ? with_decay(T{}, T{}) : with_decay(T{}, F{});
   } else {
-    o.maximize ? run(F{}, T{}) : run(F{}, F{});
+    o.maximize ? with_decay(F{}, T{}) : with_decay(F{}, F{});
   }
   return ffi::Error::Success();
 }
@@ -304,7 +338,7 @@ OSA_TARGET_CLONES void StepRange(const IdleSteps& steps, const int32_t* last, co
   std::vector<float> work(3 * static_cast<size_t>(width));
   for (int64_t r = lo; r < hi; ++r) {
     if (idle[r] <= 0) continue;
-    if (!steps.CanStep(idle[r])) {
+    if (!steps.CanStep<false>(idle[r])) {
       flags[r] = 1;
       continue;
     }
@@ -348,8 +382,8 @@ ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   CopyIfNotAliased(q, p.typed_data(), p.element_count());
   std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(rows));
   const float* limit = limits.typed_data();
-  const IdleSteps steps{limit[0], limit[1], limit[2], limit[3], limit[4] != 0.0f, neg_rates.typed_data(), cap,
-                        corrections.typed_data(), table[0]};
+  const IdleSteps steps{limit[0], limit[1], limit[2], 0.0f, limit[3], limit[4] != 0.0f, neg_rates.typed_data(),
+                        cap, corrections.typed_data(), table[0]};
   if (torch_eps != 0) {
     StepRows<true>(pool, steps, last.typed_data(), idle.typed_data(), mu.typed_data(), nu.typed_data(), q,
                    flags->typed_data(), rows, width, threads);
@@ -387,6 +421,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Attr<int64_t>("cap")
                                   .Attr<int64_t>("torch_eps")
                                   .Attr<int64_t>("maximize")
+                                  .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
