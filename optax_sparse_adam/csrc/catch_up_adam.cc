@@ -142,6 +142,22 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
                                float* __restrict m, float* __restrict v, float* __restrict work, int64_t width) {
   const float* c = cu.coefficients + slot * cu.stride;
   const float eps = s.eps, binv = cu.binv, ratio = cu.ratio;
+  const float decay1 = c[kTerms], decay2 = c[kTerms + 1];
+  const float w = kDecay ? c[kCoefficients] : 1.0f;
+  // The replay's (W p) + shift: XLA:CPU contracts it into a multiply-add with W; without decay, p + shift.
+  auto moved = [w](float pj, float shift) { return kDecay ? std::fma(w, pj, shift) : pj + shift; };
+  // A row whose first moment is zero throughout (one that never moved, which AdamW decays from step 0) takes no
+  // shift in any element, whatever its z (the XLA path's shift is 0 where m == 0): no roots, no series.
+  int32_t nonzero = 0;
+  for (int64_t j = 0; j < width; ++j) nonzero |= m[j] != 0.0f;
+  if (nonzero == 0) {
+    for (int64_t j = 0; j < width; ++j) {
+      p[j] = moved(p[j], 0.0f);
+      m[j] = m[j] * decay1;
+      v[j] = v[j] * decay2;
+    }
+    return true;
+  }
   float* __restrict inv = work;
   float* __restrict z = work + width;
   // An int OR of the elements the series does not take, not a bool AND: GCC vectorizes this loop only in
@@ -155,10 +171,6 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
     refused |= !(zj * binv <= ratio);
   }
   const bool takes = refused == 0;
-  const float decay1 = c[kTerms], decay2 = c[kTerms + 1];
-  const float w = kDecay ? c[kCoefficients] : 1.0f;
-  // The replay's (W p) + shift: XLA:CPU contracts it into a multiply-add with W; without decay, p + shift.
-  auto moved = [w](float pj, float shift) { return kDecay ? std::fma(w, pj, shift) : pj + shift; };
   if (takes) {
     for (int64_t j = 0; j < width; ++j) {
       p[j] = moved(p[j], (-(m[j] * inv[j])) * Series(c, z[j]));
