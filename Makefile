@@ -48,7 +48,7 @@ browser:
 	fi
 
 test: lint docs browser
-	OPTAX_SPARSE_ADAM_REQUIRE_KERNELS=1 $(PY) -m pytest -n 2 --dist worksteal
+	OPTAX_SPARSE_ADAM_REQUIRE_KERNELS=1 $(PY) -m pytest -n 2 --dist worksteal --durations=40
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

@@ -397,16 +397,18 @@ class CatchUpAmsgradFusion(NamedTuple):
         state: tuple[jax.Array, ...],
         leaf: SparseLeaf,
         scalars: jax.Array,
+        done: jax.Array,
         count: jax.Array,
         clip: Clipped | None = None,
     ) -> tuple[jax.Array, ...]:
         """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, nu_max,
-        last_step)``. The idle steps' coefficients are computed here on the keys, as the XLA path computes them on
-        the rows; the kernel catches each touched row up and steps it in one pass."""
+        last_step)``, the rows replayed up to step ``done`` (the count before the step), then stepped to ``count``.
+        The idle steps' coefficients are computed here on the keys, as the XLA path computes them on the rows; the
+        kernel catches each touched row up and steps it in one pass."""
         m, v, v_max, last = state
         keys = leaf.keys[:, 0]
         last_k = _catch_up.last_of_keys(last, keys)
-        idle, coefficients = self.idle_coefficients(last_k, count - 1)
+        idle, coefficients = self.idle_coefficients(last_k, done)
         if clip is not None:
             scalars = clip.append_to(scalars)
         unique = _kernel_path.unique_flag(leaf)

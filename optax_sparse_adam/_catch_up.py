@@ -633,13 +633,15 @@ def fused_apply(
     state: tuple[jax.Array, ...],
     leaf: SparseLeaf,
     scalars: jax.Array,
+    done: jax.Array,
     count: jax.Array,
     clip: Clipped | None = None,
     adamw: AdamWLeaf | None = None,
 ) -> tuple[jax.Array, ...]:
     """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, last_step)``, and
     with ``adamw`` (``sparse_adamw(catch_up=True)``'s leaf), ``(p, mu, nu, last_step, decay_mark)`` from a
-    ``state`` with the decay mark last.
+    ``state`` with the decay mark last. The touched rows are replayed up to step ``done`` (the state's count before
+    the step) and take step ``count`` (after it).
 
     The coefficients of each key's row (:func:`_coefficients`, the moments' decays, and with AdamW's decay the
     row's decay over its idle steps) are computed here, on the keys, as the XLA path computes them on the rows; the
@@ -652,7 +654,7 @@ def fused_apply(
     """
     m, v, last = state[:3]
     hp = replayer.hp
-    keys, done, rows = leaf.keys[:, 0], count - 1, p.shape[0]
+    keys, rows = leaf.keys[:, 0], p.shape[0]
     last_k = last_of_keys(last, keys)
     decay = None
     if adamw is not None:
@@ -1030,6 +1032,7 @@ class CatchUpAdamWFusion(NamedTuple):
         leaf: SparseLeaf,
         flag: bool,
         scalars: jax.Array,
+        done: jax.Array,
         count: jax.Array,
         old_log: jax.Array,
         new_log: jax.Array,
@@ -1040,7 +1043,7 @@ class CatchUpAdamWFusion(NamedTuple):
         adamw = AdamWLeaf(self.decay, bool(flag), old_log, new_log)
         if not (adamw.flag and self.decay.decaying):
             scalars = scalars[:10]
-        return fused_apply(self.replayer, p, state, leaf, scalars, count, clip, adamw)
+        return fused_apply(self.replayer, p, state, leaf, scalars, done, count, clip, adamw)
 
 
 def catch_up_adamw(

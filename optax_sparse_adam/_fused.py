@@ -236,12 +236,12 @@ def _fusable(fusion: Any) -> _Fusable | None:
             fits=lambda p, st: p.shape == st[0].shape == st[1].shape and st[2].shape == row_shape(p.shape),
             scalars=lambda state, new_state, neg_lr: (
                 kernel_scalars(replayer.hp, optax.tree.get(new_state, "CatchUpAdamState").count, neg_lr),
-                optax.tree.get(new_state, "CatchUpAdamState").count,
+                *_counts(state, new_state, "CatchUpAdamState"),
             ),
             apply=lambda p, st, sp, scalars, _: fused_apply(replayer, p, st, sp, *scalars),
             count_owner="CatchUpAdamState",
             clips=True,
-            # The kernel's scalars and the step count; the clipping goes to fused_apply, which also clips the rows
+            # The kernel's scalars and the step counts; the clipping goes to fused_apply, which also clips the rows
             # it leaves to the XLA rule.
             with_clip=lambda scalars, clip: (*scalars, clip),
         )
@@ -251,7 +251,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
         def adamw_scalars(state: Any, new_state: Any, neg_lr: Any) -> tuple[jax.Array, ...]:
             old, new = (optax.tree.get(s, "CatchUpAdamWState") for s in (state, new_state))
             scalars = kernel_scalars(adamw.replayer.hp, new.count, neg_lr, adamw.decay.weight_decay)
-            return scalars, new.count, old.log_decay[0], new.log_decay[0]
+            return scalars, *_counts(state, new_state, "CatchUpAdamWState"), old.log_decay[0], new.log_decay[0]
 
         return _Fusable(
             adamw.replayer.learning_rate,
@@ -296,12 +296,12 @@ def _fusable(fusion: Any) -> _Fusable | None:
             ),
             scalars=lambda state, new_state, neg_lr: (
                 kernel_scalars(amsgrad.hp, optax.tree.get(new_state, "CatchUpAmsgradState").count, neg_lr),
-                optax.tree.get(new_state, "CatchUpAmsgradState").count,
+                *_counts(state, new_state, "CatchUpAmsgradState"),
             ),
             apply=lambda p, st, sp, scalars, _: amsgrad.apply(p, st, sp, *scalars),
             count_owner="CatchUpAmsgradState",
             clips=True,
-            with_clip=lambda scalars, clip: (*scalars, clip),  # the step count, then the clipping, as catch-up Adam's
+            with_clip=lambda scalars, clip: (*scalars, clip),  # the step counts, then the clipping, as catch-up Adam's
         )
     if isinstance(fusion, RowwiseAdagradFusion):
         eps, weight_decay, decay = fusion.eps, fusion.weight_decay, fusion.decay
@@ -338,6 +338,12 @@ def _fusable(fusion: Any) -> _Fusable | None:
             clips=True,
         )
     return None
+
+
+def _counts(state: Any, new_state: Any, owner: str) -> tuple[jax.Array, jax.Array]:
+    """A catch-up step's ``(done, count)``: the step count before it (the rows are replayed up to it) and after it.
+    Not ``count - 1``: the count saturates at ``2**31 - 1``, where the two are equal."""
+    return optax.tree.get(state, owner).count, optax.tree.get(new_state, owner).count
 
 
 def _partitioned(

@@ -664,3 +664,41 @@ def test_the_fused_step_copies_no_per_row_record_and_its_temporaries_do_not_grow
         assert report.kernel_path == ("native-cpu" if kernels else "xla"), report
         temps.append(report.temp_bytes)
     assert temps[0] == temps[1], temps
+
+
+@pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+@pytest.mark.parametrize("name", ["adam", "adamw", "amsgrad"])
+def test_the_fused_step_at_the_saturated_step_count_is_the_xla_paths(name: str) -> None:
+    """Past 2**31 - 1 steps the count saturates (``optax.safe_increment``): the XLA path replays up to the state's
+    count, and so does the fused step (not to the new count minus one), rows idle within the window and longer."""
+    top = np.iinfo(np.int32).max
+    make = {
+        "adam": lambda: osa.sparse_adam(1e-2, catch_up=True),
+        "adamw": lambda: osa.sparse_adamw(1e-2, weight_decay=0.1, catch_up=True),
+        "amsgrad": lambda: osa.sparse_amsgrad(1e-2, catch_up=True),
+    }[name]
+    tx = make()
+    rows, width = 16, 4
+    rng = np.random.default_rng(0)
+    p = jnp.asarray(rng.normal(size=(rows, width)).astype(np.float32))
+    last = np.array([top - 1, top - 3, top - 500, 0] * (rows // 4), np.int32)
+
+    def saturated(state: Any) -> Any:
+        fields = {"count": jnp.int32(top), "last_step": jnp.asarray(last)}
+        for moment in ("mu", "nu", "nu_max"):
+            if hasattr(state, moment):
+                fields[moment] = jnp.asarray(rng.uniform(0.01, 0.1, size=(rows, width)).astype(np.float32))
+        return state._replace(**fields)
+
+    kinds = (osa.CatchUpAdamState, osa.CatchUpAdamWState, osa.CatchUpAmsgradState)
+    state = jax.tree.map(saturated, tx.init(p), is_leaf=lambda x: isinstance(x, kinds))
+    g = osa.IndexedRows(
+        jnp.arange(rows, dtype=jnp.int32), jnp.asarray(rng.normal(size=(rows, width)), jnp.float32), rows
+    )
+
+    def step(p: jax.Array, s: Any) -> Any:
+        return osa.update_and_apply(tx, g, s, p)
+
+    (pn, sn), (px, sx) = jax.jit(step)(p, state), jax.jit(osa.use_kernels(False)(step))(p, state)
+    assert_trees_equal(sn, sx)
+    np.testing.assert_allclose(np.asarray(pn), np.asarray(px), rtol=0, atol=2 * 2.0**-23 * np.abs(px).max())
