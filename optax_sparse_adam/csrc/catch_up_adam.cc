@@ -158,22 +158,23 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
     }
     return true;
   }
-  float* __restrict inv = work;
-  float* __restrict z = work + width;
-  // An int OR of the elements the series does not take, not a bool AND: GCC vectorizes this loop only in
-  // that form (with `takes &= ...` it took a scalar square root and division per element).
+  float* __restrict z = work;
+  float* __restrict shift = work + width;
+  // Each element's z and its closed form's shift in one pass (the shift is garbage where the series does not take
+  // the element, and not read there). An int OR of the elements the series does not take, not a bool AND: GCC
+  // vectorizes this loop only in that form (with `takes &= ...` it took a scalar square root and division per
+  // element).
   int32_t refused = 0;
   for (int64_t j = 0; j < width; ++j) {
     const float inverse = 1.0f / std::sqrt(v[j]);
     const float zj = eps * inverse;
-    inv[j] = inverse;
     z[j] = zj;
+    shift[j] = (-(m[j] * inverse)) * Series(c, zj);
     refused |= !(zj * binv <= ratio);
   }
-  const bool takes = refused == 0;
-  if (takes) {
+  if (refused == 0) {
     for (int64_t j = 0; j < width; ++j) {
-      p[j] = moved(p[j], (-(m[j] * inv[j])) * Series(c, z[j]));
+      p[j] = moved(p[j], shift[j]);
       m[j] = m[j] * decay1;
       v[j] = v[j] * decay2;
     }
@@ -189,7 +190,7 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
   }
   for (int64_t j = 0; j < width; ++j) {
     if (z[j] * binv <= ratio) {
-      p[j] = moved(p[j], (-(m[j] * inv[j])) * Series(c, z[j]));
+      p[j] = moved(p[j], shift[j]);
     } else if (m[j] != 0.0f) {
       p[j] = ps[j];
     } else {
