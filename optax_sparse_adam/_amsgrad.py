@@ -407,7 +407,7 @@ class CatchUpAmsgradFusion(NamedTuple):
         kernel catches each touched row up and steps it in one pass."""
         m, v, v_max, last = state
         keys = leaf.keys[:, 0]
-        last_k = _catch_up.last_of_keys(last, keys)
+        last_k = _catch_up.of_keys(last, keys)
         idle, coefficients = self.idle_coefficients(last_k, done)
         if clip is not None:
             scalars = clip.append_to(scalars)

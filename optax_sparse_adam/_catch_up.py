@@ -655,10 +655,10 @@ def fused_apply(
     m, v, last = state[:3]
     hp = replayer.hp
     keys, rows = leaf.keys[:, 0], p.shape[0]
-    last_k = last_of_keys(last, keys)
+    last_k = of_keys(last, keys)
     decay = None
     if adamw is not None:
-        mark_k = state[3][jnp.clip(keys, 0, rows - 1)]
+        mark_k = of_keys(state[3], keys)
         decay = adamw.decay.of(adamw.flag, adamw.old_log - mark_k)
     plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=decay)
     assert plan is not None, "fusable() checks the plan"
@@ -704,21 +704,27 @@ def fused_apply(
     if adamw is None:
         return out
     # Every key's mark as the rule writes it, from the marks read: in place, after the read.
-    new_mark = jnp.minimum(mark_k, adamw.new_log)
-    return (*out, state[3].at[jnp.where(keys >= 0, keys, rows)].set(new_mark, mode="drop"))
+    return (*out, write_keys(state[3], keys, jnp.minimum(mark_k, adamw.new_log)))
 
 
-def last_of_keys(last: jax.Array, keys: jax.Array) -> jax.Array:
-    """Each key's row's last step, from the per-row record ``last`` (0 for padding keys), for a fused step."""
-    rows = last.shape[0]
-    return jnp.where((keys >= 0) & (keys < rows), last[jnp.clip(keys, 0, rows - 1)], 0)
+def of_keys(record: jax.Array, keys: jax.Array) -> jax.Array:
+    """Each key's entry of a per-row ``record`` (the last steps, AdamW's decay marks; 0 for padding keys), for a
+    fused step."""
+    rows = record.shape[0]
+    return jnp.where((keys >= 0) & (keys < rows), record[jnp.clip(keys, 0, rows - 1)], 0)
+
+
+def write_keys(record: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
+    """The per-row ``record`` with the keys' rows set to ``values`` (one per key; padding keys dropped). Computed
+    from the keys' entries read (:func:`of_keys`), the values make XLA write the record in place, after the read."""
+    return record.at[jnp.where(keys >= 0, keys, record.shape[0])].set(values, mode="drop")
 
 
 def record_keys(last: jax.Array, keys: jax.Array, last_k: jax.Array, count: jax.Array) -> jax.Array:
-    """The per-row record ``last`` with the keys' rows at ``count`` (padding keys dropped), from the keys' last
-    steps ``last_k`` (:func:`last_of_keys`): written as :func:`stamp` writes it, ``max(last_k, count)``, so that
-    the record's new rows depend on the ones read and XLA updates it in place, after the read."""
-    return last.at[jnp.where(keys >= 0, keys, last.shape[0])].set(stamp(last_k, count), mode="drop")
+    """The per-row record ``last`` with the keys' rows at ``count``, from the keys' last steps ``last_k``
+    (:func:`of_keys`): written as :func:`stamp` writes it, ``max(last_k, count)``, so that the record's new rows
+    depend on the ones read (:func:`write_keys`)."""
+    return write_keys(last, keys, stamp(last_k, count))
 
 
 class CatchUpFusion(NamedTuple):
@@ -968,10 +974,14 @@ class AdamWDecay:
     log_gamma: float | None
     decaying: bool
 
+    def decays(self, flag: bool) -> bool:
+        """Whether a leaf whose mask entry is ``flag`` decays."""
+        return bool(flag) and self.decaying
+
     def of(self, flag: bool, far_log: jax.Array | None) -> Decay | None:
         """The :class:`Decay` of a leaf whose mask entry is ``flag`` (``None`` for a leaf that does not decay),
         ``far_log`` the log of the decay over each row's idle steps from the state's record."""
-        if not flag or not self.decaying:
+        if not self.decays(flag):
             return None
         return Decay(self.weight_decay, self.log_gamma, None if self.log_gamma is not None else far_log)
 
@@ -991,7 +1001,7 @@ class AdamWLeaf:
         their idle steps up to ``done``, decay included, then take AdamW's step; the update takes a replayed row
         to where dense AdamW's steps took it."""
         hp, weight_decay = replayer.hp, self.decay.weight_decay
-        decays = self.flag and self.decay.decaying
+        decays = self.decay.decays(self.flag)
 
         def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
             (m0, v0, last, mark), (p0,) = st, reads
@@ -1041,7 +1051,7 @@ class CatchUpAdamWFusion(NamedTuple):
         """The fused step on one leaf: ``(p, mu, nu, last_step, decay_mark)``. ``scalars`` are the AdamW kernel's
         (the weight decay the eleventh), dropped to Adam's ten for a leaf that does not decay."""
         adamw = AdamWLeaf(self.decay, bool(flag), old_log, new_log)
-        if not (adamw.flag and self.decay.decaying):
+        if not self.decay.decays(flag):
             scalars = scalars[:10]
         return fused_apply(self.replayer, p, state, leaf, scalars, done, count, clip, adamw)
 
@@ -1117,7 +1127,7 @@ def catch_up_adamw(
             if g is None:
                 return None, m, v, last, mark
             if not is_sparse(g):
-                u = du + weight_decay * p if flag and adamw.decaying else du  # as optax.adamw
+                u = du + weight_decay * p if adamw.decays(flag) else du  # as optax.adamw
                 return _scaled(u, lr), dm, dv, jnp.full_like(last, count), jnp.full_like(mark, log_decay[0])
             rule = AdamWLeaf(adamw, flag, state.log_decay[0], log_decay[0]).rule(replayer, done, count, lr)
             out, new = apply_rule(path, g, jnp.shape(p), (m, v, last, mark), (p,), rule, where, whole_rows=True)

@@ -96,7 +96,7 @@ struct IdleSteps {
       for (int64_t j = 0; j < width; ++j) {
         const float mj = b1 * ms[j], vj = b2 * vs[j];
         float step = kTorch ? (scale * mj) / (std::sqrt(vj) + eps) : (mj / c1) / (std::sqrt(vj / c2) + eps);
-        if constexpr (kDecay) step = std::fma(weight_decay, ps[j], step);  // XLA:CPU contracts step + wd * p
+        if constexpr (kDecay) step = std::fma(weight_decay, ps[j], step);  // step + wd p, as UpdateRow's AdamW
         ms[j] = mj;
         vs[j] = vj;
         ps[j] = std::fma(neg_lr, step, ps[j]);  // XLA:CPU contracts _replay_steps' p + (-lr) * step
@@ -144,7 +144,8 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
   const float eps = s.eps, binv = cu.binv, ratio = cu.ratio;
   const float decay1 = c[kTerms], decay2 = c[kTerms + 1];
   const float w = kDecay ? c[kCoefficients] : 1.0f;
-  // The replay's (W p) + shift: XLA:CPU contracts it into a multiply-add with W; without decay, p + shift.
+  // The replay's (W p) + shift, as one multiply-add (the parameters' bound covers XLA:CPU's rounding it either
+  // way); without decay, p + shift.
   auto moved = [w](float pj, float shift) { return kDecay ? std::fma(w, pj, shift) : pj + shift; };
   // A row whose first moment is zero throughout (one that never moved, which AdamW decays from step 0) takes no
   // shift in any element, whatever its z (the XLA path's shift is 0 where m == 0): no roots, no series.
