@@ -13,6 +13,10 @@ each round of blocks starts one variant further on. It also
 prints each variant's optimizer-state bytes, and with ``--json`` writes the run
 (machine, commit, medians) for the docs' generated page.
 
+A third door, ``update_and_apply`` on each batch's distinct ids (``unique_indices=True``, the floor's own input),
+compares the step's row pass with the floor on the same input; the gap between the two ``update_and_apply``
+columns is what summing the batch's duplicates costs.
+
 Each variant also has its memory floor (``floor.py``, a native kernel that
 only reads and writes, once for each distinct id of the batch, the row of p
 and of each table-shaped part of the variant's state: p, mu and nu for Adam;
@@ -77,6 +81,9 @@ VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "osa.apply_if_finite(sparse_adam)": lambda: osa.apply_if_finite(osa.sparse_adam(LR), 3),
 }
 DOORS = ("two calls", "update_and_apply")
+# update_and_apply given the floor's input: each batch's distinct ids (padded with -1, zero rows there), promised
+# distinct (unique_indices), so that its ratio to the floor compares the same work's inputs.
+DISTINCT = "update_and_apply, distinct ids"
 FLOOR = "floor"
 
 
@@ -116,7 +123,11 @@ def make_steppers(
     def fused(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
         return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows), state, params)
 
-    return dict(zip(DOORS, (two_calls, fused), strict=True)), [params, state]
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def distinct(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
+        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows, unique_indices=True), state, params)
+
+    return dict(zip((*DOORS, DISTINCT), (two_calls, fused, distinct), strict=True)), [params, state]
 
 
 def main() -> None:
@@ -140,6 +151,9 @@ def main() -> None:
     floor_pool = [
         jnp.asarray(np.pad(u, (0, args.batch - u.size), constant_values=-1).astype(np.int32)) for u in uniques
     ]
+    # Their values for the distinct-ids door, made before each step out of the timing: zero on padding, as
+    # unique_indices promises.
+    zero_padding = jax.jit(lambda ids, values: jnp.where((ids >= 0)[:, None], values, 0.0))
     steppers = {name: make_steppers(make(), args.rows, args.width) for name, make in VARIANTS.items()}
     sizes = {name: state_bytes(held[1]) for name, (_, held) in steppers.items()}
     widths = {name: (args.width, *table_widths(held[1], args.rows)) for name, (_, held) in steppers.items()}
@@ -148,7 +162,7 @@ def main() -> None:
     floors = {} if why_no_floor else {w: make_floor(w, args.rows) for w in set(widths.values())}
     if why_no_floor:
         print(f"no floor column: {why_no_floor}")
-    doors_of = {name: [*DOORS, *([FLOOR] if floors else [])] for name in steppers}
+    doors_of = {name: [*DOORS, DISTINCT, *([FLOOR] if floors else [])] for name in steppers}
     times: dict[tuple[str, str], list[float]] = {(name, door): [] for name in steppers for door in doors_of[name]}
     names = list(steppers)
     for cycle, start in enumerate(range(0, len(pool), args.block)):
@@ -158,9 +172,11 @@ def main() -> None:
             for door in doors_of[name]:
                 step, state = floors[widths[name]] if door == FLOOR else (doors[door], held)
                 for i in range(start, min(start + args.block, len(pool))):
+                    ids, vals = (floor_pool[i], values) if door in (FLOOR, DISTINCT) else (pool[i], values)
+                    if door == DISTINCT:
+                        vals = jax.block_until_ready(zero_padding(ids, values))
                     t0 = time.perf_counter()
-                    ids = floor_pool[i] if door == FLOOR else pool[i]
-                    state[0], state[1] = step(state[0], state[1], ids, values)
+                    state[0], state[1] = step(state[0], state[1], ids, vals)
                     jax.block_until_ready(state)
                     if i >= args.warmup and (i > start or args.block == 1):
                         times[name, door].append(time.perf_counter() - t0)
@@ -173,20 +189,21 @@ def main() -> None:
         f"jax {jax.__version__}; ratios to the plain step through update_and_apply"
     )
     print(
-        "| variant | two calls (ms) | vs plain fused | update_and_apply (ms) | vs plain fused | floor (ms) | "
-        "update_and_apply vs floor | optimizer state (MB) |"
+        "| variant | two calls (ms) | vs plain fused | update_and_apply (ms) | vs plain fused | "
+        "on distinct ids (ms) | floor (ms) | update_and_apply vs floor | on distinct ids vs floor | "
+        "optimizer state (MB) |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     records = []
     for name in steppers:
-        two, one = med[name, "two calls"], med[name, "update_and_apply"]
+        two, one, uniq = (med[name, door] for door in (*DOORS, DISTINCT))
         low = med.get((name, FLOOR))
-        cells = f"{low:.2f} | {one / low:.2f}x" if low else "- | -"
+        cells = f"{low:.2f} | {one / low:.2f}x | {uniq / low:.2f}x" if low else "- | - | -"
         print(
-            f"| {name} | {two:.2f} | {two / base:.2f}x | {one:.2f} | {one / base:.2f}x | {cells} | "
+            f"| {name} | {two:.2f} | {two / base:.2f}x | {one:.2f} | {one / base:.2f}x | {uniq:.2f} | {cells} | "
             f"{sizes[name] / 1e6:.0f} |"
         )
-        record = {"variant": name, "two_calls_ms": two, "fused_ms": one, "state_bytes": sizes[name]}
+        record = {"variant": name, "two_calls_ms": two, "fused_ms": one, "distinct_ms": uniq, "state_bytes": sizes[name]}
         if low:
             record |= {"floor_ms": low, "floor_widths": list(widths[name])}
         records.append(record)

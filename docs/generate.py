@@ -298,19 +298,29 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
             "repeated id once per occurrence, a step cannot come in under it: what it leaves out is the step's own "
             "work, summing the duplicates and the optimizer's arithmetic.",
             "",
+            "The floor's input is not the step's: it reads one gradient row per distinct id, where the step reads "
+            "every entry of the batch and sums the duplicates. So each variant also runs `update_and_apply` on the "
+            "floor's own input (each batch's distinct ids, `unique_indices=True`, the entries past them padding with "
+            "zero rows), in the same turns: its ratio to the floor is the row pass's own distance from the memory "
+            "floor, and the gap to the `update_and_apply` column is what summing the batch's duplicates costs.",
+            "",
         ]
     head = "| variant | two calls (ms) | vs plain | `update_and_apply` (ms) | vs plain |"
     rule = "| --- | ---: | ---: | ---: | ---: |"
     if floors:
-        head += " floor (ms) | `update_and_apply` vs floor | floor's tables (widths) |"
-        rule += " ---: | ---: | --- |"
+        head += (
+            " floor (ms) | `update_and_apply` vs floor | on distinct ids (ms) | on distinct ids vs floor |"
+            " floor's tables (widths) |"
+        )
+        rule += " ---: | ---: | ---: | ---: | --- |"
     lines += [head + " optimizer state (MB) |", rule + " ---: |"]
     for r in doc["results"]:
         two, one = r["two_calls_ms"], r["fused_ms"]
         row = f"| `{r['variant']}` | {_ms(two)} | {two / base:.2f}x | {_ms(one)} | {one / base:.2f}x |"
         if floors:
             widths = ", ".join(str(w) for w in r["floor_widths"])
-            row += f" {_ms(r['floor_ms'])} | {one / r['floor_ms']:.2f}x | {widths} |"
+            low, uniq = r["floor_ms"], r["distinct_ms"]
+            row += f" {_ms(low)} | {one / low:.2f}x | {_ms(uniq)} | {uniq / low:.2f}x | {widths} |"
         lines.append(row + f" {r['state_bytes'] / 1e6:,.0f} |")
     for run in (gpu or {}).get("runs", []):
         lines += ["", *_variants_gpu_section(run)]
