@@ -302,7 +302,9 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
             "every entry of the batch and sums the duplicates. So each variant also runs `update_and_apply` on the "
             "floor's own input (each batch's distinct ids, `unique_indices=True`, the entries past them padding with "
             "zero rows), in the same turns: its ratio to the floor is the row pass's own distance from the memory "
-            "floor, and the gap to the `update_and_apply` column is what summing the batch's duplicates costs.",
+            "floor, and the gap to the `update_and_apply` column is what summing the batch's duplicates costs. A "
+            "ratio a little under 1 is the run's noise: the floor of the same tables, timed in each variant's "
+            "turns, spreads by about as much from one variant to the next.",
             "",
         ]
     head = "| variant | two calls (ms) | vs plain | `update_and_apply` (ms) | vs plain |"
