@@ -7,7 +7,8 @@ compiled and its HLO read: every collective's bytes received per device
 (all-gather and all-to-all: the output less the own part; reduce-scatter:
 the input, n outputs, less the own part; all-reduce: twice the operand less the own
 part, as a ring does it). Collectives inside a ``lax.cond`` are counted for
-the branch a step takes without overflow and shown apart for the fallback;
+the branch a step takes without overflow; the other branches (the all-to-all's
+second round of buckets, the all-gather fallback) are summed apart;
 those inside a loop are counted once per trip and the trips are named.
 Temporaries per device come from the compiled ``memory_analysis``. Tables of
 1e6 rows are trained for a few steps and compared with one device; tables of
@@ -67,7 +68,8 @@ def _received(line: str, n: int) -> int:
 
 
 def collective_bytes(hlo: str, n: int) -> dict[str, Any]:
-    """Bytes received per device: the no-overflow path, the fallback branches, and per loop trip."""
+    """Bytes received per device: the no-overflow path, the branches taken on overflow (summed), and per loop
+    trip."""
     comps: dict[str, list[str]] = {}
     name = None
     entry = None

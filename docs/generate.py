@@ -178,7 +178,10 @@ def sharding_page(doc: dict[str, Any]) -> str:
             f"## {rows:.0e} rows, {ids} ids".replace("e+0", "e") + ("" if executed else " (compiled only)"),
             "",
         ]
-        head = "| route | received per device (MB) | in a fallback step (MB) | per loop trip (MB) | temporaries (MB) |"
+        head = (
+            "| route | received per device (MB) | in the overflow branches (MB) | per loop trip (MB) | "
+            "temporaries (MB) |"
+        )
         rule = "| --- | ---: | ---: | ---: | ---: |"
         if executed:
             head += " table vs one device, max abs diff | overflowed ids | step (ms), sanity check only |"

@@ -10,9 +10,11 @@ axis name, its size ``n`` and the *route*:
 - ``"all_gather"``: ids split over the axis; every device receives every id,
   as rows forward and as gradients backward, every row looked up;
 - ``"all_to_all"``: each device sums its duplicates, buckets its distinct ids
-  by owner with ``capacity`` slots per owner and exchanges buckets. A bucket
-  over capacity on any device sends the whole step through the all-gather
-  route (one scalar decides, see :func:`decide`): no id is dropped.
+  by owner with ``capacity`` slots per owner and exchanges buckets. Ids over
+  capacity go in a second round of buckets, run only in a step where some
+  bucket overflows; ids over twice the capacity send the whole step through
+  the all-gather route (the step's :func:`decide` chooses, the same on every
+  device): no id is dropped.
 
 Between routed calls a table's sparse leaf is in global ids and
 *owner-aligned*: device ``i``'s block of its entries holds only rows that
@@ -57,16 +59,26 @@ Route = Literal["replicated", "all_gather", "all_to_all"]
 class RoutingInfo(NamedTuple):
     """What routing did in one step (the same on every device).
 
+    With ``routing="all_to_all"`` each device sends its distinct ids to their
+    owners in buckets of ``capacity`` slots per owner. Ids that do not fit go
+    in a second round of buckets, which runs only in a step that needs it;
+    ids that do not fit two rounds send the whole step through the all-gather
+    route. Every route is exact: no id is ever dropped.
+
     Attributes:
       overflow: int32, the number of distinct ids (summed over devices and
-        tables) that did not fit their owner's bucket of ``capacity``. Any
-        overflow sends the whole step through the all-gather route, exactly;
-        no id is ever dropped. Size ``capacity`` so that it stays zero.
-      fallback: bool, whether this step took the all-gather route.
+        tables) that did not fit their owner's bucket of ``capacity`` in the
+        first round. Size ``capacity`` so that it stays zero
+        (:meth:`RowSharding.suggest_capacity`).
+      fallback: bool, whether this step took the all-gather route (some
+        bucket held more than twice ``capacity`` ids).
+      second_round: bool, whether this step ran a second round of buckets
+        (and not the all-gather route).
     """
 
     overflow: jax.Array
     fallback: jax.Array
+    second_round: jax.Array
 
 
 def _vary(x: jax.Array, axis: str) -> jax.Array:
@@ -227,17 +239,27 @@ def _capacity(k: int, n: int, capacity: int | None) -> int:
     return min(k, math.ceil(m + 4 * math.sqrt(m) + 4))
 
 
-def _buckets(ids: jax.Array, valid: jax.Array, num_rows: int, n: int, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """Each entry's slot in an ``(n * capacity)`` send buffer grouped by owner (``n * capacity``: not sent).
+def _buckets(
+    ids: jax.Array, valid: jax.Array, num_rows: int, n: int, capacity: int
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array, jax.Array]:
+    """Each entry's slot in the ``(n * capacity)`` send buffer of each of the two rounds, grouped by owner
+    (``n * capacity``: not sent in that round).
 
-    Returns the slots and this device's number of valid entries that did not fit.
+    An owner's first ``capacity`` entries go in the first round, its next ``capacity`` in the second. Returns the
+    two rounds' slots and this device's numbers of valid entries that did not fit the first round, and the
+    second.
     """
     owner = jnp.where(valid, ids // (num_rows // n), n)
     onehot = (owner[:, None] == jnp.arange(n, dtype=owner.dtype)[None, :]).astype(jnp.int32)
     rank = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # position within the owner's bucket
-    fits = valid & (rank < capacity)
-    dest = jnp.where(fits, owner * capacity + rank, n * capacity)
-    return dest, jnp.sum(valid & ~fits, dtype=jnp.int32)
+    first = valid & (rank < capacity)
+    second = valid & (rank >= capacity) & (rank < 2 * capacity)
+    dest = (
+        jnp.where(first, owner * capacity + rank, n * capacity),
+        jnp.where(second, owner * capacity + rank - capacity, n * capacity),
+    )
+    over = (jnp.sum(valid & ~first, dtype=jnp.int32), jnp.sum(valid & ~first & ~second, dtype=jnp.int32))
+    return dest, *over
 
 
 def _gather_entries(keys: jax.Array, values: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
@@ -260,30 +282,36 @@ def _keep_owned(
     return jnp.where(owned[:, None], keys, pad), jnp.where(broadcast_rows(owned, values.ndim), values, zero)
 
 
-def decide(overflows: list[jax.Array], axis: str, route: Route) -> tuple[jax.Array, jax.Array]:
-    """The step's total overflow over devices and tables, and whether it falls back: one scalar."""
-    total = sum(overflows, jnp.zeros((), jnp.int32))
+def decide(overflows: list[tuple[jax.Array, jax.Array]], axis: str, route: Route) -> RoutingInfo:
+    """The step's route from each table's ``(first-round, second-round)`` overflow on this device."""
+    zero = jnp.zeros((), jnp.int32)
+    first = sum((o[0] for o in overflows), zero)
+    second = sum((o[1] for o in overflows), zero)
     if route == "all_to_all":
-        total = jax.lax.psum(total, axis)
-    return total, total > 0
+        first, second = jax.lax.psum(first, axis), jax.lax.psum(second, axis)
+    return RoutingInfo(first, second > 0, (first > 0) & (second == 0))
+
+
+def _no_overflow() -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
 
 
 def route_entries(
     keys: jax.Array, values: jax.Array, shape: tuple[int, ...], axis: str, n: int, route: Route, capacity: int | None
-) -> tuple[jax.Array, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]:
+) -> tuple[tuple[jax.Array, jax.Array], Callable[[RoutingInfo], tuple[jax.Array, jax.Array]]]:
     """Routes a sparse gradient's entries to their owners.
 
-    Returns this device's overflow and ``finish(fallback)``, which gives the owner-aligned
-    ``(keys, values)`` once every table's overflow has decided the step's route (:func:`decide`).
+    Returns this device's overflows (first and second round) and ``finish(decision)``, which gives the
+    owner-aligned ``(keys, values)`` once every table's overflow has decided the step's route (:func:`decide`).
     """
-    no = jnp.zeros((), jnp.int32)
     if route == "replicated":
-        return no, lambda _: _keep_owned(keys, values, shape, axis, n)
+        return _no_overflow(), lambda _: _keep_owned(keys, values, shape, axis, n)
     if route == "all_gather":
-        return no, lambda _: _keep_owned(*_gather_entries(keys, values, axis), shape, axis, n)
+        return _no_overflow(), lambda _: _keep_owned(*_gather_entries(keys, values, axis), shape, axis, n)
     k = keys.shape[0]
     cap = _capacity(k, n, capacity)
-    size = max(n * k, n * cap)
+    rounds = 1 if cap >= k else 2  # a second round where the first can overflow
+    size = max(n * k, rounds * n * cap)
     pad = jnp.asarray(shape[: keys.shape[1]], jnp.int32)
 
     def padded(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -292,40 +320,49 @@ def route_entries(
         return keys, jnp.concatenate([values, jnp.zeros((extra, *values.shape[1:]), values.dtype)])
 
     valid = keys[:, 0] < shape[0]
-    dest, overflow = _buckets(keys[:, 0], valid, shape[0], n, cap)
+    dests, *overflow = _buckets(keys[:, 0], valid, shape[0], n, cap)
 
-    def exchange(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def one_round(dest: jax.Array) -> tuple[jax.Array, jax.Array]:
         send_k = scatter_rows(jnp.broadcast_to(pad, (n * cap, keys.shape[1])), dest, keys, "set")
         send_v = scatter_rows(jnp.zeros((n * cap, *values.shape[1:]), values.dtype), dest, values, "set")
         recv_k = jax.lax.all_to_all(send_k.reshape(n, cap, -1), axis, 0, 0, tiled=False)
         recv_v = jax.lax.all_to_all(send_v.reshape(n, cap, *values.shape[1:]), axis, 0, 0, tiled=False)
-        return padded(recv_k.reshape(n * cap, -1), recv_v.reshape(n * cap, *values.shape[1:]))
+        return recv_k.reshape(n * cap, -1), recv_v.reshape(n * cap, *values.shape[1:])
 
-    def gather(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def skipped_round() -> tuple[jax.Array, jax.Array]:  # what a round with no id in any bucket receives
+        keys_in = jnp.broadcast_to(pad, (n * cap, keys.shape[1]))
+        return _vary(keys_in, axis), _vary(jnp.zeros((n * cap, *values.shape[1:]), values.dtype), axis)
+
+    def exchange(decision: RoutingInfo) -> tuple[jax.Array, jax.Array]:
+        first = one_round(dests[0])
+        if rounds == 1:
+            return padded(*first)
+        second = jax.lax.cond(decision.second_round, lambda: one_round(dests[1]), skipped_round)
+        return padded(*(jnp.concatenate(pair) for pair in zip(first, second, strict=True)))
+
+    def gather() -> tuple[jax.Array, jax.Array]:
         return padded(*_keep_owned(*_gather_entries(keys, values, axis), shape, axis, n))
 
-    def finish(fallback: jax.Array) -> tuple[jax.Array, jax.Array]:
-        if cap >= k:  # every bucket fits whatever the ids
-            return exchange(keys, values)
-        return jax.lax.cond(fallback, gather, exchange, keys, values)
+    def finish(decision: RoutingInfo) -> tuple[jax.Array, jax.Array]:
+        if 2 * cap >= k:  # two rounds fit whatever the ids
+            return exchange(decision)
+        return jax.lax.cond(decision.fallback, gather, lambda: exchange(decision))
 
-    return overflow, finish
+    return (overflow[0], overflow[1]), finish
 
 
 def plan(
     ids: jax.Array, num_rows: int, axis: str, n: int, route: Route, capacity: int | None
-) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+) -> tuple[tuple[jax.Array, jax.Array], Callable[[RoutingInfo], Any]]:
     """Routes a device's flat ids for a lookup (the fast path).
 
-    Returns this device's overflow and ``finish(fallback)``, which gives ``(exchange, wanted,
-    positions)`` once every table's overflow has decided the step's route (:func:`decide`): ``wanted``
-    are the local rows this device must read (``num_rows / n`` for none); ``exchange`` maps them, read,
-    to the rows of this device's ids (differentiably); ``positions`` index those rows as the ids
-    indexed the table.
+    Returns this device's overflows (first and second round) and ``finish(decision)``, which gives ``(exchange,
+    wanted, positions)`` once every table's overflow has decided the step's route (:func:`decide`): ``wanted``
+    are the local rows this device must read (``num_rows / n`` for none); ``exchange`` maps them, read, to the
+    rows of this device's ids (differentiably); ``positions`` index those rows as the ids indexed the table.
     """
     k = ids.shape[0]
     shard, lo = block(num_rows, axis, n)
-    no = jnp.zeros((), jnp.int32)
 
     def localize(uids: jax.Array) -> jax.Array:
         local = uids - lo
@@ -333,11 +370,11 @@ def plan(
 
     if route == "replicated":  # every device has every id: read mine, all-reduce
         uids, inverse = distinct_ids(ids, num_rows)
-        return no, lambda _: ((lambda rows: jax.lax.psum(rows, axis)), localize(uids), inverse)
+        return _no_overflow(), lambda _: ((lambda rows: jax.lax.psum(rows, axis)), localize(uids), inverse)
 
     mine = jnp.arange(k, dtype=jnp.int32)
 
-    def gathered_plan(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def gathered_plan() -> tuple[jax.Array, jax.Array]:
         uids, inverse = distinct_ids(jax.lax.all_gather(_vary(ids, axis), axis, tiled=True), num_rows)
         return localize(uids), inverse
 
@@ -345,42 +382,61 @@ def plan(
         return jax.lax.psum_scatter(take_rows(rows, select), axis, scatter_dimension=0, tiled=True)
 
     if route == "all_gather":
-        wanted, inverse = gathered_plan(ids)
-        return no, lambda _: ((lambda rows: gathered_exchange(rows, inverse)), wanted, mine)
+        wanted, inverse = gathered_plan()
+        return _no_overflow(), lambda _: ((lambda rows: gathered_exchange(rows, inverse)), wanted, mine)
 
     cap = _capacity(k, n, capacity)
-    size = max(n * k, n * cap)
+    rounds = 1 if cap >= k else 2  # a second round where the first can overflow
+    size = max(n * k, rounds * n * cap)
     uids, inverse = distinct_ids(ids, num_rows)
     valid = uids < num_rows
-    dest, overflow = _buckets(uids, valid, num_rows, n, cap)
+    dests, *overflow = _buckets(uids, valid, num_rows, n, cap)
+    # Each distinct id's slot among the rows the rounds bring back: the first round's n * cap, then the second's.
+    slot = jnp.where(dests[0] < n * cap, dests[0], jnp.where(dests[1] < n * cap, n * cap + dests[1], rounds * n * cap))
 
     def pad_to(x: jax.Array, n_out: int, fill: int) -> jax.Array:
         return jnp.concatenate([x, jnp.full((n_out - x.shape[0],), fill, x.dtype)])
 
-    def bucket_plan(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def ask(dest: jax.Array) -> jax.Array:
         owner_lo = (uids // shard) * shard
-        ask = scatter_rows(jnp.full((n * cap,), shard, jnp.int32), dest, uids - owner_lo, "set")
-        asked = jax.lax.all_to_all(ask.reshape(n, cap), axis, 0, 0).reshape(n * cap)
-        return pad_to(asked, size, shard), pad_to(take_rows(dest, inverse), n * k, n * cap)
+        asked = scatter_rows(jnp.full((n * cap,), shard, jnp.int32), dest, uids - owner_lo, "set")
+        return jax.lax.all_to_all(asked.reshape(n, cap), axis, 0, 0).reshape(n * cap)
 
-    def bucket_exchange(rows: jax.Array, select: jax.Array) -> jax.Array:
-        out = rows[: n * cap].reshape(n, cap, *rows.shape[1:])
-        back = jax.lax.all_to_all(out, axis, 0, 0).reshape(n * cap, *rows.shape[1:])
-        return take_rows(back, select[:k])
+    def back(rows: jax.Array) -> jax.Array:
+        return jax.lax.all_to_all(rows.reshape(n, cap, *rows.shape[1:]), axis, 0, 0).reshape(rows.shape)
 
-    def fallback_plan(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        wanted, select = gathered_plan(ids)
+    def bucket_plan(decision: RoutingInfo) -> tuple[jax.Array, jax.Array]:
+        asked = ask(dests[0])
+        if rounds == 2:
+            skip = lambda: _vary(jnp.full((n * cap,), shard, jnp.int32), axis)  # noqa: E731
+            asked = jnp.concatenate([asked, jax.lax.cond(decision.second_round, lambda: ask(dests[1]), skip)])
+        return pad_to(asked, size, shard), pad_to(take_rows(slot, inverse), n * k, rounds * n * cap)
+
+    def bucket_exchange(rows: jax.Array, select: jax.Array, decision: RoutingInfo) -> jax.Array:
+        out = back(rows[: n * cap])
+        if rounds == 2:
+            second = rows[n * cap : 2 * n * cap]
+            skip = lambda: _vary(jnp.zeros_like(second), axis)  # noqa: E731
+            out = jnp.concatenate([out, jax.lax.cond(decision.second_round, lambda: back(second), skip)])
+        return take_rows(out, select[:k])
+
+    def fallback_plan() -> tuple[jax.Array, jax.Array]:
+        wanted, select = gathered_plan()
         return pad_to(wanted, size, shard), select
 
-    def finish(fallback: jax.Array) -> Any:
-        if cap >= k:  # every bucket fits whatever the ids
-            wanted, select = bucket_plan(ids)
-            return (lambda rows: bucket_exchange(rows, select)), wanted, mine
-        wanted, select = jax.lax.cond(fallback, fallback_plan, bucket_plan, ids)
+    def finish(decision: RoutingInfo) -> Any:
+        if 2 * cap >= k:  # two rounds fit whatever the ids
+            wanted, select = bucket_plan(decision)
+            return (lambda rows: bucket_exchange(rows, select, decision)), wanted, mine
+        wanted, select = jax.lax.cond(decision.fallback, fallback_plan, lambda: bucket_plan(decision))
 
         def exchange(rows: jax.Array) -> jax.Array:
-            return jax.lax.cond(fallback, gathered_exchange, bucket_exchange, rows, select)
+            return jax.lax.cond(
+                decision.fallback,
+                lambda: gathered_exchange(rows, select),
+                lambda: bucket_exchange(rows, select, decision),
+            )
 
         return exchange, wanted, mine
 
-    return overflow, finish
+    return (overflow[0], overflow[1]), finish

@@ -63,7 +63,7 @@ def _abstract(x: Any, shape: tuple[int, ...] | None = None) -> Any:
     return jax.ShapeDtypeStruct(aval.shape if shape is None else shape, aval.dtype, weak_type=aval.weak_type)
 
 
-_ROUTING_INFO_SPECS: Any = RoutingInfo(_P(), _P())  # type: ignore[arg-type]  # specs in place of arrays
+_ROUTING_INFO_SPECS: Any = RoutingInfo(_P(), _P(), _P())  # type: ignore[arg-type]  # specs in place of arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +98,11 @@ class RowSharding:
       ids by owner with ``capacity`` slots per owner, and exchanges buckets
       (ids, then rows, then gradients): ``n * capacity * (2 * width + 1)``
       words per device, about ``K / n * (2 * width + 1)`` when ``capacity``
-      fits the batch. A bucket over
-      capacity on any device makes the whole step take the all-gather route
-      (one scalar decides; only routing sits in that ``lax.cond``, never a
-      table), so no id is dropped; :class:`RoutingInfo` reports the overflow.
+      fits the batch. Ids over capacity go in a second round of buckets,
+      run only in a step where a bucket on some device overflows; ids over
+      twice the capacity make the whole step take the all-gather route (one
+      decision per step; only routing sits in those conditionals, never a
+      table), so no id is dropped; :class:`RoutingInfo` reports the route.
 
     The value of a data-parallel loss is the mean over devices of ``fun`` on
     each device's share of the batch (a mean loss over equal shares is the
@@ -406,10 +407,10 @@ class RowSharding:
             for i in sparse:
                 keys, values = entries(g[i], shapes[i], paths[i], where)
                 routed[i] = _routing.route_entries(keys, values, shapes[i], axis, n, route, self.capacity)
-            overflow, fallback = _routing.decide([o for o, _ in routed.values()], axis, route)
+            info = _routing.decide([o for o, _ in routed.values()], axis, route)
             for i, (_, finish) in routed.items():
-                g[i] = _routing.rebuild(out_leaves[i], *finish(fallback), shapes[i])
-            return treedef.unflatten(g), RoutingInfo(overflow, fallback)
+                g[i] = _routing.rebuild(out_leaves[i], *finish(info), shapes[i])
+            return treedef.unflatten(g), info
 
         return self._map(body, (in_specs,), (out_specs, _ROUTING_INFO_SPECS), grads)
 
@@ -505,9 +506,9 @@ class RowSharding:
                     flat = [jnp.asarray(flat_ids[j]).reshape(-1) for j in by_table[i]]
                     ids_i = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
                     plans[i] = _routing.plan(ids_i, shapes[i][0], axis, n, route, self.capacity)
-                overflow, fallback = _routing.decide([o for o, _ in plans.values()], axis, route)
+                info = _routing.decide([o for o, _ in plans.values()], axis, route)
                 for i, (_, finish) in plans.items():
-                    exchanges[i], wanted[i], pos = finish(fallback)
+                    exchanges[i], wanted[i], pos = finish(info)
                     start = 0
                     for j in by_table[i]:
                         x = flat_ids[j]
@@ -544,7 +545,7 @@ class RowSharding:
                     out.append(
                         IndexedRows(jnp.where(owned, wanted[i] + lo, -1), values, shapes[i][0], unique_indices=unique)
                     )
-                return value, treedef.unflatten(out), RoutingInfo(overflow, fallback)
+                return value, treedef.unflatten(out), info
 
             out_specs = (value_spec, g_specs, _ROUTING_INFO_SPECS)
             rest_specs = jax.tree.map(lambda _: _P(), rest)

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _ffi
+from optax_sparse_adam import _ffi, _routing
 
 N, D, K = 512, 4, 256  # rows, width, ids per step (global)
 AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
@@ -162,6 +162,7 @@ ROUTES = [
     pytest.param("x", "all_gather", None, id="all-gather"),
     pytest.param("x", "all_to_all", None, id="all-to-all"),
     pytest.param("x", "all_to_all", 3, id="all-to-all-overflowing"),
+    pytest.param("x", "all_to_all", 5, id="all-to-all-second-round"),
     pytest.param("x", "all_to_all", 32, id="all-to-all-never-overflows"),
 ]
 
@@ -217,12 +218,31 @@ def _check_routed_steps(mesh_kind, batch_axis, routing, capacity):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, ref_params)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), state, ref_state)
     _assert_row_sharded((params, state), mesh)
-    fell_back = [bool(i.fallback) for i in infos]
-    assert fell_back == [int(i.overflow) > 0 for i in infos]
-    if capacity == 3:
-        assert all(fell_back)
-    elif routing == "all_to_all" and batch_axis is not None:
-        assert not any(fell_back)
+    routes = [_route_taken(i) for i in infos]
+    if routing == "all_to_all" and batch_axis is not None:  # as the buckets of each device's distinct ids say
+        cap = _routing._capacity(K // 8, 8, rs.capacity)
+        assert routes == [_expected_route([ids], cap) for ids, _ in batches], routes
+        assert set(routes) == {"all-gather" if capacity == 3 else "second round" if capacity == 5 else "one round"}
+    else:
+        assert set(routes) == {"one round"}, routes
+
+
+def _route_taken(info: osa.RoutingInfo) -> str:
+    """The route a step took, by its RoutingInfo (checked consistent)."""
+    overflow, fallback, second = int(info.overflow), bool(info.fallback), bool(info.second_round)
+    assert not (fallback and second) and (overflow > 0) == (fallback or second), info
+    return "all-gather" if fallback else "second round" if second else "one round"
+
+
+def _expected_route(tables_ids: list[np.ndarray], capacity: int) -> str:
+    """The route of a step whose flat global ids (one array per table, split evenly over the 8 devices) ask for
+    rows of tables of N rows in blocks of N / 8: each device's distinct ids bucketed by owner."""
+    largest = 0
+    for ids in tables_ids:
+        for part in np.split(np.asarray(ids).reshape(-1), 8):
+            distinct = np.unique(part[(part >= 0) & (part < N)])
+            largest = max(largest, int(np.bincount(distinct // (N // 8), minlength=8).max()))
+    return "one round" if largest <= capacity else "second round" if largest <= 2 * capacity else "all-gather"
 
 
 def _custom_calls(compiled_text: str) -> set[str]:
@@ -316,10 +336,12 @@ def test_a_kernels_results_vary_over_the_axes_its_operands_vary_over():
     np.testing.assert_allclose(jax.jit(psum)(*args), values.sum(axis=0), rtol=1e-5, atol=1e-4)  # 512 unit normals
 
 
-def test_overflow_count_is_exact_and_no_id_is_dropped():
-    """Device 0 looks up 6 distinct rows of device 1's block (and one duplicate): capacity 4 leaves 2 over."""
+@pytest.mark.parametrize(("capacity", "route"), [(4, "second round"), (2, "all-gather")])
+def test_overflow_count_is_exact_and_no_id_is_dropped(capacity, route):
+    """Device 0 looks up 6 distinct rows of device 1's block (and one duplicate): capacity 4 leaves 2 over, which
+    a second round carries; capacity 2 leaves 4 over, 2 of them over two rounds: the all-gather route."""
     mesh = _mesh()
-    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"], batch_axis="x", routing="all_to_all", capacity=4)
+    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"], batch_axis="x", routing="all_to_all", capacity=capacity)
     block = N // 8
     ids = np.full(K, -1, np.int32)
     ids[:7] = block + np.array([0, 1, 2, 3, 4, 5, 5])  # device 0's share: the first K / 8 ids
@@ -329,7 +351,7 @@ def test_overflow_count_is_exact_and_no_id_is_dropped():
         jax.device_put(ids, NamedSharding(mesh, P("x"))),
         jax.device_put(y, NamedSharding(mesh, P("x"))),
     )
-    assert int(info.overflow) == 2 and bool(info.fallback)
+    assert int(info.overflow) == 6 - capacity and _route_taken(info) == route
     _, ref = osa.value_and_row_grad(loss_fn, lambda p: p["emb"])(jax.tree.map(jnp.asarray, _params()), ids, y)
     np.testing.assert_allclose(g["emb"].todense(), ref["emb"].todense(), rtol=1e-6)
     assert np.count_nonzero(np.abs(np.asarray(g["emb"].todense())).sum(1)) == 6
@@ -501,7 +523,7 @@ def test_a_collection_with_pooled_bags_matches_one_device(routing):
 @pytest.mark.parametrize(
     ("kind", "batch_axis", "routing", "capacity"),
     [("indexed_rows", *route) for route in [(None, "all_to_all", None), ("x", "all_gather", None)]]
-    + [(kind, "x", "all_to_all", capacity) for kind in KINDS[:3] for capacity in (None, 2)],
+    + [(kind, "x", "all_to_all", capacity) for kind in KINDS[:3] for capacity in (None, 2, 5)],
 )
 def test_routed_sparse_gradients_match_one_device(kind, batch_axis, routing, capacity):
     mesh = _mesh()
@@ -531,7 +553,9 @@ def test_routed_sparse_gradients_match_one_device(kind, batch_axis, routing, cap
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p, ref_p)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), s, ref_s)
     _assert_row_sharded((p, s), mesh)
-    assert bool(info.fallback) == (capacity == 2)
+    # each device's entries (K / 8 of them) summed by row and bucketed by owner
+    expected = _expected_route([np.asarray(ids)], _routing._capacity(K // 8, 8, rs.capacity))
+    assert _route_taken(info) == expected == {None: "one round", 2: "all-gather", 5: "second round"}[capacity]
 
 
 # ---------------------------------------------------------------------------------- memory and errors
