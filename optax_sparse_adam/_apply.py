@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
+from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._row_ops import scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._tree import map_leaves, param_error
 
@@ -33,8 +35,22 @@ def _apply_leaf(path: Any, u: Any, p: Any) -> tuple[Any]:
     return (jnp.asarray(p + u).astype(p.dtype),)
 
 
+_HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
-    """``p`` plus a sparse leaf: the native scatter-add on the CPU where it applies, else XLA's."""
+    """``p`` plus a sparse leaf: the native scatter-add on the CPU where it applies, else XLA's.
+
+    A bfloat16 or float16 ``p`` with one sparse axis takes its touched rows' ``p + u`` as a dense update's
+    (optax's ``(p + u).astype(p.dtype)``: formed in the wider dtype, rounded once), the duplicates summed first,
+    and sets them: a scatter-add into the 16-bit table would round each update to it first, and XLA:CPU would
+    convert the whole table to float32 and back to add them.
+    """
+    if jnp.dtype(p.dtype) in _HALF_FLOATS and leaf.n_sparse == 1:
+        summed = leaf if leaf.distinct else coalesce(leaf)
+        idx = summed.row_index()
+        new = jnp.asarray(take_rows(p, idx) + summed.values).astype(p.dtype)
+        return scatter_rows(p, idx, new, "set", unique=True)
     if not _kernel_path.supports(p.shape, leaf.n_sparse, p, leaf.values):
         return leaf.add_to(p)
     return _kernel_path.select(lambda: _ffi.scatter_add(p, leaf.keys[:, 0], leaf.values), lambda: leaf.add_to(p))

@@ -397,14 +397,14 @@ def catch_up_adam_steps(
     return new_p.reshape(p.shape), flags
 
 
-def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
-    """``table`` with ``values[i]`` added to row ``keys[i]`` in entry order, in place; padding dropped."""
+def _write_rows(target: str, table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
+    """A kernel that writes ``values[i]`` into row ``keys[i]`` of ``table``, in place, on each row shard."""
     attrs = _attrs(table.shape[0])
 
     def fn(row_begin: jax.Array, table: jax.Array, keys: jax.Array, values: jax.Array):
         return (
             _ffi_call(
-                PREFIX + "scatter_add",
+                PREFIX + target,
                 jax.ShapeDtypeStruct(table.shape, table.dtype),
                 input_output_aliases={0: 0},
                 vmap_method="sequential",
@@ -413,6 +413,17 @@ def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Arr
 
     (out,) = _by_row_shards(fn, "n w, k, k w -> n w")(_rows2d(table), keys, _rows2d(values))
     return out.reshape(table.shape)
+
+
+def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
+    """``table`` with ``values[i]`` added to row ``keys[i]`` in entry order, in place; padding dropped."""
+    return _write_rows("scatter_add", table, keys, values)
+
+
+def set_rows(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
+    """``table.at[keys].set(values, mode="drop")`` in place, for a table of a 2-byte dtype: a negative key counts
+    from the end, a key out of range after that is dropped, a repeated key keeps its last row."""
+    return _write_rows("set_rows", table, keys, values)
 
 
 def gather(table: jax.Array, keys: jax.Array) -> jax.Array:

@@ -22,13 +22,21 @@ from optax_sparse_adam._partition import PartitionFusion, masked, merge
 from optax_sparse_adam._row_engine import Arrays, row_shape
 from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, adagrad_scalars, rowwise_adam_scalars
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
+from optax_sparse_adam._stochastic_rounding import apply_updates_stochastic
 from optax_sparse_adam._tree import is_leaf
 
 __all__ = ["update_and_apply"]
 
+_HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 
 def update_and_apply(
-    tx: optax.GradientTransformation, grads: optax.Updates, state: optax.OptState, params: optax.Params
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    state: optax.OptState,
+    params: optax.Params,
+    *,
+    key: jax.Array | None = None,
 ) -> tuple[optax.Params, optax.OptState]:
     r"""One optimizer step applied to the parameters: ``tx.update`` then :func:`apply_updates`.
 
@@ -80,11 +88,20 @@ def update_and_apply(
     :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
 
+    With ``key``, bfloat16 and float16 parameters are rounded stochastically:
+    the step is ``tx.update`` then :func:`apply_updates_stochastic` with that
+    key (pass a new one every step, ``jax.random.fold_in(key, step)``). Float32
+    parameters are added as without it; a tree without 16-bit float parameters
+    takes the step above, and one with them the two calls (the fused kernels
+    take float32 tables).
+
     Args:
       tx: An optax transformation.
       grads: Gradients, with sparse leaves where ``tx`` takes them.
       state: ``tx``'s state.
       params: The parameters.
+      key: A PRNG key to round bfloat16 and float16 parameters stochastically, or ``None`` to round them to
+        nearest.
 
     Returns:
       ``(params, state)`` after the step.
@@ -103,6 +120,9 @@ def update_and_apply(
              [0.9, 0.9],
              [1. , 1. ]], dtype=float32)
     """
+    if key is not None and any(jnp.dtype(jnp.result_type(p)) in _HALF_FLOATS for p in jax.tree.leaves(params)):
+        updates, state = tx.update(grads, state, params)
+        return apply_updates_stochastic(params, updates, key), state
     fusion = getattr(tx.update, "fusion", None)
     if isinstance(fusion, PartitionFusion) and isinstance(state, optax.PartitionState):
         return _partitioned(fusion, grads, state, params)

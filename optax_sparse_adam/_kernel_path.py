@@ -68,6 +68,7 @@ _SYMBOLS = {
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "catch_up_adam_steps": "OptaxSparseAdamCatchUpSteps",
     "scatter_add": "OptaxSparseAdamScatterAdd",
+    "set_rows": "OptaxSparseAdamSetRows",
     "coalesce": "OptaxSparseAdamCoalesce",
     "distinct": "OptaxSparseAdamDistinct",
     "coalesce_squares": "OptaxSparseAdamCoalesceSquares",

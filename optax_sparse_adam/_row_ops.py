@@ -118,12 +118,42 @@ def scatter_rows(
     """``x.at[index].set(values)`` or ``.add(values)`` (out-of-range dropped), keeping ``x``'s sharding.
 
     ``unique`` promises that the in-range indices are distinct (padding may repeat: it is dropped).
+
+    On the CPU, rows set into a bfloat16 or float16 table by one ``int32`` vector of ids are copied by the native
+    kernel (the same bits): XLA:CPU scatters into a 16-bit float array by converting the whole array to float32
+    and back, two passes over a table and a temporary twice its size at every step.
     """
     x = jnp.asarray(x)  # a NumPy array, as flax.serialization restores a checkpoint, has no .at
     idx = index if isinstance(index, tuple) else (index,)
     if any(n == 0 for n in x.shape[: len(idx)]):  # an empty axis: every index is padding, nothing is written
         return x
+    sharding = explicit_sharding(x)
+    if op == "set" and _native_set(x, idx):
+        from optax_sparse_adam import _ffi, _kernel_path  # they import this module
+
+        def xla(x: jax.Array, i: jax.Array, v: jax.Array) -> jax.Array:
+            return x.at[i].set(v, mode="drop", unique_indices=unique)
+
+        return _kernel_path.select(_ffi.set_rows, xla, x, idx[0], jnp.asarray(values).astype(x.dtype))
     ref = x.at[index]
     update = ref.set if op == "set" else ref.add
-    sharding = explicit_sharding(x)
     return update(values, mode="drop", unique_indices=unique, out_sharding=sharding)
+
+
+def _native_set(x: jax.Array, idx: tuple[Any, ...]) -> bool:
+    """Whether the native kernel sets ``x``'s rows at ``idx``: a 16-bit float table (the kernel copies rows of any
+    2-byte dtype; float32 tables XLA scatters into in place), indexed by one ``int32`` vector."""
+    from optax_sparse_adam import _kernel_path
+
+    (i, *more) = idx
+    return (
+        not more
+        and jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and isinstance(i, jax.Array | np.ndarray)
+        and i.ndim == 1
+        and i.dtype == jnp.int32
+        and i.shape[0] > 0
+        and x.ndim >= 1
+        and all(n > 0 for n in x.shape[1:])
+        and _kernel_path.supports_rows(x.shape, x, i)
+    )

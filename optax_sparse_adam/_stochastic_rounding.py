@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._apply import apply_updates
-from optax_sparse_adam._coalesce import coalesce
+from optax_sparse_adam._coalesce import _mix, coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import to_sparse_leaf
@@ -74,21 +75,25 @@ def _round_with(x: jax.Array, dtype: Any, uniform: jax.Array) -> jax.Array:
 
 
 def _draws_by_key(key: jax.Array, keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform draws for each entry of a coalesced sparse leaf, from ``key`` folded with the entry's own key.
+    """Uniform draws in ``[0, 1)`` for each entry of a coalesced sparse leaf, from ``key`` and the entry's own key.
 
     Keyed by the row (or element) a draw rounds rather than by its packed slot: the slots' order depends on the
     order of the ids, on the path that summed them (the native kernel packs ids in order of first occurrence, the
     XLA path by its hash rounds) and, on GPUs, on which of the colliding writes of the hash rounds lands, so draws
-    by slot would change with any of them.
+    by slot would change with any of them. ``key`` gives two 32-bit seeds; each entry's key columns are hashed
+    with them into the row's seed, and each element's draw is the top 24 bits of the hash (murmur3's finalizer)
+    of that seed plus the element's position times the golden ratio: a counter-based generator, one integer hash
+    an element (a PRNG key per row cost a threefry block per element, several times the optimizer's step).
     """
-
-    def one(entry_keys: jax.Array) -> jax.Array:
-        k = key
-        for j in range(entry_keys.shape[0]):
-            k = jax.random.fold_in(k, entry_keys[j])
-        return jax.random.uniform(k, shape, jnp.float32)
-
-    return jax.vmap(one)(keys)
+    seed = jax.random.bits(key, (2,), jnp.uint32)
+    row = _mix(keys[:, 0].astype(jnp.uint32) ^ seed[0])
+    for j in range(1, keys.shape[1]):
+        row = _mix(row ^ keys[:, j].astype(jnp.uint32))
+    row = _mix(row ^ seed[1])
+    position = jnp.arange(math.prod(shape), dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    bits = _mix(row[:, None] + position[None, :])
+    uniform = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    return uniform.reshape((keys.shape[0], *shape))
 
 
 def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: jax.Array) -> optax.Params:

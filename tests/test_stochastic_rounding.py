@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -124,3 +125,70 @@ def test_errors_name_the_path():
     with pytest.raises(ValueError, match=r"parameter \['emb'\]"):
         bad = osa.IndexedRows(jnp.array([0]), jnp.ones((1, 2), jnp.float32), 4)
         osa.apply_updates_stochastic(p, {"emb": bad}, jax.random.key(0))
+
+
+# ------------------------------------------------------------------------ low-precision tables, rounded to nearest
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("values_dtype", [jnp.float32, jnp.bfloat16])
+def test_sparse_updates_of_half_float_tables_round_once_as_a_dense_update(dtype, values_dtype, kernel_path):
+    """``osa.apply_updates`` of rows with duplicates and padding equals ``optax.apply_updates`` of the dense update
+    (``(p + u).astype(p.dtype)``: one rounding), bit for bit, not a sum of entries each rounded to the table."""
+    rng = np.random.default_rng(8)
+    p = jnp.asarray(rng.standard_normal((60, 8)), dtype)
+    ids = jnp.asarray(np.concatenate([rng.integers(0, 60, 40), [-1, 60, 3, 3]]), jnp.int32)
+    values = jnp.asarray(rng.standard_normal((44, 8)) * 3e-3, values_dtype)  # small: rounding decides the result
+    u = osa.IndexedRows(ids, values, 60)
+    got = jax.jit(osa.apply_updates)(p, u)
+    # The dense update: the entries summed in their own dtype, in entry order from 0 (as the sparse path sums them).
+    dense = jax.jit(lambda u: u.todense())(u)
+    want = optax.apply_updates(p, dense)
+    assert got.dtype == dtype and np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    # and not the sum of the entries each rounded to the table's dtype first
+    rounded = jax.jit(lambda p, u: p.at[u.indices].add(u.values.astype(p.dtype), mode="drop"))(p, u)
+    assert np.asarray(got).tobytes() != np.asarray(rounded).tobytes()
+    valid = (np.asarray(ids) >= 0) & (np.asarray(ids) < 60)
+    moved = np.asarray(got, np.float32) != np.asarray(p, np.float32)
+    assert moved.any() and not moved[np.setdiff1d(np.arange(60), np.asarray(ids)[valid])].any()
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_a_half_float_table_step_is_in_place(stochastic, kernel_path):
+    """A bfloat16 table's step (``tx.update``, then its rows applied) writes only the touched rows: no temporary of
+    the table's size on the native path (XLA:CPU's own scatter into it converts the whole table to float32)."""
+    table = jnp.zeros((200_000, 32), jnp.bfloat16)
+    tx = osa.sparse_rowwise_adam(1e-3, mu_dtype=jnp.float32)
+
+    def step(p, s, ids, v, key):
+        u, s = tx.update(osa.IndexedRows(ids, v, 200_000), s, p)
+        return (osa.apply_updates_stochastic(p, u, key) if stochastic else osa.apply_updates(p, u)), s
+
+    args = (table, tx.init(table), jnp.arange(64, dtype=jnp.int32), jnp.ones((64, 32), jnp.float32), jax.random.key(0))
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert (temp < table.nbytes // 4) == (kernel_path == "native-cpu"), temp
+
+
+def test_update_and_apply_with_a_key_rounds_half_float_tables_stochastically(kernel_path):
+    """With ``key``: the two calls with ``apply_updates_stochastic`` where a parameter is bfloat16 or float16, the
+    usual step (fused on the kernels) where none is; without, round to nearest."""
+    rng = np.random.default_rng(9)
+    ids = jnp.asarray(rng.integers(-1, 100, 32), jnp.int32)
+    g = osa.IndexedRows(ids, jnp.asarray(rng.standard_normal((32, 16)), jnp.float32), 100)
+    tx = osa.sparse_rowwise_adam(1e-3, mu_dtype=jnp.float32)
+    key = jax.random.key(11)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        p = {"emb": jnp.asarray(rng.standard_normal((100, 16)), dtype), "w": jnp.ones((4,), jnp.float32)}
+        grads = {"emb": g, "w": jnp.ones((4,), jnp.float32)}
+        s = tx.init(p)
+        fused = jax.jit(lambda p, s, g, k: osa.update_and_apply(tx, g, s, p, key=k))(p, s, grads, key)
+        u, s2 = jax.jit(tx.update)(grads, s, p)
+        rounded = jax.jit(osa.apply_updates_stochastic)(p, u, key)
+        plain = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(p, s, grads)
+        assert_trees_equal(fused[1], s2)
+        if dtype == jnp.bfloat16:
+            assert_trees_equal(fused[0], rounded)
+            assert np.asarray(fused[0]["emb"]).tobytes() != np.asarray(plain[0]["emb"]).tobytes()
+        else:
+            assert_trees_equal(fused[0], plain[0])  # float32 tables: the key changes nothing
