@@ -1,7 +1,8 @@
 """Step time of each optimizer variant, and of the optax wrappers around ``sparse_adam``, through both doors.
 
 Each variant runs a jitted step with parameters and state donated on a float32
-table of ``--rows x --width`` with a fresh batch of ``--batch`` Zipf(1.2) ids
+table of ``--rows x --width`` (bfloat16 for the variants that say so, rounded
+stochastically, with a new key each step, for those that say that) with a fresh batch of ``--batch`` Zipf(1.2) ids
 every step, through both doors: the two calls (``tx.update`` then
 ``apply_updates``) and ``update_and_apply``, the two taking turns on the same
 table and state. The figure is the median of ``--steps`` steps after
@@ -79,7 +80,17 @@ VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "multi_transform(sparse_adam)": lambda: optax.multi_transform({"table": osa.sparse_adam(LR)}, "table"),
     "apply_if_finite(sparse_adam)": lambda: optax.apply_if_finite(osa.sparse_adam(LR), 3),
     "osa.apply_if_finite(sparse_adam)": lambda: osa.apply_if_finite(osa.sparse_adam(LR), 3),
+    # bfloat16 tables, the optimizers' state in float32 (row-wise Adagrad's and row-wise Adam's nu a float a row)
+    "sparse_rowwise_adagrad, bfloat16 table": lambda: osa.sparse_rowwise_adagrad(LR),
+    "sparse_rowwise_adagrad, bfloat16 table, stochastic rounding": lambda: osa.sparse_rowwise_adagrad(LR),
+    "sparse_rowwise_adam, bfloat16 table, stochastic rounding": lambda: osa.sparse_rowwise_adam(
+        LR, mu_dtype=jnp.float32
+    ),
 }
+# The variants on bfloat16 tables (the rest are float32), and those whose doors round them stochastically: the two
+# calls with apply_updates_stochastic, update_and_apply with a key (a new one each step).
+BFLOAT16 = {name for name in VARIANTS if "bfloat16" in name}
+STOCHASTIC = {name for name in VARIANTS if "stochastic rounding" in name}
 DOORS = ("two calls", "update_and_apply")
 # update_and_apply given the floor's input: each batch's distinct ids (padded with -1, zero rows there), promised
 # distinct (unique_indices), so that its ratio to the floor compares the same work's inputs.
@@ -92,7 +103,8 @@ def state_bytes(state: Any) -> int:
 
 
 def table_widths(state: Any, rows: int) -> tuple[int, ...]:
-    """The row widths of the table-shaped leaves of an optimizer's state (4-byte entries in every variant here)."""
+    """The row widths of the table-shaped leaves of an optimizer's state (4-byte entries in every variant here: the
+    bfloat16 tables' state is float32)."""
     return tuple(math.prod(x.shape[1:]) for x in jax.tree.leaves(state) if x.ndim >= 1 and x.shape[0] == rows)
 
 
@@ -101,31 +113,37 @@ def make_floor(widths: tuple[int, ...], rows: int) -> tuple[Callable[..., Any], 
     convention (the tables in the first slot, nothing in the second)."""
 
     @functools.partial(jax.jit, donate_argnums=(0,))
-    def step(tables: tuple[jax.Array, ...], unused: Any, ids: jax.Array, values: jax.Array) -> tuple[Any, Any]:
+    def step(tables: tuple[jax.Array, ...], unused: Any, ids: jax.Array, values: jax.Array, i: Any) -> Any:
         return floor.touch_rows(tables, ids, values, threads=_kernel_path.threads()), unused
 
     return step, [tuple(jnp.zeros((rows, w), jnp.float32) for w in widths), None]
 
 
 def make_steppers(
-    tx: optax.GradientTransformation, rows: int, width: int
+    tx: optax.GradientTransformation, rows: int, width: int, dtype: Any = jnp.float32, stochastic: bool = False
 ) -> tuple[dict[str, Callable[..., Any]], list[Any]]:
     """A jitted, donated step through each door, and the table and state they take turns on."""
-    params = jnp.zeros((rows, width), jnp.float32)
+    params = jnp.zeros((rows, width), dtype)
     state = tx.init(params)
 
+    def key(i: jax.Array) -> jax.Array | None:
+        return jax.random.fold_in(jax.random.key(0), i) if stochastic else None
+
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def two_calls(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
+    def two_calls(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array, i: Any) -> tuple[jax.Array, Any]:
         updates, state = tx.update(osa.IndexedRows(ids, values, rows), state, params)
+        if stochastic:
+            return osa.apply_updates_stochastic(params, updates, key(i)), state
         return osa.apply_updates(params, updates), state
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def fused(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
-        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows), state, params)
+    def fused(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array, i: Any) -> tuple[jax.Array, Any]:
+        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows), state, params, key=key(i))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def distinct(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
-        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows, unique_indices=True), state, params)
+    def distinct(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array, i: Any) -> tuple[jax.Array, Any]:
+        grads = osa.IndexedRows(ids, values, rows, unique_indices=True)
+        return osa.update_and_apply(tx, grads, state, params, key=key(i))
 
     return dict(zip((*DOORS, DISTINCT), (two_calls, fused, distinct), strict=True)), [params, state]
 
@@ -154,9 +172,18 @@ def main() -> None:
     # Their values for the distinct-ids door, made before each step out of the timing: zero on padding, as
     # unique_indices promises.
     zero_padding = jax.jit(lambda ids, values: jnp.where((ids >= 0)[:, None], values, 0.0))
-    steppers = {name: make_steppers(make(), args.rows, args.width) for name, make in VARIANTS.items()}
+    steppers = {
+        name: make_steppers(
+            make(), args.rows, args.width, jnp.bfloat16 if name in BFLOAT16 else jnp.float32, name in STOCHASTIC
+        )
+        for name, make in VARIANTS.items()
+    }
     sizes = {name: state_bytes(held[1]) for name, (_, held) in steppers.items()}
-    widths = {name: (args.width, *table_widths(held[1], args.rows)) for name, (_, held) in steppers.items()}
+    # p's width in floats: a bfloat16 row moves half the bytes of a float32 one.
+    widths = {
+        name: (args.width * held[0].dtype.itemsize // 4, *table_widths(held[1], args.rows))
+        for name, (_, held) in steppers.items()
+    }
     backend = jax.default_backend()
     why_no_floor = floor.unavailable() if backend == "cpu" else f"the floor kernel runs on the CPU only, not {backend}"
     floors = {} if why_no_floor else {w: make_floor(w, args.rows) for w in set(widths.values())}
@@ -176,7 +203,7 @@ def main() -> None:
                     if door == DISTINCT:
                         vals = jax.block_until_ready(zero_padding(ids, values))
                     t0 = time.perf_counter()
-                    state[0], state[1] = step(state[0], state[1], ids, vals)
+                    state[0], state[1] = step(state[0], state[1], ids, vals, i)
                     jax.block_until_ready(state)
                     if i >= args.warmup and (i > start or args.block == 1):
                         times[name, door].append(time.perf_counter() - t0)

@@ -283,7 +283,10 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
         "further on. Ratios are to the plain `sparse_adam` step "
         "through `update_and_apply`. The last rows wrap `sparse_adam` in optax's wrappers: `update_and_apply` "
         "fuses through those that pass its updates and state through untouched (see "
-        "[optax pipelines](../guides/optax_pipelines.md#one-pass-through-optax-wrappers)).",
+        "[optax pipelines](../guides/optax_pipelines.md#one-pass-through-optax-wrappers)). The variants on a "
+        "bfloat16 table keep their state in float32; those with stochastic rounding take a new key each step "
+        "(`apply_updates_stochastic` after the two calls' update, `update_and_apply(..., key=)`): see "
+        "[Low precision](../guides/low_precision.md).",
         "",
         f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}, "
         f"1-minute load average {load} (start/end). This page is generated at build time from "
@@ -296,7 +299,8 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
             "The floor of each variant is a native kernel that only reads and writes, once for each distinct id of "
             "the batch (deduplicated beforehand, out of the timing), the row of p and of each table-shaped part of "
             "the variant's state (p, mu and nu for Adam; p and one float a row for row-wise Adagrad; the last step "
-            "a row too for catch-up; the widths are listed), reading one gradient row per distinct id, and does "
+            "a row too for catch-up; the widths are listed, in floats: a bfloat16 row counts half its width), "
+            "reading one gradient row per distinct id, and does "
             "nothing else, timed in the same turns. Unlike the main benchmark's floor, which visits the row of a "
             "repeated id once per occurrence, a step cannot come in under it: what it leaves out is the step's own "
             "work, summing the duplicates and the optimizer's arithmetic.",
