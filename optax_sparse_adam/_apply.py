@@ -12,7 +12,7 @@ from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
-from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
+from optax_sparse_adam._sparse_leaf import SparseLeaf, for_each_chunk, to_sparse_leaf
 from optax_sparse_adam._tree import map_leaves, param_error
 
 __all__ = ["apply_updates"]
@@ -47,10 +47,14 @@ def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
     convert the whole table to float32 and back to add them.
     """
     if jnp.dtype(p.dtype) in _HALF_FLOATS and leaf.n_sparse == 1:
-        summed = leaf if leaf.distinct else coalesce(leaf)
-        idx = summed.row_index()
-        new = jnp.asarray(take_rows(p, idx) + summed.values).astype(p.dtype)
-        return scatter_rows(p, idx, new, "set", unique=True)
+
+        def add(start: Any, chunk: SparseLeaf, p: jax.Array) -> jax.Array:
+            idx = chunk.row_index()
+            new = jnp.asarray(take_rows(p, idx) + chunk.values).astype(p.dtype)
+            return scatter_rows(p, idx, new, "set", unique=True)
+
+        # Summed, the rows fill the first slots: the chunks stop after the last.
+        return for_each_chunk(leaf if leaf.distinct else coalesce(leaf), add, p)
     if not _kernel_path.supports(p.shape, leaf.n_sparse, p, leaf.values):
         return leaf.add_to(p)
     return _kernel_path.select(lambda: _ffi.scatter_add(p, leaf.keys[:, 0], leaf.values), lambda: leaf.add_to(p))

@@ -13,7 +13,7 @@ from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._coalesce import _mix, coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
-from optax_sparse_adam._sparse_leaf import to_sparse_leaf
+from optax_sparse_adam._sparse_leaf import for_each_chunk, to_sparse_leaf
 from optax_sparse_adam._tree import map_leaves, param_error
 
 __all__ = ["apply_updates_stochastic", "stochastic_round"]
@@ -153,11 +153,14 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
             x = p.astype(jnp.float32) + u.astype(jnp.float32)
             return (stochastic_round(x, p.dtype, k),)
         leaf = coalesce(to_sparse_leaf(u, p.shape, path, _WHERE))  # padding: zero values, dropped keys
-        idx = leaf.row_index()
-        x = take_rows(p, idx).astype(jnp.float32) + leaf.values.astype(jnp.float32)
-        return (
-            scatter_rows(p, idx, _round_with(x, p.dtype, _draws_by_key(k, leaf.keys, x.shape[1:])), "set", unique=True),
-        )
+
+        def round_rows(start: Any, chunk: Any, p: jax.Array) -> jax.Array:
+            idx = chunk.row_index()
+            x = take_rows(p, idx).astype(jnp.float32) + chunk.values.astype(jnp.float32)
+            rounded = _round_with(x, p.dtype, _draws_by_key(k, chunk.keys, x.shape[1:]))
+            return scatter_rows(p, idx, rounded, "set", unique=True)
+
+        return (for_each_chunk(leaf, round_rows, p),)  # the summed rows fill the first slots
 
     (new,) = map_leaves(
         leaf, updates, [(params, "parameters"), (index, "parameters")], where=_WHERE, tree_name="updates", n_out=1
