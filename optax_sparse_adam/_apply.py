@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
-from optax_sparse_adam._coalesce import coalesce
+from optax_sparse_adam._coalesce import coalesce_unless_known
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import SparseLeaf, for_each_chunk, to_sparse_leaf
@@ -54,7 +54,7 @@ def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
             return scatter_rows(p, idx, new, "set", unique=True)
 
         # Summed, the rows fill the first slots: the chunks stop after the last.
-        return for_each_chunk(leaf if leaf.distinct else coalesce(leaf), add, p)
+        return for_each_chunk(coalesce_unless_known(leaf), add, p)
     if not _kernel_path.supports(p.shape, leaf.n_sparse, p, leaf.values):
         return leaf.add_to(p)
     return _kernel_path.select(lambda: _ffi.scatter_add(p, leaf.keys[:, 0], leaf.values), lambda: leaf.add_to(p))

@@ -173,6 +173,13 @@ def _coalesce_xla(leaf: SparseLeaf) -> tuple[jax.Array, jax.Array]:
     return jax.lax.platform_dependent(*operands, cuda=_coalesce_sorted, rocm=_coalesce_sorted, default=_coalesce_hashed)
 
 
+def coalesce_unless_known(leaf: SparseLeaf) -> SparseLeaf:
+    """:func:`coalesce`, also of a leaf distinct only by the user's unchecked ``unique_indices`` promise: a step
+    that sets the summed rows (rather than adding each entry) sums a broken promise's duplicates as without it, as
+    the kernels do."""
+    return coalesce(leaf._replace(distinct=False, promised=False) if leaf.promised else leaf)
+
+
 def coalesce_with_squares(leaf: SparseLeaf) -> tuple[SparseLeaf, jax.Array]:
     """:func:`coalesce` of a leaf it sums (not known distinct), and the sum of the squares of its summed values.
 

@@ -120,7 +120,7 @@ def update_and_apply(
              [0.9, 0.9],
              [1. , 1. ]], dtype=float32)
     """
-    if key is not None and any(jnp.dtype(jnp.result_type(p)) in _HALF_FLOATS for p in jax.tree.leaves(params)):
+    if key is not None and any(getattr(p, "dtype", None) in _HALF_FLOATS for p in jax.tree.leaves(params)):
         updates, state = tx.update(grads, state, params)
         return apply_updates_stochastic(params, updates, key), state
     fusion = getattr(tx.update, "fusion", None)

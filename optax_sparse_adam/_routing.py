@@ -73,7 +73,9 @@ class RoutingInfo(NamedTuple):
       fallback: bool, whether this step took the all-gather route (some
         bucket held more than twice ``capacity`` ids).
       second_round: bool, whether this step ran a second round of buckets
-        (and not the all-gather route).
+        and not the all-gather route. (In a step that takes the all-gather
+        route, a table whose ids two rounds always fit, fewer ids than twice
+        ``capacity`` a device, still runs its own second round.)
     """
 
     overflow: jax.Array
@@ -337,7 +339,9 @@ def route_entries(
         first = one_round(dests[0])
         if rounds == 1:
             return padded(*first)
-        second = jax.lax.cond(decision.second_round, lambda: one_round(dests[1]), skipped_round)
+        # On any first-round overflow: a table with no all-gather branch (two rounds always fit it) runs its second
+        # round also in a step that another table sends down the all-gather route.
+        second = jax.lax.cond(decision.overflow > 0, lambda: one_round(dests[1]), skipped_round)
         return padded(*(jnp.concatenate(pair) for pair in zip(first, second, strict=True)))
 
     def gather() -> tuple[jax.Array, jax.Array]:
@@ -409,7 +413,7 @@ def plan(
         asked = ask(dests[0])
         if rounds == 2:
             skip = lambda: _vary(jnp.full((n * cap,), shard, jnp.int32), axis)  # noqa: E731
-            asked = jnp.concatenate([asked, jax.lax.cond(decision.second_round, lambda: ask(dests[1]), skip)])
+            asked = jnp.concatenate([asked, jax.lax.cond(decision.overflow > 0, lambda: ask(dests[1]), skip)])
         return pad_to(asked, size, shard), pad_to(take_rows(slot, inverse), n * k, rounds * n * cap)
 
     def bucket_exchange(rows: jax.Array, select: jax.Array, decision: RoutingInfo) -> jax.Array:
@@ -417,7 +421,7 @@ def plan(
         if rounds == 2:
             second = rows[n * cap : 2 * n * cap]
             skip = lambda: _vary(jnp.zeros_like(second), axis)  # noqa: E731
-            out = jnp.concatenate([out, jax.lax.cond(decision.second_round, lambda: back(second), skip)])
+            out = jnp.concatenate([out, jax.lax.cond(decision.overflow > 0, lambda: back(second), skip)])
         return take_rows(out, select[:k])
 
     def fallback_plan() -> tuple[jax.Array, jax.Array]:

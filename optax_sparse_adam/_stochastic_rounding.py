@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._apply import apply_updates
-from optax_sparse_adam._coalesce import _mix, coalesce
+from optax_sparse_adam._coalesce import _mix, coalesce_unless_known
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import for_each_chunk, to_sparse_leaf
@@ -106,11 +106,14 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
     average. For a sparse update only the touched entries are rounded (and
     written); other parameters are added as :func:`apply_updates` adds them.
     The result is a function of ``key``: each parameter leaf draws from
-    ``jax.random.fold_in(key, i)``, ``i`` its position in the tree, and each
-    row a sparse update touches from that key folded with the row's id, so
-    the result does not depend on the order of the ids, on duplicates or
-    padding, or on the platform's order of summing them; pass a new key every
-    step (``jax.random.fold_in(key, step)``).
+    ``jax.random.fold_in(key, i)``, ``i`` its position in the tree; a dense
+    leaf with :func:`stochastic_round`, and each row a sparse update touches
+    from an integer hash of that key's bits, the row's id and the element's
+    position in the row, so the result does not depend on the order of the
+    ids, on duplicates or padding, or on the platform's order of summing them;
+    pass a new key every step (``jax.random.fold_in(key, step)``). The
+    duplicates of a sparse update are summed first, also those of one that
+    breaks its ``unique_indices`` promise.
 
     Args:
       params: A tree of parameters.
@@ -152,7 +155,7 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
                 )
             x = p.astype(jnp.float32) + u.astype(jnp.float32)
             return (stochastic_round(x, p.dtype, k),)
-        leaf = coalesce(to_sparse_leaf(u, p.shape, path, _WHERE))  # padding: zero values, dropped keys
+        leaf = coalesce_unless_known(to_sparse_leaf(u, p.shape, path, _WHERE))  # padding: zero values, dropped keys
 
         def round_rows(start: Any, chunk: Any, p: jax.Array) -> jax.Array:
             idx = chunk.row_index()

@@ -517,6 +517,52 @@ def test_a_collection_with_pooled_bags_matches_one_device(routing):
         osa.RowSharding(_mesh(), "x", tables, batch_axis="x").value_and_row_grad(loss)(params, bags, y)
 
 
+def test_a_table_two_rounds_always_fit_keeps_its_second_round_in_a_step_another_sends_down_the_all_gather():
+    """Capacity 2: table "a" has 4 ids a device (two rounds always fit it: no all-gather branch), device 0 asking 3
+    rows of device 1's block; table "b" has 8 ids a device, device 0 asking 6 rows of device 2's block, over two
+    rounds: the step takes the all-gather route, and "a"'s third id still reaches its owner in a second round."""
+    mesh = _mesh()
+    block = N // 8
+    rng = np.random.default_rng(12)
+    init = {name: jnp.asarray(rng.standard_normal((N, D)), jnp.float32) for name in ("a", "b")}
+    w = jnp.asarray(rng.standard_normal(D), jnp.float32)
+    ids_a = np.full(8 * 4, -1, np.int32)
+    ids_a[:3] = block + np.array([0, 1, 2])
+    ids_b = np.full(8 * 8, -1, np.int32)
+    ids_b[:6] = 2 * block + np.arange(6)
+
+    def loss(p: Any, ids: Any) -> jax.Array:
+        return jnp.mean(p["a"][ids[0]] @ w) + jnp.mean(jnp.tanh(p["b"][ids[1]]) @ w)
+
+    def tables(p: Any) -> Any:
+        return p["a"], p["b"]
+
+    ref_value, ref_g = osa.value_and_row_grad(loss, tables)(init, (ids_a, ids_b))
+    rs = osa.RowSharding(mesh, "x", tables, batch_axis="x", capacity=2)
+    batch = NamedSharding(mesh, P("x"))
+    value, g, info = jax.jit(rs.value_and_row_grad(loss))(
+        rs.shard(jax.tree.map(np.asarray, init)), jax.device_put((ids_a, ids_b), batch)
+    )
+    assert _route_taken(info) == "all-gather" and int(info.overflow) == 1 + 4
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for name in ("a", "b"):
+        got = np.asarray(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), g[name]).todense())
+        np.testing.assert_allclose(got, ref_g[name].todense(), rtol=1e-5, atol=1e-8)
+    assert np.count_nonzero(np.abs(got).sum(1)) == 6
+    # the routed gradients' own route (rs.route): "a"'s entries over the first round reach their owner too
+    grads = {
+        "a": osa.IndexedRows(jnp.asarray(ids_a), jnp.ones((32, D), jnp.float32), N),
+        "b": osa.IndexedRows(jnp.asarray(ids_b), jnp.ones((64, D), jnp.float32), N),
+    }
+    routed, info = jax.jit(rs.route)(jax.device_put(grads, batch), rs.shard(jax.tree.map(np.asarray, init)))
+    assert _route_taken(info) == "all-gather"
+    for name, ids in (("a", ids_a), ("b", ids_b)):
+        dense = np.asarray(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), routed[name]).todense())
+        want = np.zeros((N, D), np.float32)
+        np.add.at(want, ids[ids >= 0], 1.0)
+        np.testing.assert_array_equal(dense, want)
+
+
 # ------------------------------------------------------------------------- routing sparse gradients
 
 

@@ -192,3 +192,15 @@ def test_update_and_apply_with_a_key_rounds_half_float_tables_stochastically(ker
             assert np.asarray(fused[0]["emb"]).tobytes() != np.asarray(plain[0]["emb"]).tobytes()
         else:
             assert_trees_equal(fused[0], plain[0])  # float32 tables: the key changes nothing
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_a_broken_unique_indices_promise_sums_its_duplicates_on_half_float_tables(stochastic, kernel_path):
+    """As the kernels sum a broken promise's duplicates on float32 tables: the rows are summed, not the last set."""
+    p = jnp.zeros((4, 8), jnp.bfloat16)
+    u = osa.IndexedRows(jnp.array([1, 1, 2], jnp.int32), jnp.ones((3, 8), jnp.float32), 4, unique_indices=True)
+    if stochastic:
+        got = jax.jit(osa.apply_updates_stochastic)(p, u, jax.random.key(0))
+    else:
+        got = jax.jit(osa.apply_updates)(p, u)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), [[0] * 8, [2] * 8, [1] * 8, [0] * 8])
