@@ -11,7 +11,7 @@ import optax
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._coalesce import coalesce_unless_known
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._row_ops import scatter_rows, take_rows
+from optax_sparse_adam._row_ops import HALF_FLOATS, scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import SparseLeaf, for_each_chunk, to_sparse_leaf
 from optax_sparse_adam._tree import map_leaves, param_error
 
@@ -35,9 +35,6 @@ def _apply_leaf(path: Any, u: Any, p: Any) -> tuple[Any]:
     return (jnp.asarray(p + u).astype(p.dtype),)
 
 
-_HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
 def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
     """``p`` plus a sparse leaf: the native scatter-add on the CPU where it applies, else XLA's.
 
@@ -46,7 +43,7 @@ def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
     and sets them: a scatter-add into the 16-bit table would round each update to it first, and XLA:CPU would
     convert the whole table to float32 and back to add them.
     """
-    if jnp.dtype(p.dtype) in _HALF_FLOATS and leaf.n_sparse == 1:
+    if jnp.dtype(p.dtype) in HALF_FLOATS and leaf.n_sparse == 1:
 
         def add(start: Any, chunk: SparseLeaf, p: jax.Array) -> jax.Array:
             idx = chunk.row_index()

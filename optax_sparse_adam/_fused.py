@@ -20,14 +20,13 @@ from optax_sparse_adam._if_finite import IfFiniteFusion, is_finite
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
 from optax_sparse_adam._row_engine import Arrays, row_shape
+from optax_sparse_adam._row_ops import HALF_FLOATS
 from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, adagrad_scalars, rowwise_adam_scalars
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._stochastic_rounding import apply_updates_stochastic
 from optax_sparse_adam._tree import is_leaf
 
 __all__ = ["update_and_apply"]
-
-_HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def update_and_apply(
@@ -120,7 +119,7 @@ def update_and_apply(
              [0.9, 0.9],
              [1. , 1. ]], dtype=float32)
     """
-    if key is not None and any(getattr(p, "dtype", None) in _HALF_FLOATS for p in jax.tree.leaves(params)):
+    if key is not None and any(getattr(p, "dtype", None) in HALF_FLOATS for p in jax.tree.leaves(params)):
         updates, state = tx.update(grads, state, params)
         return apply_updates_stochastic(params, updates, key), state
     fusion = getattr(tx.update, "fusion", None)

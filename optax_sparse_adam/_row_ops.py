@@ -23,6 +23,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = ["explicit_sharding", "replicate", "scatter_rows", "take_rows"]
 
+# The 16-bit float dtypes: tables the native kernel sets rows of, and that low-precision updates round to.
+HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 
 def explicit_sharding(x: Any) -> NamedSharding | None:
     """``x``'s sharding while tracing when it names an ``Explicit`` mesh axis, else ``None``."""
@@ -92,7 +95,9 @@ def _bytes_rows(dtype: Any) -> bool:
     )
 
 
-def _native_gather(x: jax.Array, idx: tuple[Any, ...], fill_value: Any) -> bool:
+def _native_rows(x: jax.Array, idx: tuple[Any, ...]) -> bool:
+    """What the row kernels (gather, set) need of ``x`` and its index: one ``int32`` vector of ids, rows of at least
+    one element, and a table the kernels take (:func:`._kernel_path.supports_rows`)."""
     from optax_sparse_adam import _kernel_path
 
     (i, *more) = idx
@@ -102,13 +107,19 @@ def _native_gather(x: jax.Array, idx: tuple[Any, ...], fill_value: Any) -> bool:
         and i.ndim == 1
         and i.dtype == jnp.int32
         and i.shape[0] > 0
-        and isinstance(fill_value, int | float)
-        and fill_value == 0
-        and not np.signbit(fill_value)  # the kernel fills +0.0
-        and _bytes_rows(x.dtype)
         and x.ndim >= 1
         and all(n > 0 for n in x.shape[1:])
         and _kernel_path.supports_rows(x.shape, x, i)
+    )
+
+
+def _native_gather(x: jax.Array, idx: tuple[Any, ...], fill_value: Any) -> bool:
+    return (
+        isinstance(fill_value, int | float)
+        and fill_value == 0
+        and not np.signbit(fill_value)  # the kernel fills +0.0
+        and _bytes_rows(x.dtype)
+        and _native_rows(x, idx)
     )
 
 
@@ -127,7 +138,6 @@ def scatter_rows(
     idx = index if isinstance(index, tuple) else (index,)
     if any(n == 0 for n in x.shape[: len(idx)]):  # an empty axis: every index is padding, nothing is written
         return x
-    sharding = explicit_sharding(x)
     if op == "set" and _native_set(x, idx):
         from optax_sparse_adam import _ffi, _kernel_path  # they import this module
 
@@ -137,23 +147,11 @@ def scatter_rows(
         return _kernel_path.select(_ffi.set_rows, xla, x, idx[0], jnp.asarray(values).astype(x.dtype))
     ref = x.at[index]
     update = ref.set if op == "set" else ref.add
+    sharding = explicit_sharding(x)
     return update(values, mode="drop", unique_indices=unique, out_sharding=sharding)
 
 
 def _native_set(x: jax.Array, idx: tuple[Any, ...]) -> bool:
     """Whether the native kernel sets ``x``'s rows at ``idx``: a 16-bit float table (the kernel copies rows of any
-    2-byte dtype; float32 tables XLA scatters into in place), indexed by one ``int32`` vector."""
-    from optax_sparse_adam import _kernel_path
-
-    (i, *more) = idx
-    return (
-        not more
-        and jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        and isinstance(i, jax.Array | np.ndarray)
-        and i.ndim == 1
-        and i.dtype == jnp.int32
-        and i.shape[0] > 0
-        and x.ndim >= 1
-        and all(n > 0 for n in x.shape[1:])
-        and _kernel_path.supports_rows(x.shape, x, i)
-    )
+    2-byte dtype; float32 tables XLA scatters into in place)."""
+    return jnp.dtype(x.dtype) in HALF_FLOATS and _native_rows(x, idx)

@@ -12,14 +12,13 @@ import optax
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._coalesce import _mix, coalesce_unless_known
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._row_ops import scatter_rows, take_rows
+from optax_sparse_adam._row_ops import HALF_FLOATS, scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import for_each_chunk, to_sparse_leaf
 from optax_sparse_adam._tree import map_leaves, param_error
 
 __all__ = ["apply_updates_stochastic", "stochastic_round"]
 
 _WHERE = "apply_updates_stochastic"
-_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
@@ -144,7 +143,7 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
         if u is None or p is None:
             return (p,)
         p = jnp.asarray(p)
-        if p.dtype not in _LOW:
+        if p.dtype not in HALF_FLOATS:
             return (apply_updates(p, u),)
         k = jax.random.fold_in(key, i)
         if not is_sparse(u):
