@@ -34,7 +34,8 @@ def check_hparam(name: str, value: Any, *, lower: float, lower_open: bool, upper
     if callable(value) or isinstance(value, jax.core.Tracer):
         return
     arr = np.asarray(value)
-    if arr.dtype.kind not in "iuf":
+    # inject_hyperparams casts to the parameters' dtype: bfloat16 (kind "V" to NumPy) is a real number too.
+    if not (arr.dtype.kind in "iuf" or jnp.issubdtype(arr.dtype, jnp.floating)):
         raise TypeError(f"Invalid {name}: {value!r}; it must be a real number")
     if arr.ndim != 0:  # a one-element array of another shape would break broadcasting at every use
         raise ValueError(

@@ -525,15 +525,17 @@ def rowwise_adagrad_apply(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
+    seeds: jax.Array | None = None,
     *,
     decay: int,
     unique: int,
 ) -> tuple[jax.Array, jax.Array]:
     """The row-wise Adagrad leaf rule and ``p += neg_lr * step`` in one pass over each touched row: ``(p, acc)``.
 
-    ``decay``: 0 none, 1 L2 (folded into the gradient), 2 decoupled (added to the step).
+    ``decay``: 0 none, 1 L2 (folded into the gradient), 2 decoupled (added to the step). ``p`` float32, bfloat16
+    or float16; a 16-bit ``p`` is rounded to nearest, or stochastically with ``seeds`` (:func:`rounding_seeds`).
     """
-    attrs = _attrs(p.shape[0], decay=decay, unique=unique)
+    attrs = _attrs(p.shape[0], decay=decay, unique=unique, rounding=seeds is not None)
 
     def fn(row_begin: jax.Array, p: jax.Array, acc: jax.Array, *rest: jax.Array):
         return _ffi_call(
@@ -543,9 +545,19 @@ def rowwise_adagrad_apply(
             vmap_method="sequential",
         )(p, acc, *rest, row_begin, **attrs)
 
-    rule = "n w, n, k, k w, s -> n w, n"
-    new_p, new_acc = _by_row_shards(fn, rule)(_rows2d(p), acc, keys, _rows2d(values), scalars)
+    rule = "n w, n, k, k w, s, t -> n w, n"
+    new_p, new_acc = _by_row_shards(fn, rule)(_rows2d(p), acc, keys, _rows2d(values), scalars, _seeds(seeds))
     return new_p.reshape(p.shape), new_acc
+
+
+def rounding_seeds(key: jax.Array) -> jax.Array:
+    """The two 32-bit seeds the apply kernels round a 16-bit table stochastically with, from a leaf's key (the key
+    :func:`~optax_sparse_adam.apply_updates_stochastic` folds in for it): those of its row hash."""
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def _seeds(seeds: jax.Array | None) -> jax.Array:
+    return jnp.zeros((2,), jnp.uint32) if seeds is None else seeds
 
 
 def rowwise_adam_rows(
@@ -599,25 +611,29 @@ def rowwise_adam_apply(
     values: jax.Array,
     scalars: jax.Array,
     per_row: tuple[jax.Array, ...] | None = None,
+    seeds: jax.Array | None = None,
     *,
     unique: int,
 ) -> tuple[jax.Array, ...]:
     """The row-wise Adam leaf rule and ``p += neg_lr * step`` in one pass over each touched row:
-    ``(p, mu, nu[, row_count])``; ``per_row`` as in :func:`rowwise_adam_rows`."""
-    attrs = _attrs(p.shape[0], unique=unique)
+    ``(p, mu, nu[, row_count])``; ``per_row`` as in :func:`rowwise_adam_rows`, ``p`` and ``seeds`` as in
+    :func:`rowwise_adagrad_apply`."""
+    attrs = _attrs(p.shape[0], unique=unique, rounding=seeds is not None)
     extra = () if per_row is None else per_row
 
     def fn(row_begin: jax.Array, p: jax.Array, mu: jax.Array, nu: jax.Array, *rest: jax.Array):
         results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, mu, nu)]
         aliases = {0: 0, 1: 1, 2: 2}
-        if len(rest) > 3:
-            results.append(jax.ShapeDtypeStruct(rest[3].shape, rest[3].dtype))
-            aliases[7] = 3
+        if len(rest) > 4:  # keys, values, scalars, seeds, then the row counts
+            results.append(jax.ShapeDtypeStruct(rest[4].shape, rest[4].dtype))
+            aliases[8] = 3
         return _ffi_call(
             PREFIX + "rowwise_adam_apply", tuple(results), input_output_aliases=aliases, vmap_method="sequential"
-        )(p, mu, nu, *rest[:3], row_begin, *rest[3:], **attrs)
+        )(p, mu, nu, *rest[:4], row_begin, *rest[4:], **attrs)
 
-    rule = "n w, n w, n, k, k w, s" + ("", ", n", ", n, k c")[len(extra)] + " -> n w, n w, n"
+    rule = "n w, n w, n, k, k w, s, t" + ("", ", n", ", n, k c")[len(extra)] + " -> n w, n w, n"
     rule += ", n" if extra else ""
-    new_p, m, v, *count = _by_row_shards(fn, rule)(_rows2d(p), _rows2d(mu), nu, keys, _rows2d(values), scalars, *extra)
+    new_p, m, v, *count = _by_row_shards(fn, rule)(
+        _rows2d(p), _rows2d(mu), nu, keys, _rows2d(values), scalars, _seeds(seeds), *extra
+    )
     return (new_p.reshape(p.shape), m.reshape(mu.shape), v, *count)

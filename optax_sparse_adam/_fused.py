@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -87,12 +88,19 @@ def update_and_apply(
     :func:`jax.export` artifacts the two calls run. Use it under
     :func:`jax.jit` with the parameters and state donated.
 
-    With ``key``, bfloat16 and float16 parameters are rounded stochastically:
-    the step is ``tx.update`` then :func:`apply_updates_stochastic` with that
-    key (pass a new one every step, ``jax.random.fold_in(key, step)``). Float32
-    parameters are added as without it; a tree without 16-bit float parameters
-    takes the step above, and one with them the two calls (the fused kernels
-    take float32 tables).
+    Row-wise Adagrad and row-wise Adam (their state float32) also run fused on
+    bfloat16 and float16 tables: each touched row is widened to float32, updated,
+    and rounded once to the table's dtype, to nearest as :func:`apply_updates`
+    rounds it. With ``key``, bfloat16 and float16 parameters are rounded
+    stochastically: the step equals ``tx.update`` then
+    :func:`apply_updates_stochastic` with that key (pass a new one every step,
+    ``jax.random.fold_in(key, step)``), fused for those two optimizers (the
+    kernel draws as :func:`apply_updates_stochastic` draws, from the key it
+    folds in for the leaf); other optimizers, and wrapped ones, run the two
+    calls with a key. Float32 parameters are added as without it. The 16-bit
+    parameters are those of the two calls but where ``p + u`` formed in float32
+    differs by the rounding XLA's fusions already allow on float32 tables: one
+    ulp of the table's dtype, rarely (``tests/test_half_table_kernels.py``).
 
     Args:
       tx: An optax transformation.
@@ -119,27 +127,32 @@ def update_and_apply(
              [0.9, 0.9],
              [1. , 1. ]], dtype=float32)
     """
-    if key is not None and any(getattr(p, "dtype", None) in HALF_FLOATS for p in jax.tree.leaves(params)):
-        updates, state = tx.update(grads, state, params)
-        return apply_updates_stochastic(params, updates, key), state
     fusion = getattr(tx.update, "fusion", None)
+    fusable = _fusable(fusion)
+    apply: Callable[[Any, Any], Any] = apply_updates
+    if key is not None and any(getattr(p, "dtype", None) in HALF_FLOATS for p in jax.tree.leaves(params)):
+        apply = functools.partial(apply_updates_stochastic, key=key)
+        if fusable is None or not fusable.half_params:  # the kernels that round stochastically are the row-wise ones
+            updates, state = tx.update(grads, state, params)
+            return apply(params, updates), state
+    else:
+        key = None
     if isinstance(fusion, PartitionFusion) and isinstance(state, optax.PartitionState):
         return _partitioned(fusion, grads, state, params)
     if isinstance(fusion, IfFiniteFusion) and isinstance(state, optax.ApplyIfFiniteState):
         return _if_finite(fusion, grads, state, params)
-    fusable = _fusable(fusion)
     if fusable is None and _kernel_path.enabled():
         return _wrapped(tx, grads, state, params)
     fused = _fusable_leaves(fusable, grads, state, params) if fusable is not None and _kernel_path.enabled() else {}
     if fusable is None or not fused:
         updates, state = tx.update(grads, state, params)
-        return apply_updates(params, updates), state
+        return apply(params, updates), state
 
     grad_leaves, treedef = _flatten(grads)
     # Everything else takes the plain path: the step count and a schedule's count advance there.
     rest = treedef.unflatten([None if i in fused else g for i, (_, g) in enumerate(grad_leaves)])
     updates, new_state = tx.update(rest, state, params)
-    new_params = apply_updates(params, updates)
+    new_params = apply(params, updates)
 
     lr = fusable.learning_rate
     if callable(lr):
@@ -148,17 +161,18 @@ def update_and_apply(
     p_leaves = treedef.flatten_up_to(params)
     state_leaves = [treedef.flatten_up_to(tree) for tree in fusable.trees(state)]
     options = fusable.leaf_options(treedef, params)
+    seeds = _seeds(key, treedef, params, fused)
 
     def native() -> list[tuple[jax.Array, ...]]:
         return [
-            fusable.apply(p_leaves[i], tuple(leaves[i] for leaves in state_leaves), sp, scalars, options[i])
+            fusable.run(p_leaves[i], tuple(leaves[i] for leaves in state_leaves), sp, scalars, options[i], seeds[i])
             for i, sp in fused.items()
         ]
 
     def xla() -> list[tuple[jax.Array, ...]]:
         only = treedef.unflatten([g if i in fused else None for i, (_, g) in enumerate(grad_leaves)])
         updates, s = tx.update(only, state, params)
-        p = treedef.flatten_up_to(apply_updates(params, updates))
+        p = treedef.flatten_up_to(apply(params, updates))
         trees = [treedef.flatten_up_to(tree) for tree in fusable.trees(s)]
         return [(p[i], *(leaves[i] for leaves in trees)) for i in fused]
 
@@ -192,6 +206,9 @@ class _Fusable(NamedTuple):
       with_clip: ``with_clip(scalars, clipped)``: the scalars ``apply`` then takes: by default the kernel's followed
         by the clipping's two (:class:`~optax_sparse_adam._fusion.Clipped`); the catch-up optimizers' scalars are a
         tuple, which takes the ``Clipped`` itself last.
+      half_params: Whether ``apply`` also takes bfloat16 and float16 parameters (rounded to nearest, or
+        stochastically given a sixth argument, the seeds of :func:`._ffi.rounding_seeds`), the gradient's values
+        of a narrower float dtype converted to float32 first, as the rule converts them.
     """
 
     learning_rate: optax.ScalarOrSchedule
@@ -200,11 +217,19 @@ class _Fusable(NamedTuple):
     fields: tuple[str, ...]
     fits: Callable[[jax.Array, Arrays], bool]
     scalars: Callable[[Any, Any, Any], Any]
-    apply: Callable[[jax.Array, Arrays, SparseLeaf, Any, Any], tuple[jax.Array, ...]]
+    apply: Callable[..., tuple[jax.Array, ...]]  # (p, state leaves, leaf, scalars, option[, seeds])
     count_owner: str = "ScaleByScheduleState"
     options: Callable[[Any], Any] = lambda params: jax.tree.map(lambda _: None, params, is_leaf=is_leaf)
     clips: bool = False
     with_clip: Callable[[Any, Clipped], Any] = lambda scalars, clip: clip.append_to(scalars)
+    half_params: bool = False
+
+    def run(
+        self, p: jax.Array, st: Arrays, sp: SparseLeaf, scalars: Any, option: Any, seeds: jax.Array | None = None
+    ) -> tuple[jax.Array, ...]:
+        """``apply`` on one leaf; with ``seeds``, a 16-bit ``p`` rounded stochastically."""
+        args = (p, st, sp, scalars, option) if seeds is None else (p, st, sp, scalars, option, seeds)
+        return self.apply(*args)
 
     def leaf_options(self, treedef: Any, params: Any) -> list[Any]:
         """``options(params)``, a static option per parameter for ``apply``, as a list along ``treedef``."""
@@ -331,10 +356,11 @@ def _fusable(fusion: Any) -> _Fusable | None:
             ("sum_of_squares",),
             fits=lambda p, st: st[0].shape == row_shape(p.shape),
             scalars=lambda state, new_state, neg_lr: adagrad_scalars(eps, weight_decay, neg_lr),
-            apply=lambda p, st, sp, scalars, _: _ffi.rowwise_adagrad_apply(
-                p, st[0], sp.keys[:, 0], sp.values, scalars, decay=decay, unique=_kernel_path.unique_flag(sp)
+            apply=lambda p, st, sp, scalars, _, seeds=None: _ffi.rowwise_adagrad_apply(
+                p, st[0], sp.keys[:, 0], sp.values, scalars, seeds, decay=decay, unique=_kernel_path.unique_flag(sp)
             ),
             clips=True,
+            half_params=True,
         )
     if isinstance(fusion, RowwiseAdamFusion):
         adam = fusion
@@ -353,10 +379,25 @@ def _fusable(fusion: Any) -> _Fusable | None:
                 optax.tree.get(new_state, "ScaleByRowwiseAdamState").count,
                 neg_lr,
             ),
-            apply=lambda p, st, sp, scalars, _: adam.apply(p, st, sp, scalars),
+            apply=lambda p, st, sp, scalars, _, seeds=None: adam.apply(p, st, sp, scalars, seeds),
             clips=True,
+            half_params=True,
         )
     return None
+
+
+def _seeds(key: jax.Array | None, treedef: Any, params: Any, fused: dict[int, Any]) -> dict[int, jax.Array | None]:
+    """The stochastic rounding seeds of each fused leaf with a 16-bit parameter (``None`` for the others, and for
+    all without ``key``): those of the key :func:`apply_updates_stochastic` folds in for it, ``fold_in(key, i)``
+    with ``i`` the parameter's position among the leaves of ``params``."""
+    p_leaves = treedef.flatten_up_to(params)
+    if key is None:
+        return dict.fromkeys(fused)
+    index = treedef.flatten_up_to(jax.tree.unflatten(jax.tree.structure(params), range(len(jax.tree.leaves(params)))))
+    return {
+        i: _ffi.rounding_seeds(jax.random.fold_in(key, index[i])) if p_leaves[i].dtype in HALF_FLOATS else None
+        for i in fused
+    }
 
 
 def _counts(state: Any, new_state: Any, owner: str) -> tuple[jax.Array, jax.Array]:
@@ -453,6 +494,7 @@ def _wrapped(
         c_params = call_treedef.flatten_up_to(call.params)
         c_old = [call_treedef.flatten_up_to(tree) for tree in fusable.trees(call.state)]
         c_new = [call_treedef.flatten_up_to(tree) for tree in fusable.trees(call.new_state)]
+        c_grads = call_treedef.flatten_up_to(call.grads)
         targets = {}
         for i in fused:
             j = position.get(_ids(c_updates[i])) if is_sparse(c_updates[i]) else None
@@ -467,7 +509,6 @@ def _wrapped(
         scalars = fusable.scalars(call.state, call.new_state, -1 * lr)
 
         options = fusable.leaf_options(call_treedef, call.params)
-        c_grads = call_treedef.flatten_up_to(call.grads)
         args = []
         for i in targets:
             leaf, leaf_scalars = fused[i], scalars
@@ -531,6 +572,8 @@ def _fusable_leaves(fusable: _Fusable, grads: Any, state: Any, params: Any) -> d
             continue
         sp = to_sparse_leaf(g, p.shape, path, fusable.where, emits=True)
         floats = [x for x in st if x.dtype != jnp.int32]  # per-row steps (catch-up's last_step) are int32
-        if _kernel_path.supports(p.shape, sp.n_sparse, p, *floats, sp.values):
+        if fusable.half_params and all(x.dtype == jnp.float32 for x in floats) and sp.values.dtype in HALF_FLOATS:
+            sp = sp._replace(values=sp.values.astype(jnp.float32))  # as the rule converts them
+        if _kernel_path.supports(p.shape, sp.n_sparse, *floats, sp.values, params=p if fusable.half_params else None):
             fused[i] = sp
     return fused

@@ -13,8 +13,9 @@ Without the library, or inside ``use_kernels(False)``, the XLA path runs
 everywhere.
 
 The kernels cover float32 tables, moments and values with one sparse axis
-(``IndexedRows``, BCOO with ``n_sparse == 1``) and fewer than 2**31 rows; the
-XLA path handles everything else. They are not bitwise the XLA path: they
+(``IndexedRows``, BCOO with ``n_sparse == 1``) and fewer than 2**31 rows (the
+fused row-wise Adagrad and row-wise Adam steps also bfloat16 and float16
+tables, with float32 state); the XLA path handles everything else. They are not bitwise the XLA path: they
 compute its expressions in its order and with the multiply-adds fused as
 XLA:CPU usually fuses them, but XLA:CPU chooses its fusions (and so which
 multiply-adds it contracts, and where ``maximize`` negates the gradient) by
@@ -52,7 +53,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.interpreters import batching, mlir
 
-from optax_sparse_adam._row_ops import explicit_sharding
+from optax_sparse_adam._row_ops import HALF_FLOATS, explicit_sharding
 
 __all__ = ["kernel_path", "use_kernels"]
 
@@ -133,7 +134,8 @@ def kernel_path() -> Literal["native-cpu", "xla"]:
     """Which implementation a sparse step traced now runs on the CPU.
 
     ``"native-cpu"``: the compiled kernels (for float32 tables with one sparse
-    axis; other leaves take the XLA path); ``"xla"``: the portable XLA path,
+    axis, and 16-bit float ones in the fused row-wise steps; other leaves take
+    the XLA path); ``"xla"``: the portable XLA path,
     because the kernels were not built (no C++ compiler at install time),
     ``OPTAX_SPARSE_ADAM_KERNELS=0`` is set, or inside ``use_kernels(False)``.
     On GPU and TPU the XLA path always runs, and so it does wherever the
@@ -312,17 +314,21 @@ mlir.register_lowering(select_p, _select_lowering)
 batching.primitive_batchers[select_p] = _select_batch
 
 
-def supports(shape: tuple[int, ...], n_sparse: int, *arrays: Any) -> bool:
+def supports(shape: tuple[int, ...], n_sparse: int, *arrays: Any, params: Any = None) -> bool:
     """Whether the kernels handle a table of ``shape`` addressed by ``n_sparse`` axes, with these operands.
 
-    The operands must be float32 and not sharded over an ``Explicit`` mesh
+    The operands must be float32 (``params``, the parameters of a kernel that
+    also takes 16-bit float ones, float32, bfloat16 or float16) and not sharded over an ``Explicit`` mesh
     axis: there the XLA path's sharding rules apply, which a custom call does
     not follow. Inside a ``shard_map`` manual over every mesh axis (the routed
     steps of ``RowSharding``) each device runs the kernel on its own block, the
     results typed as varying where the operands are (see ``_ffi._ffi_call``);
     inside one that leaves some axes automatic the XLA path runs.
     """
-    return n_sparse == 1 and all(jnp.dtype(a.dtype) == jnp.float32 for a in arrays) and supports_rows(shape, *arrays)
+    if params is not None and jnp.dtype(params.dtype) not in (jnp.float32, *HALF_FLOATS):
+        return False
+    operands = arrays if params is None else (*arrays, params)
+    return n_sparse == 1 and all(jnp.dtype(a.dtype) == jnp.float32 for a in arrays) and supports_rows(shape, *operands)
 
 
 def supports_rows(shape: tuple[int, ...], *arrays: Any) -> bool:

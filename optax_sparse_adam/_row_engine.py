@@ -110,6 +110,7 @@ def apply_rule(
     *,
     whole_rows: bool,
     kernel: Kernel | None = None,
+    compute_dtype: Any = None,
 ) -> tuple[Any, Arrays]:
     """Runs ``rule`` on the rows ``g`` touches; returns the update leaf and the new state arrays.
 
@@ -126,19 +127,24 @@ def apply_rule(
       where: The public function, for errors.
       whole_rows: Whether the rule needs whole rows (it keeps per-row state).
       kernel: A native kernel that may run instead of ``rule`` on a sparse leaf.
+      compute_dtype: A float dtype (the state's) that a gradient of a narrower float dtype is converted to first,
+        exactly: its duplicates are then summed, and the rule computes, in ``compute_dtype``, and the update comes
+        out in it (a bfloat16 table's gradient with float32 state, as ``optax.adam`` with ``mu_dtype=float32``
+        returns float32 updates).
 
     Returns:
       The update leaf (the gradient's type; padding slots zero) and the state,
-      each array in its own dtype (the update in the gradient's).
+      each array in its own dtype (the update in the gradient's, or in ``compute_dtype`` where that is wider).
     """
     state, reads = tuple(state), tuple(reads)
     if g is None:
         return None, state
     if not is_sparse(g):
-        g = check_dense_gradient(path, g, shape, where)
+        g = _widen(check_dense_gradient(path, g, shape, where), compute_dtype)
         step, new_state = rule(g, state, reads)
         return step.astype(g.dtype), tuple(n.astype(s.dtype) for n, s in zip(new_state, state, strict=True))
     leaf = to_sparse_leaf(g, shape, path, where, emits=True)
+    leaf = leaf._replace(values=_widen(leaf.values, compute_dtype))
     if whole_rows and leaf.n_sparse != 1:
         raise param_error(
             ValueError,
@@ -160,6 +166,13 @@ def apply_rule(
     # As coalescing leaves it: distinct keys packed first, or a distinct leaf's keys in place.
     out = leaf._replace(keys=keys, values=values, distinct=True, sorted=leaf.distinct and leaf.sorted)
     return out.to_leaf(), tuple(new_state)
+
+
+def _widen(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` in ``dtype`` where that is a wider float dtype than ``x``'s; else ``x``."""
+    if dtype is None or x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return x.astype(dtype) if jnp.promote_types(x.dtype, dtype) == dtype else x
 
 
 def _run_rows(leaf: SparseLeaf, shape: tuple[int, ...], state: Arrays, reads: Arrays, rule: Rule) -> tuple[Arrays, Any]:

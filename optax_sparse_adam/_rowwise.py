@@ -129,14 +129,17 @@ class RowwiseAdamFusion(NamedTuple):
     eps_root: Any
     per_row_bias_correction: bool
 
-    def apply(self, p: jax.Array, state: Arrays, leaf: SparseLeaf, scalars: jax.Array) -> tuple[jax.Array, ...]:
-        """The fused kernel on one leaf: ``(p, mu, nu[, row_count])``."""
+    def apply(
+        self, p: jax.Array, state: Arrays, leaf: SparseLeaf, scalars: jax.Array, seeds: jax.Array | None = None
+    ) -> tuple[jax.Array, ...]:
+        """The fused kernel on one leaf: ``(p, mu, nu[, row_count])``; a 16-bit ``p`` rounded stochastically with
+        ``seeds``, else to nearest."""
         keys = leaf.keys[:, 0]
         extra = None
         if self.per_row_bias_correction:
             extra = rowwise_adam_per_row(self.b1, self.b2, state[2], keys)
         return _ffi.rowwise_adam_apply(
-            p, state[0], state[1], keys, leaf.values, scalars, extra, unique=_kernel_path.unique_flag(leaf)
+            p, state[0], state[1], keys, leaf.values, scalars, extra, seeds, unique=_kernel_path.unique_flag(leaf)
         )
 
 
@@ -167,10 +170,16 @@ def scale_by_rowwise_adam(
     ``per_row_bias_correction`` the number of updates row :math:`r` has had
     (so that a rarely seen row is corrected for its own few updates). Rows
     outside :math:`S` are bitwise unchanged. A dense gradient touches every
-    row. The state saves nearly half of Adam's memory for wide rows.
+    row. The state saves nearly half of Adam's memory for wide rows. A
+    gradient of a narrower float dtype than the moments (a bfloat16 table's,
+    with ``mu_dtype=jnp.float32``) is widened to theirs first: its duplicates
+    are summed, the rule computed and the update returned in float32, as
+    ``optax.adam`` with a float32 ``mu`` returns float32 updates.
 
     On the CPU a native kernel runs the rule for float32 tables and moments
-    with sparse gradients (see :func:`kernel_path`). It computes the rule's
+    with sparse gradients (see :func:`kernel_path`), and
+    :func:`update_and_apply` runs the step fused on bfloat16 and float16
+    tables with float32 moments too. It computes the rule's
     expressions as XLA:CPU compiles them, but sums each row's squares in one
     fixed order, where XLA chooses its own by shape and CPU. One step from
     the same state, measured over widths 1 to 513: ``mu`` and the row counts
@@ -256,7 +265,10 @@ def scale_by_rowwise_adam(
         def leaf(path: Any, g: Any, m: Any, v: Any, *c: Any) -> tuple[Any, ...]:
             if g is None:
                 return None, m, v, *c
-            out, new = apply_rule(path, g, jnp.shape(m), (m, v, *c), (), rule, where, whole_rows=True, kernel=kernel)
+            wide = jnp.promote_types(m.dtype, v.dtype)  # float32 for a bfloat16 table with a float32 nu
+            out, new = apply_rule(
+                path, g, jnp.shape(m), (m, v, *c), (), rule, where, whole_rows=True, kernel=kernel, compute_dtype=wide
+            )
             return (out, *new)
 
         trees = [(state.mu, "mu"), (state.nu, "nu")]
@@ -371,8 +383,12 @@ def scale_by_rowwise_adagrad(
     of width 1, gets element-wise Adagrad as ``torch.optim.Adagrad`` computes
     it (``eps`` outside the square root).
 
+    A gradient of a narrower float dtype than the accumulators (a bfloat16 table's, with float32 accumulators) is
+    widened to theirs first: its duplicates are summed, the rule computed and the update returned in float32.
+
     On the CPU a native kernel runs the rule for float32 tables with sparse
-    gradients (see :func:`kernel_path`). It computes the rule's expressions
+    gradients (see :func:`kernel_path`), and :func:`update_and_apply` runs the step fused on bfloat16 and float16
+    tables too. It computes the rule's expressions
     as XLA:CPU compiles them, but sums each row's squares in one fixed order,
     where XLA chooses its own by shape and CPU. One step from the same state,
     measured over widths 1 to 513: the accumulators within 3 ulps of the XLA
@@ -432,7 +448,7 @@ def scale_by_rowwise_adagrad(
         def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
             (acc,) = st
             if decays:
-                g = g + (weight_decay * reads[0]).astype(g.dtype)
+                g = g + weight_decay * reads[0].astype(g.dtype)
             acc = acc + row_mean_square(g).astype(acc.dtype)
             return g / broadcast_rows(jnp.sqrt(acc) + eps, g.ndim).astype(g.dtype), (acc,)
 
@@ -447,7 +463,9 @@ def scale_by_rowwise_adagrad(
                     ValueError, where, path, f"gradient shape {shape} does not fit the accumulator's shape {acc.shape}"
                 )
             reads = p if decays else ()
-            out, (new,) = apply_rule(path, g, shape, (acc,), reads, rule, where, whole_rows=True, kernel=kernel)
+            out, (new,) = apply_rule(
+                path, g, shape, (acc,), reads, rule, where, whole_rows=True, kernel=kernel, compute_dtype=acc.dtype
+            )
             return out, new
 
         trees = [(state.sum_of_squares, "sum_of_squares")]

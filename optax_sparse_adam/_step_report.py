@@ -180,8 +180,15 @@ def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = No
     )
 
 
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element, of a PRNG key's dtype too (``jax.numpy.dtype`` does not take extended dtypes)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return int(dtype.itemsize)
+    return jax.numpy.dtype(dtype).itemsize
+
+
 def _nbytes(info: Any) -> int:
-    return math.prod(info.shape) * jax.numpy.dtype(info.dtype).itemsize
+    return math.prod(info.shape) * _itemsize(info.dtype)
 
 
 def _local_nbytes(x: Any) -> int:
@@ -190,7 +197,7 @@ def _local_nbytes(x: Any) -> int:
     sharding = getattr(x, "sharding", None)
     if sharding is not None and hasattr(sharding, "shard_shape"):
         shape = tuple(sharding.shard_shape(shape))
-    return math.prod(shape) * jax.numpy.dtype(getattr(x, "dtype", "float32")).itemsize
+    return math.prod(shape) * _itemsize(getattr(x, "dtype", "float32"))
 
 
 def _arg_path(keystr: str) -> str:

@@ -400,12 +400,15 @@ def test_in_place_under_donation_and_compiled_once(mode, fused):
 
 
 @needs_kernels
-def test_other_dtypes_take_the_xla_path():
+def test_a_bfloat16_table_fuses_and_its_update_alone_takes_the_xla_path():
+    """``tx.update`` on a bfloat16 table (whose L2 decay reads it) runs the XLA rule; ``update_and_apply`` the fused
+    kernel, which takes 16-bit tables (``tests/test_half_table_kernels.py``)."""
     tx = _tx("l2")
     p = jnp.ones((ROWS, 5), jnp.bfloat16)
     g = osa.IndexedRows(jnp.array([1, 1], jnp.int32), jnp.ones((2, 5), jnp.bfloat16), ROWS)
-    for fn in (lambda: tx.update(g, tx.init(p), p), lambda: osa.update_and_apply(tx, g, tx.init(p), p)):
-        assert "rowwise_adagrad" not in jax.jit(fn).lower().as_text()
+    assert "rowwise_adagrad" not in jax.jit(lambda: tx.update(g, tx.init(p), p)).lower().as_text()
+    fused = jax.jit(lambda: osa.update_and_apply(tx, g, tx.init(p), p)).lower().as_text()
+    assert "rowwise_adagrad_apply" in fused
 
 
 @needs_kernels

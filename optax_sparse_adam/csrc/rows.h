@@ -5,8 +5,9 @@
 #define OPTAX_SPARSE_ADAM_CSRC_ROWS_H_
 
 #include <algorithm>
-#include <climits>
 #include <atomic>
+#include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -63,8 +64,156 @@ inline void CopyIfNotAliased(T* dst, const T* src, size_t count) {
   if (dst != src && count > 0) std::memcpy(dst, src, sizeof(T) * count);
 }
 
-inline void PrefetchRow(const float* row, int64_t width) {
-  for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(row + j, 1, 3);
+template <typename T>
+inline void PrefetchRow(const T* row, int64_t width) {
+  for (int64_t j = 0; j < width; j += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(row + j, 1, 3);
+}
+
+inline uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+// ---- Parameters in an apply handler: float32, or bfloat16 / float16 widened to float32 exactly and rounded
+// back once per step, to nearest (apply_updates: (p + u).astype(p.dtype)) or stochastically
+// (apply_updates_stochastic: _round_with on the draws of _draws_by_key).
+
+inline uint32_t Bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+}
+
+inline float FromBits(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
+// bfloat16: the top half of a float32.
+struct Bf16 {
+  static float Widen(uint16_t h) { return FromBits(uint32_t{h} << 16); }
+  static uint16_t Nearest(float x) {  // round to nearest even; a NaN stays a (quiet) NaN
+    const uint32_t u = Bits(x);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
+  }
+};
+
+// float16 (IEEE binary16): the conversions of the FP16 library (github.com/Maratyszcza/FP16, MIT license), exact,
+// round to nearest even, overflow to infinity, a NaN kept a quiet NaN. Branch-free float32 and integer arithmetic,
+// so that the row loops vectorize on any ISA (the compiler's _Float16 conversions do not).
+struct F16 {
+  static float Widen(uint16_t h) {
+    const uint32_t w = uint32_t{h} << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = FromBits((two_w >> 4) + (0xE0u << 23)) * 0x1p-112f;
+    const float denormalized = FromBits((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t denormalized_bits = Bits(denormalized), normalized_bits = Bits(normalized);
+    return FromBits(sign | (two_w < (1u << 27) ? denormalized_bits : normalized_bits));
+  }
+  static uint16_t Nearest(float x) {
+    const float base = (std::fabs(x) * 0x1p+112f) * 0x1p-110f;
+    const uint32_t w = Bits(x);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t exponent = shl1_w & 0xFF000000u;
+    const uint32_t bias = exponent < 0x71000000u ? 0x71000000u : exponent;
+    const uint32_t bits = Bits(FromBits((bias >> 1) + 0x07800000u) + base);
+    const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  }
+};
+
+inline bool IsFinite(float x) { return (Bits(x) & 0x7F800000u) != 0x7F800000u; }
+
+// _round_with: x rounded up or down at random (u uniform in [0, 1)), unbiased; to nearest where the dtype holds x,
+// where x is not finite, and where a neighbour is not. Branch-free, so that the row loops vectorize: the other
+// candidate is the 16-bit neighbour of the nearest toward x (as jax.lax.nextafter steps, from a zero of either sign
+// to the smallest subnormal of x's sign), and x goes to the upper of the two with probability
+// (x - lower) / (upper - lower).
+template <class Half>
+OSA_ROW_INLINE uint16_t RoundStochastic(float x, float u) {
+  const uint32_t nearest = Half::Nearest(x);
+  const float near = Half::Widen(static_cast<uint16_t>(nearest));
+  const bool up = near < x;  // the other candidate lies above
+  const bool negative = (nearest & 0x8000u) != 0;
+  const uint32_t stepped = up != negative ? nearest + 1 : nearest - 1;
+  const uint32_t from_zero = 0x8001u - (uint32_t{up} << 15);  // 0x0001 up, 0x8001 down (a nested ?: branches)
+  const uint32_t other = (nearest & 0x7FFFu) == 0 ? from_zero : stepped;
+  const float far = Half::Widen(static_cast<uint16_t>(other));
+  const float lo = up ? near : far, hi = up ? far : near;
+  const bool to_hi = u < (x - lo) / (hi - lo);
+  const uint32_t rounded = to_hi == up ? other : nearest;
+  const bool exact = (near == x) | !IsFinite(x) | !IsFinite(near) | !IsFinite(far);  // | : no branches
+  return static_cast<uint16_t>(exact ? nearest : rounded);
+}
+
+// float32 parameters: read and written as they are.
+struct F32Params {
+  using T = float;
+  static float Load(float x) { return x; }
+  uint32_t RowSeed(int64_t) const { return 0; }
+  float Store(float x, uint32_t, int64_t) const { return x; }
+};
+
+// bfloat16 or float16 parameters. Stochastic rounding draws as _draws_by_key does: the row's seed is murmur3's
+// finalizer over the global row id and the two 32-bit seeds of the leaf's key, an element's draw the top 24 bits
+// of the finalizer of that seed plus its position times the golden ratio.
+template <class Half, bool kStochastic>
+struct HalfParams {
+  using T = uint16_t;
+  uint32_t seed0 = 0, seed1 = 0;
+  int64_t first_row = 0;  // the global id of local row 0 (a row shard's first row)
+
+  static float Load(uint16_t h) { return Half::Widen(h); }
+  OSA_ROW_INLINE uint32_t RowSeed(int64_t r) const {
+    return kStochastic ? Mix(Mix(static_cast<uint32_t>(r + first_row) ^ seed0) ^ seed1) : 0;
+  }
+  OSA_ROW_INLINE uint16_t Store(float x, uint32_t row_seed, int64_t j) const {
+    if constexpr (!kStochastic) {
+      return Half::Nearest(x);
+    } else {
+      const uint32_t bits = Mix(row_seed + static_cast<uint32_t>(j) * 0x9E3779B9u);
+      return RoundStochastic<Half>(x, static_cast<float>(bits >> 8) * 0x1p-24f);
+    }
+  }
+};
+
+// fn(params) with the policy for 16-bit parameters of format Half, rounded to nearest or stochastically.
+template <class Half, typename F>
+void WithHalfParams(bool stochastic, const uint32_t* seeds, int64_t first_row, F fn) {
+  if (stochastic) {
+    fn(HalfParams<Half, true>{seeds[0], seeds[1], first_row});
+  } else {
+    fn(HalfParams<Half, false>{seeds[0], seeds[1], first_row});
+  }
+}
+
+// Calls fn(params) with the policy for parameters of `type` (F32, BF16 or F16) rounded by `rounding` (0 to
+// nearest, 1 stochastically with `seeds`; float32 parameters are never rounded); an error for another type.
+template <typename F>
+xla::ffi::Error WithParams(xla::ffi::DataType type, int64_t rounding, const uint32_t* seeds, int64_t first_row,
+                           F fn) {
+  using xla::ffi::DataType;
+  if (rounding != 0 && rounding != 1) return xla::ffi::Error::InvalidArgument("rounding must be 0 or 1");
+  switch (type) {
+    case DataType::F32:
+      fn(F32Params{});
+      return xla::ffi::Error::Success();
+    case DataType::BF16:
+      WithHalfParams<Bf16>(rounding == 1, seeds, first_row, fn);
+      return xla::ffi::Error::Success();
+    case DataType::F16:
+      WithHalfParams<F16>(rounding == 1, seeds, first_row, fn);
+      return xla::ffi::Error::Success();
+    default:
+      return xla::ffi::Error::InvalidArgument("the parameters must be float32, bfloat16 or float16");
+  }
 }
 
 // Global-norm clipping of a summed gradient row, as optax.clip_by_global_norm
@@ -116,14 +265,6 @@ OSA_ROW_INLINE void SumChain(const Coalesced& c, int64_t d, const float* values,
     const float* ge = values + static_cast<int64_t>(e) * width;
     for (int64_t j = 0; j < width; ++j) g[j] += ge[j];
   }
-}
-
-inline uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
-  x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
-  x ^= x >> 13;
-  x *= 0xC2B2AE35u;
-  return x ^ (x >> 16);
 }
 
 // The slots of an open-addressing table for k keys: the smallest power of two

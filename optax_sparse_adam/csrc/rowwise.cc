@@ -53,6 +53,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "rows.h"
@@ -135,15 +136,17 @@ constexpr int64_t kAdagradScalars = 3;
 // to the step (decoupled; the apply handler only).
 enum Decay : int64_t { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
 
-template <int64_t kDecay, bool kApplies>
+template <int64_t kDecay, bool kApplies, class Params = F32Params>
 struct AdagradRule {
   static constexpr bool kApply = kApplies;
   static constexpr bool kReadsP = kApply || kDecay == kL2;
+  using T = typename Params::T;  // the parameters' entries (float32 but in an apply handler's)
   AdagradScalars s;
   float* acc;
-  const float* p;  // the parameters: read for L2 decay, written by apply (then p == out); null otherwise
-  float* out;
+  const T* p;  // the parameters: read for L2 decay, written by apply (then p == out); null otherwise
+  T* out;      // apply: the parameters; rows: the step rows (float32)
   int64_t width;
+  Params params = {};
 
   int64_t Scratch() const { return kDecay == kL2 ? width : 0; }
 
@@ -152,24 +155,27 @@ struct AdagradRule {
     if (kReadsP) PrefetchRow(p + r * width, width);
   }
 
+  static float P(T x) { return Params::Load(x); }
+
   OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t slot, int64_t, float* __restrict buf) const {
     // Locals, not loads through `s`: the rows written might alias it, which
     // would keep the compiler from vectorizing the loops.
     const float eps = s.eps, wd = s.weight_decay, neg_lr = s.neg_lr;
     if constexpr (kDecay == kL2) {  // the gradient the rule sees: g + wd p
-      const float* __restrict pr = p + r * width;
-      for (int64_t j = 0; j < width; ++j) buf[j] = std::fma(wd, pr[j], g[j]);
+      const T* __restrict pr = p + r * width;
+      for (int64_t j = 0; j < width; ++j) buf[j] = std::fma(wd, P(pr[j]), g[j]);
       g = buf;
     }
-    float* __restrict dst = kApply ? out + r * width : out + slot * width;
+    T* __restrict dst = kApply ? out + r * width : out + slot * width;
     float* __restrict a = acc + r;
+    const uint32_t seed = params.RowSeed(r);
     if (width == 1) {  // element-wise Adagrad: XLA divides, no row mean
       const float an = std::fma(g[0], g[0], *a);
       *a = an;
       float step = g[0] / (std::sqrt(an) + eps);
       if constexpr (kApply) {
-        if constexpr (kDecay == kDecoupled) step = step + wd * dst[0];
-        dst[0] = dst[0] + neg_lr * step;
+        if constexpr (kDecay == kDecoupled) step = step + wd * P(dst[0]);
+        dst[0] = params.Store(P(dst[0]) + neg_lr * step, seed, 0);
       } else {
         dst[0] = step;
       }
@@ -182,8 +188,8 @@ struct AdagradRule {
     for (int64_t j = 0; j < width; ++j) {
       float step = g[j] * rcp;
       if constexpr (kApply) {
-        if constexpr (kDecay == kDecoupled) step = std::fma(wd, dst[j], step);
-        dst[j] = dst[j] + neg_lr * step;
+        if constexpr (kDecay == kDecoupled) step = std::fma(wd, P(dst[j]), step);
+        dst[j] = params.Store(P(dst[j]) + neg_lr * step, seed, j);
       } else {
         dst[j] = step;
       }
@@ -199,16 +205,18 @@ struct AdamScalars {
 };
 constexpr int64_t kAdamScalars = 9;
 
-template <bool kPerRow, bool kApplies>
+template <bool kPerRow, bool kApplies, class Params = F32Params>
 struct AdamRule {
   static constexpr bool kApply = kApplies;
+  using T = typename Params::T;  // the parameters' entries (float32 but in an apply handler's)
   AdamScalars s;
   float* m;
   float* v;
   int32_t* count;   // per-row bias correction: each row's update count; null otherwise
   const float* bc;  // per-row bias correction: (1 - b1^c, 1 - b2^c) per entry, or null to compute them; null otherwise
-  float* out;
+  T* out;           // apply: the parameters; rows: the step rows (float32)
   int64_t width;
+  Params params = {};
 
   int64_t Scratch() const { return 0; }
 
@@ -244,12 +252,17 @@ struct AdamRule {
     const float vc = kPerRow ? vn / bc2 : vn * (1.0f / bc2);
     const float denom = std::sqrt(vc + eps_root) + eps;
     float* __restrict mr = m + r * width;
-    float* __restrict dst = kApply ? out + r * width : out + slot * width;
+    T* __restrict dst = kApply ? out + r * width : out + slot * width;
+    const uint32_t seed = params.RowSeed(r);
     if (width == 1) {  // nu and the corrections have the row's own shape: XLA divides
       const float mn = std::fma(one_minus_b1, g[0], b1 * mr[0]);
       mr[0] = mn;
       const float step = kPerRow ? mn / (bc1 * denom) : (mn * (1.0f / bc1)) / denom;
-      dst[0] = kApply ? dst[0] + neg_lr * step : step;
+      if constexpr (kApply) {
+        dst[0] = params.Store(Params::Load(dst[0]) + neg_lr * step, seed, 0);
+      } else {
+        dst[0] = step;
+      }
       return;
     }
     const float inv_bc1 = 1.0f / bc1;
@@ -259,7 +272,7 @@ struct AdamRule {
       mr[j] = mn;
       const float step = (mn * inv_bc1) * rcp;
       if constexpr (kApply) {
-        dst[j] = dst[j] + neg_lr * step;
+        dst[j] = params.Store(Params::Load(dst[j]) + neg_lr * step, seed, j);
       } else {
         dst[j] = step;
       }
@@ -346,22 +359,26 @@ void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_
 
 // ---- Row-wise Adagrad's handlers.
 
-template <bool kApply>
+template <bool kApply, class Params = F32Params>
 void DispatchAdagrad(ffi::ThreadPool& pool, const AdagradScalars& s, int64_t decay, const Options& o,
                      const int32_t* keys, int64_t k, const Shard& shard, const float* values, float* acc,
-                     const float* p, float* out, int32_t* out_keys, int64_t width) {
+                     const typename Params::T* p, typename Params::T* out, int32_t* out_keys, int64_t width,
+                     const Params& params = {}) {
   switch (decay) {
     case kL2:
-      Run(pool, AdagradRule<kL2, kApply>{s, acc, p, out, width}, o, keys, k, shard, values, out_keys);
+      Run(pool, AdagradRule<kL2, kApply, Params>{s, acc, p, out, width, params}, o, keys, k, shard, values,
+          out_keys);
       return;
     case kDecoupled:
       if constexpr (kApply) {
-        Run(pool, AdagradRule<kDecoupled, kApply>{s, acc, p, out, width}, o, keys, k, shard, values, out_keys);
+        Run(pool, AdagradRule<kDecoupled, kApply, Params>{s, acc, p, out, width, params}, o, keys, k, shard, values,
+            out_keys);
         return;
       }
       [[fallthrough]];  // unreachable: checked by the handlers
     default:
-      Run(pool, AdagradRule<kNoDecay, kApply>{s, acc, p, out, width}, o, keys, k, shard, values, out_keys);
+      Run(pool, AdagradRule<kNoDecay, kApply, Params>{s, acc, p, out, width, params}, o, keys, k, shard, values,
+          out_keys);
   }
 }
 
@@ -421,11 +438,22 @@ ffi::Error AdagradRowsImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> acc, ff
   return ffi::Error::Success();
 }
 
-ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::BufferR1<ffi::F32> acc,
+// The parameters of an apply handler, checked: of the dtype `p_out` has, one row of `width` entries per local row.
+ffi::Error CheckParams(const ffi::AnyBuffer& p, ffi::Result<ffi::AnyBuffer>& p_out,
+                       const ffi::BufferR1<ffi::U32>& seeds, int64_t local_rows, int64_t width) {
+  if (p_out->element_type() != p.element_type()) return ffi::Error::InvalidArgument("p_out must have p's dtype");
+  if (static_cast<int64_t>(p.element_count()) != local_rows * width)
+    return ffi::Error::InvalidArgument("p must have one row of the values' width per row of the state");
+  if (seeds.element_count() != 2) return ffi::Error::InvalidArgument("seeds must hold two values");
+  return ffi::Error::Success();
+}
+
+ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::BufferR1<ffi::F32> acc,
                             ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
-                            ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
-                            ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBufferR1<ffi::F32> acc_out,
-                            int64_t num_rows, int64_t decay, int64_t unique, int64_t threads) {
+                            ffi::BufferR1<ffi::F32> scalars, ffi::BufferR1<ffi::U32> seeds,
+                            ffi::BufferR0<ffi::S32> row_begin, ffi::Result<ffi::AnyBuffer> p_out,
+                            ffi::ResultBufferR1<ffi::F32> acc_out, int64_t num_rows, int64_t decay, int64_t unique,
+                            int64_t threads, int64_t rounding) {
   const auto k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
@@ -434,16 +462,18 @@ ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
                              /*clips=*/true);
       e.failure())
     return e;
-  if (static_cast<int64_t>(p.element_count()) != shard.local_rows * width)
-    return ffi::Error::InvalidArgument("p must have one row of the values' width per accumulator");
-  float* q = p_out->typed_data();
+  if (ffi::Error e = CheckParams(p, p_out, seeds, shard.local_rows, width); e.failure()) return e;
+  auto* q = static_cast<char*>(p_out->untyped_data());
   float* a = acc_out->typed_data();
-  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(q, static_cast<const char*>(p.untyped_data()), p.size_bytes());
   CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
-  DispatchAdagrad<true>(pool, ReadAdagradScalars(scalars), decay,
-                        Options{unique, threads, ReadClip(scalars, kAdagradScalars)}, keys.typed_data(), k,
-                        shard, values.typed_data(), a, q, q, nullptr, width);
-  return ffi::Error::Success();
+  const Options o{unique, threads, ReadClip(scalars, kAdagradScalars)};
+  return WithParams(p.element_type(), rounding, seeds.typed_data(), shard.begin, [&](const auto& params) {
+    using T = typename std::decay_t<decltype(params)>::T;
+    DispatchAdagrad<true>(pool, ReadAdagradScalars(scalars), decay, o, keys.typed_data(), k, shard,
+                          values.typed_data(), a, reinterpret_cast<T*>(q), reinterpret_cast<T*>(q), nullptr, width,
+                          params);
+  });
 }
 
 // ---- Row-wise Adam's handlers.
@@ -501,15 +531,16 @@ AdamScalars ReadAdamScalars(const ffi::BufferR1<ffi::F32>& b) {
   return AdamScalars{x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8]};
 }
 
-template <bool kApply>
+template <bool kApply, class Params = F32Params>
 void DispatchAdam(ffi::ThreadPool& pool, const AdamScalars& s, const AdamTables& t, const Options& o,
-                  const int32_t* keys, int64_t k, const Shard& shard, const float* values, float* out,
-                  int32_t* out_keys, int64_t width) {
+                  const int32_t* keys, int64_t k, const Shard& shard, const float* values,
+                  typename Params::T* out, int32_t* out_keys, int64_t width, const Params& params = {}) {
   if (t.count != nullptr) {
-    Run(pool, AdamRule<true, kApply>{s, t.m, t.v, t.count, t.bc, out, width}, o, keys, k, shard, values, out_keys);
+    Run(pool, AdamRule<true, kApply, Params>{s, t.m, t.v, t.count, t.bc, out, width, params}, o, keys, k, shard,
+        values, out_keys);
   } else {
-    Run(pool, AdamRule<false, kApply>{s, t.m, t.v, nullptr, nullptr, out, width}, o, keys, k, shard, values,
-        out_keys);
+    Run(pool, AdamRule<false, kApply, Params>{s, t.m, t.v, nullptr, nullptr, out, width, params}, o, keys, k, shard,
+        values, out_keys);
   }
 }
 
@@ -536,12 +567,13 @@ ffi::Error AdamRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buf
   return ffi::Error::Success();
 }
 
-ffi::Error AdamApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+ffi::Error AdamApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::Buffer<ffi::F32> mu,
                          ffi::BufferR1<ffi::F32> nu, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
-                         ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
-                         ffi::RemainingArgs extra, ffi::ResultBuffer<ffi::F32> p_out,
-                         ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBufferR1<ffi::F32> nu_out,
-                         ffi::RemainingRets extra_out, int64_t num_rows, int64_t unique, int64_t threads) {
+                         ffi::BufferR1<ffi::F32> scalars, ffi::BufferR1<ffi::U32> seeds,
+                         ffi::BufferR0<ffi::S32> row_begin, ffi::RemainingArgs extra,
+                         ffi::Result<ffi::AnyBuffer> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
+                         ffi::ResultBufferR1<ffi::F32> nu_out, ffi::RemainingRets extra_out, int64_t num_rows,
+                         int64_t unique, int64_t threads, int64_t rounding) {
   const auto k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
@@ -550,15 +582,17 @@ ffi::Error AdamApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buf
                                extra, extra_out, shard, width, t, /*clips=*/true);
       e.failure())
     return e;
-  if (p.element_count() != mu.element_count()) return ffi::Error::InvalidArgument("p must have mu's shape");
-  float* q = p_out->typed_data();
-  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  if (ffi::Error e = CheckParams(p, p_out, seeds, shard.local_rows, width); e.failure()) return e;
+  auto* q = static_cast<char*>(p_out->untyped_data());
+  CopyIfNotAliased(q, static_cast<const char*>(p.untyped_data()), p.size_bytes());
   CopyIfNotAliased(t.m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(t.v, nu.typed_data(), nu.element_count());
-  DispatchAdam<true>(pool, ReadAdamScalars(scalars), t, Options{unique, threads, ReadClip(scalars, kAdamScalars)},
-                     keys.typed_data(), k, shard,
-                     values.typed_data(), q, nullptr, width);
-  return ffi::Error::Success();
+  const Options o{unique, threads, ReadClip(scalars, kAdamScalars)};
+  return WithParams(p.element_type(), rounding, seeds.typed_data(), shard.begin, [&](const auto& params) {
+    using T = typename std::decay_t<decltype(params)>::T;
+    DispatchAdam<true>(pool, ReadAdamScalars(scalars), t, o, keys.typed_data(), k, shard, values.typed_data(),
+                       reinterpret_cast<T*>(q), nullptr, width, params);
+  });
 }
 
 }  // namespace
@@ -584,18 +618,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdagradRows, optax_sparse_ad
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdagradApply, optax_sparse_adam::AdagradApplyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::AnyBuffer>()           // p: float32, bfloat16 or float16
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // acc
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: stochastic rounding's (rounding = 1)
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::AnyBuffer>()           // p
                                   .Ret<ffi::BufferR1<ffi::F32>>()  // acc
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("rounding"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdamRows, optax_sparse_adam::AdamRowsImpl,
                               ffi::Ffi::Bind()
@@ -619,18 +655,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdamRows, optax_sparse_adam:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdamApply, optax_sparse_adam::AdamApplyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::AnyBuffer>()           // p: float32, bfloat16 or float16
                                   .Arg<ffi::Buffer<ffi::F32>>()    // mu
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // nu
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: stochastic rounding's (rounding = 1)
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
                                   .RemainingArgs()                 // row_count, bc: per-row bias correction only
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::AnyBuffer>()           // p
                                   .Ret<ffi::Buffer<ffi::F32>>()    // mu
                                   .Ret<ffi::BufferR1<ffi::F32>>()  // nu
                                   .RemainingRets()                 // row_count: per-row bias correction only
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("unique")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("rounding"));
