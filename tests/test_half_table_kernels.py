@@ -75,10 +75,12 @@ def _steps(name: str, stochastic: bool, unique: bool = False):
 
 
 def _case(rng, dtype, values_dtype):
-    """A table, and ids with duplicates and padding (negative and past the end) mixed in, and their values."""
+    """A table, and ids with duplicates and padding (negative, past the end, int32's extremes) mixed in, and their
+    values."""
     p = jnp.asarray(rng.standard_normal((ROWS, WIDTH)), dtype)
     ids = rng.integers(-3, ROWS + 3, K).astype(np.int32)
     ids[: K // 3] = ids[rng.integers(0, K, K // 3)]
+    ids[rng.integers(0, K, 2)] = [np.iinfo(np.int32).min, np.iinfo(np.int32).max]
     values = rng.standard_normal((K, WIDTH)).astype(np.float32)
     return p, jnp.asarray(ids), jnp.asarray(values, values_dtype)
 
