@@ -60,7 +60,8 @@ def update_and_apply(
     ``optax.multi_transform``, :func:`partition_tables`,
     :func:`apply_if_finite`), and the native CPU
     kernels apply (:func:`kernel_path` is ``"native-cpu"``; float32 tables
-    with one sparse axis), each sparse leaf is done in one pass per touched
+    with one sparse axis, and for the row-wise optimizers bfloat16 and float16
+    ones too, see below), each sparse leaf is done in one pass per touched
     row that reads and writes its parameters and its optimizer state
     together, without materializing the update:
 

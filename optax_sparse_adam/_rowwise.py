@@ -10,7 +10,7 @@ parameter's rows are its entries, so for it the row-wise rules are the
 element-wise ones.
 
 Both run the native CPU kernels where they apply (float32 tables with one
-sparse axis, see :mod:`._kernel_path`), and :func:`sparse_rowwise_adam` and
+sparse axis, see :mod:`._kernel_path`; fused, bfloat16 and float16 tables too), and :func:`sparse_rowwise_adam` and
 :func:`sparse_rowwise_adagrad` carry what
 :func:`~optax_sparse_adam.update_and_apply` needs to fuse their step
 (:class:`RowwiseAdamFusion`, :class:`RowwiseAdagradFusion`, on their ``update``).
