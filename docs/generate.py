@@ -9,6 +9,8 @@ None of them is committed:
 - ``docs/benchmarks/sharding.md``: the tables of ``benchmarks/results/sharding.json``;
 - ``docs/benchmarks/gpu.md``: ``benchmarks/gpu.py`` (``render``) on ``benchmarks/results/gpu.json``;
 - ``docs/_generated/costs.md``: the measured costs on the "Which path do I use" page, from ``results.json``;
+- ``docs/_generated/bf16_losses.md``: the mean losses of ``examples/bf16_stochastic_rounding.py``'s run, from the
+  ``examples/bf16_stochastic_rounding.json`` it wrote;
 - ``docs/gallery/*.ipynb``: the notebooks of ``notebooks/``, copied with their stored outputs (the build does not
   execute them);
 - ``docs/_generated/static/mathjax/tex-svg.js``: MathJax 3, from the ``django-static-mathjax`` package, so that the
@@ -448,6 +450,26 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     stamp.write_text(digest)
 
 
+def bf16_losses_page(doc: dict[str, Any]) -> str:
+    """The low-precision guide's table: each run's mean loss over its first and last steps."""
+    commit = doc["commit"][:7] + (" with local changes" if doc.get("modified") else "")
+    lines = [
+        f"The mean losses of its {doc['steps']:,}-step run at {commit} "
+        "(`python examples/bf16_stochastic_rounding.py`):",
+        "",
+        f"| tables | mean loss, first {doc['tail']} steps | mean loss, last {doc['tail']} steps |",
+        "| --- | ---: | ---: |",
+    ]
+    labels = {
+        "float32": "float32",
+        "bfloat16, round to nearest": "bfloat16, round to nearest (`update_and_apply`)",
+        "bfloat16, stochastic rounding": "bfloat16, stochastic rounding (`update_and_apply(..., key=)`)",
+    }
+    for name, run in doc["runs"].items():
+        lines.append(f"| {labels.get(name, name)} | {run['first']:.3f} | {run['last']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def gallery(out: pathlib.Path) -> None:
     """The notebooks, as they are stored (with their outputs), into ``out`` (``docs/gallery``)."""
     for name in NOTEBOOKS:
@@ -471,5 +493,7 @@ def generate(out: pathlib.Path = OUT) -> None:
     """Everything above, into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     benchmarks(DOCS / "benchmarks", out)
+    bf16 = json.loads((ROOT / "examples" / "bf16_stochastic_rounding.json").read_text())
+    write_if_changed(out / "bf16_losses.md", bf16_losses_page(bf16))
     gallery(DOCS / "gallery")
     mathjax(out)

@@ -2,21 +2,24 @@
 
 A matrix-factorization model (Zipf-distributed user and item ids, targets from
 a hidden low-rank model plus noise) is trained three times with the same
-batches and ``sparse_rowwise_adam`` (moments in float32): with float32 tables,
-with bfloat16 tables updated by ``osa.apply_updates`` (round to nearest), and
-with bfloat16 tables updated by ``osa.apply_updates_stochastic``. Adam's steps
-(about the learning rate) are smaller than half of bfloat16's spacing near the
-embeddings' values, so round-to-nearest drops most of them.
+batches and ``sparse_rowwise_adam`` (moments in float32), each step one
+``osa.update_and_apply``: with float32 tables, with bfloat16 tables rounded to
+nearest, and with bfloat16 tables rounded stochastically (``key=``, as
+``osa.apply_updates_stochastic`` rounds). Adam's steps (about the learning
+rate) are smaller than half of bfloat16's spacing near the embeddings' values,
+so round-to-nearest drops most of them.
 
-    python examples/bf16_stochastic_rounding.py            # 3,000 steps, writes the PNG next to this file
-    python examples/bf16_stochastic_rounding.py --steps 100 --out /tmp/x.png
+    python examples/bf16_stochastic_rounding.py            # 3,000 steps, writes the PNG and JSON next to this file
+    python examples/bf16_stochastic_rounding.py --steps 100 --out /tmp/x.png --json /tmp/x.json
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import pathlib
+import subprocess
 from typing import Any
 
 import jax
@@ -57,11 +60,8 @@ def train(dtype: Any, stochastic: bool, steps: int) -> np.ndarray:
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params: Any, state: Any, users: Any, items: Any, y: Any, i: Any) -> Any:
         loss, grads = grad_fn(params, (users, items), y)
-        updates, state = tx.update(grads, state, params)
-        if stochastic:
-            params = osa.apply_updates_stochastic(params, updates, jax.random.fold_in(jax.random.key(0), i))
-        else:
-            params = osa.apply_updates(params, updates)
+        key = jax.random.fold_in(jax.random.key(0), i) if stochastic else None  # a new key every step
+        params, state = osa.update_and_apply(tx, grads, state, params, key=key)
         return params, state, loss
 
     users, items, y = data(steps)
@@ -81,6 +81,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).with_suffix(".png"))
+    parser.add_argument(
+        "--json", type=pathlib.Path, default=pathlib.Path(__file__).with_suffix(".json"), help="the mean losses"
+    )
     args = parser.parse_args()
     runs = {
         "float32": train(jnp.float32, False, args.steps),
@@ -90,6 +93,18 @@ def main() -> None:
     tail = max(1, args.steps // 10)
     for name, losses in runs.items():
         print(f"{name:32s} loss: first {losses[:tail].mean():.4f}, last {tail} steps {losses[-tail:].mean():.4f}")
+    git = functools.partial(
+        subprocess.run, capture_output=True, text=True, check=False, cwd=pathlib.Path(__file__).parent
+    )
+    summary = {
+        "steps": args.steps,
+        "tail": tail,
+        "commit": git(["git", "rev-parse", "HEAD"]).stdout.strip(),
+        "modified": bool(git(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()),
+        "runs": {n: {"first": float(x[:tail].mean()), "last": float(x[-tail:].mean())} for n, x in runs.items()},
+    }
+    args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {args.json}")
 
     import matplotlib
 

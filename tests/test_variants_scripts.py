@@ -26,7 +26,16 @@ def _run(*args: str) -> str:
 
 
 def test_bf16_example_runs_small_and_stochastic_rounding_tracks_float32(tmp_path: pathlib.Path) -> None:
-    out = _run("examples/bf16_stochastic_rounding.py", "--steps", "300", "--out", str(tmp_path / "plot.png"))
+    summary = tmp_path / "losses.json"
+    out = _run(
+        "examples/bf16_stochastic_rounding.py",
+        "--steps",
+        "300",
+        "--out",
+        str(tmp_path / "plot.png"),
+        "--json",
+        str(summary),
+    )
     last = {
         m[1].strip(): float(m[2]) for m in re.finditer(r"^(.+?)loss: first [\d.]+, last \d+ steps ([\d.]+)$", out, re.M)
     }
@@ -39,6 +48,17 @@ def test_bf16_example_runs_small_and_stochastic_rounding_tracks_float32(tmp_path
     assert abs(stochastic - f32) < 0.02 * f32, out
     assert nearest > 1.05 * f32, out
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The JSON the low-precision guide's table is generated from: the printed means, rendered.
+    doc = json.loads(summary.read_text())
+    assert doc["steps"] == 300 and set(doc["runs"]) == set(last)
+    assert all(abs(doc["runs"][name]["last"] - value) < 1e-4 for name, value in last.items())
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import generate
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    page = generate.bf16_losses_page(doc)
+    assert f"| float32 | {doc['runs']['float32']['first']:.3f} | {doc['runs']['float32']['last']:.3f} |" in page
 
 
 def test_variants_benchmark_runs_small_and_its_page_renders(tmp_path: pathlib.Path) -> None:
