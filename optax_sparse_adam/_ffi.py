@@ -533,7 +533,8 @@ def rowwise_adagrad_apply(
     """The row-wise Adagrad leaf rule and ``p += neg_lr * step`` in one pass over each touched row: ``(p, acc)``.
 
     ``decay``: 0 none, 1 L2 (folded into the gradient), 2 decoupled (added to the step). ``p`` float32, bfloat16
-    or float16; a 16-bit ``p`` is rounded to nearest, or stochastically with ``seeds`` (:func:`rounding_seeds`).
+    or float16; a 16-bit ``p`` is rounded to nearest, or stochastically with ``seeds`` (two uint32, those of
+    :func:`._stochastic_rounding.leaf_seeds`).
     """
     attrs = _attrs(p.shape[0], decay=decay, unique=unique, rounding=seeds is not None)
 
@@ -548,12 +549,6 @@ def rowwise_adagrad_apply(
     rule = "n w, n, k, k w, s, t -> n w, n"
     new_p, new_acc = _by_row_shards(fn, rule)(_rows2d(p), acc, keys, _rows2d(values), scalars, _seeds(seeds))
     return new_p.reshape(p.shape), new_acc
-
-
-def rounding_seeds(key: jax.Array) -> jax.Array:
-    """The two 32-bit seeds the apply kernels round a 16-bit table stochastically with, from a leaf's key (the key
-    :func:`~optax_sparse_adam.apply_updates_stochastic` folds in for it): those of its row hash."""
-    return jax.random.bits(key, (2,), jnp.uint32)
 
 
 def _seeds(seeds: jax.Array | None) -> jax.Array:

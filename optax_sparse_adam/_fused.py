@@ -24,7 +24,7 @@ from optax_sparse_adam._row_engine import Arrays, row_shape
 from optax_sparse_adam._row_ops import HALF_FLOATS
 from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, adagrad_scalars, rowwise_adam_scalars
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
-from optax_sparse_adam._stochastic_rounding import apply_updates_stochastic
+from optax_sparse_adam._stochastic_rounding import apply_updates_stochastic, leaf_seeds
 from optax_sparse_adam._tree import is_leaf
 
 __all__ = ["update_and_apply"]
@@ -208,8 +208,8 @@ class _Fusable(NamedTuple):
         by the clipping's two (:class:`~optax_sparse_adam._fusion.Clipped`); the catch-up optimizers' scalars are a
         tuple, which takes the ``Clipped`` itself last.
       half_params: Whether ``apply`` also takes bfloat16 and float16 parameters (rounded to nearest, or
-        stochastically given a sixth argument, the seeds of :func:`._ffi.rounding_seeds`), the gradient's values
-        of a narrower float dtype converted to float32 first, as the rule converts them.
+        stochastically given a sixth argument, the seeds of :func:`._stochastic_rounding.leaf_seeds`), the
+        gradient's values of a narrower float dtype converted to float32 first, as the rule converts them.
     """
 
     learning_rate: optax.ScalarOrSchedule
@@ -389,16 +389,13 @@ def _fusable(fusion: Any) -> _Fusable | None:
 
 def _seeds(key: jax.Array | None, treedef: Any, params: Any, fused: dict[int, Any]) -> dict[int, jax.Array | None]:
     """The stochastic rounding seeds of each fused leaf with a 16-bit parameter (``None`` for the others, and for
-    all without ``key``): those of the key :func:`apply_updates_stochastic` folds in for it, ``fold_in(key, i)``
-    with ``i`` the parameter's position among the leaves of ``params``."""
+    all without ``key``): those :func:`apply_updates_stochastic` draws with, ``leaf_seeds(key, i)`` with ``i`` the
+    parameter's position among the leaves of ``params``."""
     p_leaves = treedef.flatten_up_to(params)
     if key is None:
         return dict.fromkeys(fused)
     index = treedef.flatten_up_to(jax.tree.unflatten(jax.tree.structure(params), range(len(jax.tree.leaves(params)))))
-    return {
-        i: _ffi.rounding_seeds(jax.random.fold_in(key, index[i])) if p_leaves[i].dtype in HALF_FLOATS else None
-        for i in fused
-    }
+    return {i: leaf_seeds(key, index[i]) if p_leaves[i].dtype in HALF_FLOATS else None for i in fused}
 
 
 def _counts(state: Any, new_state: Any, owner: str) -> tuple[jax.Array, jax.Array]:

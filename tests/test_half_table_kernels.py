@@ -21,7 +21,7 @@ import pytest
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path
-from optax_sparse_adam._stochastic_rounding import _draws_by_key, _round_with
+from optax_sparse_adam._stochastic_rounding import _draws, _round_with, leaf_seeds
 from tests.helpers import assert_trees_equal, jit_once
 
 ROWS, WIDTH, K = 48, 24, 96
@@ -175,7 +175,7 @@ def test_rounding_is_bitwise_that_of_the_xla_path(dtype, stochastic):
 @needs_kernels
 @pytest.mark.parametrize("dtype", sorted(HALF))
 def test_the_kernels_draws_are_those_of_apply_updates_stochastic(dtype):
-    """The kernel's rounding on its own, bitwise: ``_round_with`` on ``_draws_by_key``'s draws, with the seeds
+    """The kernel's rounding on its own, bitwise: ``_round_with`` on ``_draws``' draws, with the seeds
     of the leaf's key, for a step whose float32 sums are computed alike (lr 1, a step of one row's entries over
     their own root mean square: a row of equal magnitudes has a step of exactly +-1)."""
     dt = HALF[dtype]
@@ -185,7 +185,7 @@ def test_the_kernels_draws_are_those_of_apply_updates_stochastic(dtype):
     ids = jnp.asarray(rng.permutation(ROWS)[:20], jnp.int32)
     values = jnp.asarray(rng.choice([-0.5, 0.5], (20, WIDTH)), jnp.float32)
     scalars = jnp.array([0.0, 0.0, -(2.0**-12)], jnp.float32)  # eps 0, no decay, neg_lr
-    seeds = _ffi.rounding_seeds(key)
+    seeds = leaf_seeds(key, 0)
 
     def apply(p, acc):
         return _ffi.rowwise_adagrad_apply(p, acc, ids, values, scalars, seeds, decay=0, unique=2)
@@ -193,7 +193,7 @@ def test_the_kernels_draws_are_those_of_apply_updates_stochastic(dtype):
     with osa.use_kernels(True):
         got, _ = jax.jit(apply)(p, jnp.zeros((ROWS,), jnp.float32))
     x = p[ids].astype(jnp.float32) + jnp.float32(-(2.0**-12)) * jnp.sign(values)
-    want = p.at[ids].set(_round_with(x, dt, _draws_by_key(key, ids[:, None], (WIDTH,))))
+    want = p.at[ids].set(_round_with(x, dt, _draws(seeds, ids[:, None], (WIDTH,))))
     assert_trees_equal(got, want)
 
 
@@ -328,3 +328,15 @@ def test_a_clipped_chain_on_a_half_float_table(values_dtype):
     with osa.use_kernels(False):
         want = jax.jit(two_calls)(p, s, ids, values)
     _compare(got, want, p)
+
+
+def test_leaf_seeds_depend_on_the_key_and_the_leaf_and_take_raw_keys():
+    """Two uint32 seeds from the key's data and the leaf's position, by integer hashing (no threefry): different
+    for another leaf or another key, equal for a raw key of the same data."""
+    k = jax.random.key(3)
+    seeds = [leaf_seeds(k, 0), leaf_seeds(k, 1), leaf_seeds(jax.random.fold_in(k, 1), 0)]
+    assert all(s.dtype == jnp.uint32 and s.shape == (2,) for s in seeds)
+    assert len({tuple(np.asarray(s).tolist()) for s in seeds}) == 3 and seeds[0][0] != seeds[0][1]
+    assert_trees_equal(leaf_seeds(jax.random.PRNGKey(3), 0), seeds[0])
+    hlo = jax.jit(leaf_seeds, static_argnums=1).lower(k, 0).as_text()
+    assert "threefry" not in hlo and "while" not in hlo

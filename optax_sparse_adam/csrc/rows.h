@@ -79,7 +79,7 @@ inline uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
 
 // ---- Parameters in an apply handler: float32, or bfloat16 / float16 widened to float32 exactly and rounded
 // back once per step, to nearest (apply_updates: (p + u).astype(p.dtype)) or stochastically
-// (apply_updates_stochastic: _round_with on the draws of _draws_by_key).
+// (apply_updates_stochastic: _round_with on the draws of _draws).
 
 inline uint32_t Bits(float x) {
   uint32_t u;
@@ -161,7 +161,7 @@ struct F32Params {
   float Store(float x, uint32_t, int64_t) const { return x; }
 };
 
-// bfloat16 or float16 parameters. Stochastic rounding draws as _draws_by_key does: the row's seed is murmur3's
+// bfloat16 or float16 parameters. Stochastic rounding draws as _draws does: the row's seed is murmur3's
 // finalizer over the global row id and the two 32-bit seeds of the leaf's key, an element's draw the top 24 bits
 // of the finalizer of that seed plus its position times the golden ratio.
 template <class Half, bool kStochastic>
