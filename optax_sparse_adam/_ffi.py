@@ -534,7 +534,8 @@ def rowwise_adagrad_apply(
 
     ``decay``: 0 none, 1 L2 (folded into the gradient), 2 decoupled (added to the step). ``p`` float32, bfloat16
     or float16; a 16-bit ``p`` is rounded to nearest, or stochastically with ``seeds`` (two uint32, those of
-    :func:`._stochastic_rounding.leaf_seeds`).
+    :func:`._stochastic_rounding.leaf_seeds`, and optionally a third, the row id the draws give the table's row 0:
+    its block's first row inside ``shard_map``).
     """
     attrs = _attrs(p.shape[0], decay=decay, unique=unique, rounding=seeds is not None)
 
@@ -547,12 +548,15 @@ def rowwise_adagrad_apply(
         )(p, acc, *rest, row_begin, **attrs)
 
     rule = "n w, n, k, k w, s, t -> n w, n"
-    new_p, new_acc = _by_row_shards(fn, rule)(_rows2d(p), acc, keys, _rows2d(values), scalars, _seeds(seeds))
+    new_p, new_acc = _by_row_shards(fn, rule)(_rows2d(p), acc, keys, _rows2d(values), scalars, _seeds_operand(seeds))
     return new_p.reshape(p.shape), new_acc
 
 
-def _seeds(seeds: jax.Array | None) -> jax.Array:
-    return jnp.zeros((2,), jnp.uint32) if seeds is None else seeds
+def _seeds_operand(seeds: jax.Array | None) -> jax.Array:
+    """The apply kernels' ``seeds`` operand: the leaf's two seeds, then the draws' row offset (0 if not given)."""
+    if seeds is None:
+        return jnp.zeros((3,), jnp.uint32)
+    return seeds if seeds.shape == (3,) else jnp.concatenate([seeds, jnp.zeros((1,), jnp.uint32)])
 
 
 def rowwise_adam_rows(
@@ -629,6 +633,6 @@ def rowwise_adam_apply(
     rule = "n w, n w, n, k, k w, s, t" + ("", ", n", ", n, k c")[len(extra)] + " -> n w, n w, n"
     rule += ", n" if extra else ""
     new_p, m, v, *count = _by_row_shards(fn, rule)(
-        _rows2d(p), _rows2d(mu), nu, keys, _rows2d(values), scalars, _seeds(seeds), *extra
+        _rows2d(p), _rows2d(mu), nu, keys, _rows2d(values), scalars, _seeds_operand(seeds), *extra
     )
     return (new_p.reshape(p.shape), m.reshape(mu.shape), v, *count)

@@ -24,7 +24,7 @@ from optax_sparse_adam._row_engine import Arrays, row_shape
 from optax_sparse_adam._row_ops import HALF_FLOATS
 from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, adagrad_scalars, rowwise_adam_scalars
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
-from optax_sparse_adam._stochastic_rounding import apply_updates_stochastic, leaf_seeds
+from optax_sparse_adam._stochastic_rounding import apply_stochastic, leaf_seeds
 from optax_sparse_adam._tree import is_leaf
 
 __all__ = ["update_and_apply"]
@@ -128,11 +128,25 @@ def update_and_apply(
              [0.9, 0.9],
              [1. , 1. ]], dtype=float32)
     """
+    return fused_step(tx, grads, state, params, key)
+
+
+def fused_step(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    state: optax.OptState,
+    params: optax.Params,
+    key: jax.Array | None = None,
+    first_rows: dict[int, jax.Array] | None = None,
+) -> tuple[optax.Params, optax.OptState]:
+    """:func:`update_and_apply`; with ``key``, the rows of the parameter at position ``i`` (of
+    ``jax.tree.leaves(params)``) draw as rows ``first_rows[i]`` on of a larger table (a block of a row-sharded one
+    inside ``shard_map``: see :func:`._stochastic_rounding.apply_stochastic`)."""
     fusion = getattr(tx.update, "fusion", None)
     fusable = _fusable(fusion)
     apply: Callable[[Any, Any], Any] = apply_updates
     if key is not None and any(getattr(p, "dtype", None) in HALF_FLOATS for p in jax.tree.leaves(params)):
-        apply = functools.partial(apply_updates_stochastic, key=key)
+        apply = functools.partial(apply_stochastic, key=key, first_rows=first_rows)
         if fusable is None or not fusable.half_params:  # the kernels that round stochastically are the row-wise ones
             updates, state = tx.update(grads, state, params)
             return apply(params, updates), state
@@ -162,7 +176,7 @@ def update_and_apply(
     p_leaves = treedef.flatten_up_to(params)
     state_leaves = [treedef.flatten_up_to(tree) for tree in fusable.trees(state)]
     options = fusable.leaf_options(treedef, params)
-    seeds = _seeds(key, treedef, params, fused)
+    seeds = _seeds(key, treedef, params, fused, first_rows or {})
 
     def native() -> list[tuple[jax.Array, ...]]:
         return [
@@ -387,15 +401,27 @@ def _fusable(fusion: Any) -> _Fusable | None:
     return None
 
 
-def _seeds(key: jax.Array | None, treedef: Any, params: Any, fused: dict[int, Any]) -> dict[int, jax.Array | None]:
+def _seeds(
+    key: jax.Array | None, treedef: Any, params: Any, fused: dict[int, Any], first_rows: dict[int, jax.Array]
+) -> dict[int, jax.Array | None]:
     """The stochastic rounding seeds of each fused leaf with a 16-bit parameter (``None`` for the others, and for
     all without ``key``): those :func:`apply_updates_stochastic` draws with, ``leaf_seeds(key, i)`` with ``i`` the
-    parameter's position among the leaves of ``params``."""
+    parameter's position among the leaves of ``params``, and where ``first_rows`` gives one, the row id its row 0
+    draws as (the kernels' third word of seeds)."""
     p_leaves = treedef.flatten_up_to(params)
     if key is None:
         return dict.fromkeys(fused)
     index = treedef.flatten_up_to(jax.tree.unflatten(jax.tree.structure(params), range(len(jax.tree.leaves(params)))))
-    return {i: leaf_seeds(key, index[i]) if p_leaves[i].dtype in HALF_FLOATS else None for i in fused}
+    seeds: dict[int, jax.Array | None] = {}
+    for i in fused:
+        if p_leaves[i].dtype not in HALF_FLOATS:
+            seeds[i] = None
+            continue
+        leaf = leaf_seeds(key, index[i])
+        if index[i] in first_rows:
+            leaf = jnp.concatenate([leaf, first_rows[index[i]].astype(jnp.uint32).reshape(1)])
+        seeds[i] = leaf
+    return seeds
 
 
 def _counts(state: Any, new_state: Any, owner: str) -> tuple[jax.Array, jax.Array]:

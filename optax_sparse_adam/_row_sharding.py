@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from optax_sparse_adam import _routing
 from optax_sparse_adam._apply import apply_updates as _apply_updates
-from optax_sparse_adam._fused import update_and_apply as _update_and_apply
+from optax_sparse_adam._fused import fused_step
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._routing import Route, RoutingInfo
 from optax_sparse_adam._row_grad import Selection, check_ids, check_reads_rows_only, rows_read, select_tables
@@ -339,13 +339,24 @@ class RowSharding:
         return self._map(body, (p_specs, u_specs), p_specs, params, updates)
 
     def update_and_apply(
-        self, tx: optax.GradientTransformation, grads: Any, state: Any, params: Any
+        self,
+        tx: optax.GradientTransformation,
+        grads: Any,
+        state: Any,
+        params: Any,
+        *,
+        key: jax.Array | None = None,
     ) -> tuple[Any, Any]:
         """:func:`~optax_sparse_adam.update_and_apply` on each device's block, in one ``shard_map``.
 
         Each table's owner-aligned gradient is made local to its block once,
         and the step is applied there (in one pass per row where the native
         kernels apply), with no round trip of the updates through global ids.
+
+        With ``key`` (replicated), bfloat16 and float16 parameters are rounded
+        stochastically, each table row drawing as it does on one device: the
+        step equals ``update_and_apply(tx, grads, state, params, key=key)``
+        on the whole tables.
 
         Returns:
           ``(params, state)`` after the step, with their shardings.
@@ -355,11 +366,21 @@ class RowSharding:
         s_specs = self.state_specs(tx, state, params)
         _, _, chosen, treedef = self._selected(params)
 
-        def body(grads: Any, state: Any, params: Any) -> Any:
+        def body(grads: Any, state: Any, params: Any, key: Any) -> Any:
             _, local = self._locals(grads, chosen, treedef, "RowSharding.update_and_apply")
-            return _update_and_apply(tx, treedef.unflatten(local), state, params)
+            first_rows = None
+            if key is not None:  # each block's rows draw by their ids in the whole table
+                block = jax.lax.axis_index(self.axis).astype(jnp.int32)
+                position = {id(x): j for j, x in enumerate(jax.tree.leaves(params))}
+                tables = [_flatten_up_to(treedef, params, "RowSharding.update_and_apply")[i] for i in chosen]
+                first_rows = {position[id(p)]: block * p.shape[0] for p in tables if id(p) in position}
+            return fused_step(tx, treedef.unflatten(local), state, params, key, first_rows)
 
-        return self._map(body, (g_specs, s_specs, p_specs), (p_specs, s_specs), grads, state, params)
+        out_specs = (p_specs, s_specs)
+        if key is None:
+            keyless = lambda g, s, p: body(g, s, p, None)  # noqa: E731
+            return self._map(keyless, (g_specs, s_specs, p_specs), out_specs, grads, state, params)
+        return self._map(body, (g_specs, s_specs, p_specs, _P()), out_specs, grads, state, params, key)
 
     # ----------------------------------------------------------------------------------- routing
 

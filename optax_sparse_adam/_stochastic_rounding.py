@@ -150,6 +150,16 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
       >>> bool(new[1].astype(jnp.float32).max() > 1)  # some entries moved up a whole bf16 step
       True
     """
+    return apply_stochastic(params, updates, key)
+
+
+def apply_stochastic(
+    params: optax.Params, updates: optax.Updates, key: jax.Array, first_rows: dict[int, jax.Array] | None = None
+) -> optax.Params:
+    """:func:`apply_updates_stochastic`, a sparse leaf's draws keyed by its rows' ids plus ``first_rows[i]`` for
+    the parameter at position ``i`` where given: inside ``shard_map`` a table is its device's block, and its first
+    row's global id makes its rows draw as the whole table's do (``RowSharding.update_and_apply`` with a key)."""
+    first_rows = first_rows or {}
     treedef: Any
     pairs, treedef = jax.tree_util.tree_flatten_with_path(params)
     index = treedef.unflatten(list(range(len(pairs))))
@@ -174,7 +184,8 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
         def round_rows(start: Any, chunk: Any, p: jax.Array) -> jax.Array:
             idx = chunk.row_index()
             x = take_rows(p, idx).astype(jnp.float32) + chunk.values.astype(jnp.float32)
-            rounded = _round_with(x, p.dtype, _draws(seeds, chunk.keys, x.shape[1:]))
+            keys = chunk.keys if i not in first_rows else chunk.keys + first_rows[i].astype(chunk.keys.dtype)
+            rounded = _round_with(x, p.dtype, _draws(seeds, keys, x.shape[1:]))
             return scatter_rows(p, idx, rounded, "set", unique=True)
 
         return (for_each_chunk(leaf, round_rows, p),)  # the summed rows fill the first slots

@@ -431,6 +431,59 @@ def test_update_and_apply_equals_update_then_apply_updates(tx):
     _assert_row_sharded(fused, mesh)
 
 
+@pytest.mark.parametrize(
+    "tx", [osa.sparse_rowwise_adagrad(0.5), osa.sparse_adam(0.05)], ids=["fused rows", "two calls"]
+)
+def test_stochastic_rounding_of_a_row_sharded_bfloat16_table_draws_as_on_one_device(tx, kernel_path):
+    """``RowSharding.update_and_apply(key=)``: each device's block draws by its rows' ids in the whole table (the
+    fused row-wise kernel by the third word of its seeds, the two calls by apply_stochastic's first rows), so the
+    table and its state equal ``update_and_apply(key=)``'s on one device bitwise (replicated ids, one summation
+    order; the dense leaf's gradient is summed over the devices, to float32 rounding), step after step."""
+    mesh = _mesh()
+    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"])
+    rng = np.random.default_rng(11)
+    init = {
+        "emb": jnp.asarray(rng.standard_normal((N, 16)), jnp.bfloat16),
+        "w": jnp.asarray(rng.standard_normal((16,)), jnp.float32),
+    }
+    batches = [(rng.integers(-1, N + 1, K).astype(np.int32), rng.standard_normal(K).astype(np.float32))] * 3
+    is_table = lambda path: "emb" in jax.tree_util.keystr(path)  # noqa: E731
+    key = jax.random.key(3)
+
+    @jax.jit
+    def one_device(p: Any, s: Any, ids: jax.Array, y: jax.Array, k: jax.Array) -> Any:
+        _, g = osa.value_and_row_grad(loss_fn, lambda p: p["emb"])(p, ids, y)
+        return osa.update_and_apply(tx, g, s, p, key=k)
+
+    @jax.jit
+    def sharded(p: Any, s: Any, ids: jax.Array, y: jax.Array, k: jax.Array) -> Any:
+        _, g, _ = rs.value_and_row_grad(loss_fn)(p, ids, y)
+        return rs.update_and_apply(tx, g, s, p, key=k)
+
+    @jax.jit
+    def nearest(p: Any, s: Any, ids: jax.Array, y: jax.Array) -> Any:
+        _, g, _ = rs.value_and_row_grad(loss_fn)(p, ids, y)
+        return rs.update_and_apply(tx, g, s, p)
+
+    ref = (init, tx.init(init))
+    got = (rs.shard(init), tx.init(rs.shard(init)))
+    for step, (ids, y) in enumerate(batches):
+        k = jax.random.fold_in(key, step)
+        ref = one_device(*ref, jnp.asarray(ids), jnp.asarray(y), k)
+        to_nearest = nearest(*got, jnp.asarray(ids), jnp.asarray(y))
+        got = sharded(*got, jnp.asarray(ids), jnp.asarray(y), k)
+        _assert_row_sharded(got[0], mesh)
+        assert got[0]["emb"].dtype == jnp.bfloat16
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref), strict=True):
+            if is_table(path):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+        ref = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), got)  # the next step from the same dense leaf
+        # the draws matter: rounding to nearest gives other parameters
+        assert not np.array_equal(np.asarray(to_nearest[0]["emb"]), np.asarray(got[0]["emb"]))
+
+
 def test_several_tables_and_a_table_looked_up_twice():
     mesh = _mesh()
     rng = np.random.default_rng(5)

@@ -7,12 +7,12 @@
 //     packed as the XLA path packs them (distinct keys first, padding after;
 //     with `unique`, in the entries' own slots); p (the parameters) is read
 //     for L2 weight decay only;
-//   optax_sparse_adam_v2_rowwise_adagrad_apply  (p, acc, keys, values, scalars) -> (p, acc)
+//   optax_sparse_adam_v2_rowwise_adagrad_apply  (p, acc, keys, values, scalars, seeds) -> (p, acc)
 //     the rule and p += neg_lr * step (after decoupled weight decay, in that
 //     mode), touching each row of p and acc once.
 // Row-wise Adam (scale_by_rowwise_adam; FBGEMM's PARTIAL_ROWWISE_ADAM):
 //   optax_sparse_adam_v2_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count[, bc]]) -> (mu, nu, keys, step[, row_count])
-//   optax_sparse_adam_v2_rowwise_adam_apply (p, mu, nu, keys, values, scalars[, row_count[, bc]]) -> (p, mu, nu[, row_count])
+//   optax_sparse_adam_v2_rowwise_adam_apply (p, mu, nu, keys, values, scalars, seeds[, row_count[, bc]]) -> (p, mu, nu[, row_count])
 //     mu per entry, nu one scalar per row; with per-row bias correction each
 //     row's update count rises by one (saturating, as optax.safe_increment)
 //     and 1 - b1^c, 1 - b2^c at the row's new count c replace the global
@@ -22,6 +22,11 @@
 // The apply handlers take two more scalars after the rule's (3 + 2, 9 + 2):
 // the global-norm clipping's divisor and factor, each summed gradient row then
 // clipped first, g = (g / div) * mul (sparse_aware(clip_by_global_norm)'s rule).
+// The apply handlers take p as float32, bfloat16 or float16 (rows.h's
+// parameter policies: a 16-bit row widened, updated in float32, rounded once,
+// to nearest or, with `rounding` 1, stochastically from `seeds`: the leaf's two
+// seeds, then the row id its draws give local row 0 beyond the shard's first
+// row, nonzero inside shard_map only).
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
@@ -444,8 +449,16 @@ ffi::Error CheckParams(const ffi::AnyBuffer& p, ffi::Result<ffi::AnyBuffer>& p_o
   if (p_out->element_type() != p.element_type()) return ffi::Error::InvalidArgument("p_out must have p's dtype");
   if (static_cast<int64_t>(p.element_count()) != local_rows * width)
     return ffi::Error::InvalidArgument("p must have one row of the values' width per row of the state");
-  if (seeds.element_count() != 2) return ffi::Error::InvalidArgument("seeds must hold two values");
+  if (seeds.element_count() != 3)
+    return ffi::Error::InvalidArgument("seeds must hold three values (two seeds, then the draws' row offset)");
   return ffi::Error::Success();
+}
+
+// The row id the draws give local row 0: the shard's first row, plus the third word of `seeds`, where a table
+// inside shard_map (whose every call is a block of its own, row_begin 0) puts its block's first row, so that its
+// rows draw as the whole table's do (RowSharding.update_and_apply with a key).
+int64_t DrawsFirstRow(const Shard& shard, const ffi::BufferR1<ffi::U32>& seeds) {
+  return shard.begin + static_cast<int64_t>(seeds.typed_data()[2]);
 }
 
 ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::BufferR1<ffi::F32> acc,
@@ -468,7 +481,7 @@ ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::BufferR
   CopyIfNotAliased(q, static_cast<const char*>(p.untyped_data()), p.size_bytes());
   CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
   const Options o{unique, threads, ReadClip(scalars, kAdagradScalars)};
-  return WithParams(p.element_type(), rounding, seeds.typed_data(), shard.begin, [&](const auto& params) {
+  return WithParams(p.element_type(), rounding, seeds.typed_data(), DrawsFirstRow(shard, seeds), [&](const auto& params) {
     using T = typename std::decay_t<decltype(params)>::T;
     DispatchAdagrad<true>(pool, ReadAdagradScalars(scalars), decay, o, keys.typed_data(), k, shard,
                           values.typed_data(), a, reinterpret_cast<T*>(q), reinterpret_cast<T*>(q), nullptr, width,
@@ -588,7 +601,7 @@ ffi::Error AdamApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::Buffer<ffi
   CopyIfNotAliased(t.m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(t.v, nu.typed_data(), nu.element_count());
   const Options o{unique, threads, ReadClip(scalars, kAdamScalars)};
-  return WithParams(p.element_type(), rounding, seeds.typed_data(), shard.begin, [&](const auto& params) {
+  return WithParams(p.element_type(), rounding, seeds.typed_data(), DrawsFirstRow(shard, seeds), [&](const auto& params) {
     using T = typename std::decay_t<decltype(params)>::T;
     DispatchAdam<true>(pool, ReadAdamScalars(scalars), t, o, keys.typed_data(), k, shard, values.typed_data(),
                        reinterpret_cast<T*>(q), nullptr, width, params);
@@ -623,7 +636,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdagradApply, optax_sparse_a
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
-                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: stochastic rounding's (rounding = 1)
+                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: stochastic rounding's two, and the draws' row offset
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
                                   .Ret<ffi::AnyBuffer>()           // p
                                   .Ret<ffi::BufferR1<ffi::F32>>()  // acc
@@ -661,7 +674,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdamApply, optax_sparse_adam
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
-                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: stochastic rounding's (rounding = 1)
+                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: stochastic rounding's two, and the draws' row offset
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
                                   .RemainingArgs()                 // row_count, bc: per-row bias correction only
                                   .Ret<ffi::AnyBuffer>()           // p
