@@ -25,6 +25,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import re
 import time
 from typing import Any
@@ -37,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from report import machine_info  # noqa: E402
 
 import optax_sparse_adam as osa  # noqa: E402
 
@@ -262,6 +264,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    machine = machine_info(threads=0)
     print(f"jax {jax.__version__}, {jax.device_count()} devices, width {WIDTH}, {IDS} ids a step", flush=True)
     results = []
     for rows in args.rows:
@@ -272,7 +275,8 @@ def main() -> None:
         print(json.dumps(p), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"measured": results, "on_paper": paper}, f, indent=1)
+            machine["load_average_end"] = os.getloadavg()
+            json.dump({"machine": machine, "measured": results, "on_paper": paper}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -170,6 +170,14 @@ def sharding_page(doc: dict[str, Any]) -> str:
         "This page is generated at build time from `benchmarks/results/sharding.json`. The routes are described "
         "in [Sharded tables and many processes](../guides/sharding.md).",
     ]
+    m = doc.get("machine")
+    if m is not None:
+        load = ", ".join(f"{x:.2f}" for x in (*m["load_average_start"][:1], *m.get("load_average_end", [])[:1]))
+        lines += [
+            "",
+            f"Measured at commit `{_commit(m)}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, "
+            f"{m['date_utc']}, 1-minute load average {load} (start/end).",
+        ]
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in doc["measured"]:
         groups.setdefault((r["rows"], r["ids"]), []).append(r)
