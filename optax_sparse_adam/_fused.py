@@ -140,8 +140,8 @@ def fused_step(
     first_rows: dict[int, jax.Array] | None = None,
 ) -> tuple[optax.Params, optax.OptState]:
     """:func:`update_and_apply`; with ``key``, the rows of the parameter at position ``i`` (of
-    ``jax.tree.leaves(params)``) draw as rows ``first_rows[i]`` on of a larger table (a block of a row-sharded one
-    inside ``shard_map``: see :func:`._stochastic_rounding.apply_stochastic`)."""
+    ``jax.tree.leaves(params)``) draw as the rows from ``first_rows[i]`` on of a larger table (a block of a
+    row-sharded one inside ``shard_map``: see :func:`._stochastic_rounding.apply_stochastic`)."""
     fusion = getattr(tx.update, "fusion", None)
     fusable = _fusable(fusion)
     apply: Callable[[Any, Any], Any] = apply_updates

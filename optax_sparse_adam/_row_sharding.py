@@ -372,7 +372,8 @@ class RowSharding:
             if key is not None:  # each block's rows draw by their ids in the whole table
                 block = jax.lax.axis_index(self.axis).astype(jnp.int32)
                 position = {id(x): j for j, x in enumerate(jax.tree.leaves(params))}
-                tables = [_flatten_up_to(treedef, params, "RowSharding.update_and_apply")[i] for i in chosen]
+                flat = _flatten_up_to(treedef, params, "RowSharding.update_and_apply")
+                tables = [flat[i] for i in chosen]
                 first_rows = {position[id(p)]: block * p.shape[0] for p in tables if id(p) in position}
             return fused_step(tx, treedef.unflatten(local), state, params, key, first_rows)
 
