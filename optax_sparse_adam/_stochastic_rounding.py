@@ -50,14 +50,27 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
       1.001
     """
     x = jnp.asarray(x, jnp.float32)
-    return _round_with(x, dtype, jax.random.uniform(key, x.shape, jnp.float32))
+    return _round_with(x, dtype, jax.random.bits(key, x.shape, jnp.uint32))
 
 
-def _round_with(x: jax.Array, dtype: Any, uniform: jax.Array) -> jax.Array:
-    """:func:`stochastic_round` with its uniform draws in ``[0, 1)`` given, one per element of float32 ``x``."""
+def _round_with(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
+    """:func:`stochastic_round` with its random bits given, a ``uint32`` per element of float32 ``x``.
+
+    bfloat16, the top half of a float32: the draw's top 16 bits are added below the half kept, and the sum is
+    truncated. ``x`` goes up in magnitude with probability (its low half) / 2**16, which is exactly its distance
+    from the neighbour below over the gap (the float32s between two bfloat16 neighbours are evenly spaced,
+    subnormals too, and a carry into the exponent is the next neighbour). float16: ``x`` goes to the upper
+    neighbour where the draw's top 24 bits, as a fraction, fall below that ratio. Either way to nearest where
+    ``x`` is held exactly, is not finite or lies past the largest finite value.
+    """
+    nearest = jax.lax.optimization_barrier(x.astype(dtype))
+    if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+        u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        drawn = jax.lax.bitcast_convert_type(((u + (bits >> 16)) >> 16).astype(jnp.uint16), jnp.bfloat16)
+        return jnp.where((u & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F7F0000), nearest, drawn)
+    uniform = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
     # The barrier keeps the round trip float32 -> dtype -> float32: XLA:GPU drops such convert pairs where excess
     # precision is allowed (its default), which made `near == x` everywhere under jit and rounded all to nearest.
-    nearest = jax.lax.optimization_barrier(x.astype(dtype))
     near = nearest.astype(jnp.float32)
     toward = jnp.where(near < x, jnp.asarray(jnp.inf, dtype), jnp.asarray(-jnp.inf, dtype))
     other = jax.lax.nextafter(nearest, toward)
@@ -89,25 +102,24 @@ def leaf_seeds(key: jax.Array, index: int) -> jax.Array:
 
 
 def _draws(seeds: jax.Array, keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform draws in ``[0, 1)`` for each entry of a coalesced sparse leaf, from the leaf's two ``seeds``
-    (:func:`leaf_seeds`) and the entry's own key.
+    """The random bits (a ``uint32``) of each element of each entry of a coalesced sparse leaf, from the leaf's
+    two ``seeds`` (:func:`leaf_seeds`) and the entry's own key.
 
     Keyed by the row (or element) a draw rounds rather than by its packed slot: the slots' order depends on the
     order of the ids, on the path that summed them (the native kernel packs ids in order of first occurrence, the
     XLA path by its hash rounds) and, on GPUs, on which of the colliding writes of the hash rounds lands, so draws
     by slot would change with any of them. Each entry's key columns are hashed with the two seeds into the row's
-    seed, and each element's draw is the top 24 bits of the hash (murmur3's finalizer)
-    of that seed plus the element's position times the golden ratio: a counter-based generator, one integer hash
-    an element (a PRNG key per row cost a threefry block per element, several times the optimizer's step).
+    seed, and each element's draw is the hash (murmur3's finalizer) of that seed plus the element's position
+    times the golden ratio (:func:`_round_with` takes the bits it uses from it): a counter-based generator, one
+    integer hash an element (a PRNG key per row cost a threefry block per element, several times the optimizer's
+    step).
     """
     row = _mix(keys[:, 0].astype(jnp.uint32) ^ seeds[0])
     for j in range(1, keys.shape[1]):
         row = _mix(row ^ keys[:, j].astype(jnp.uint32))
     row = _mix(row ^ seeds[1])
     position = jnp.arange(math.prod(shape), dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    bits = _mix(row[:, None] + position[None, :])
-    uniform = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-    return uniform.reshape((keys.shape[0], *shape))
+    return _mix(row[:, None] + position[None, :]).reshape((keys.shape[0], *shape))
 
 
 def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: jax.Array) -> optax.Params:

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
+from optax_sparse_adam._stochastic_rounding import _round_with
 from tests.helpers import assert_trees_equal
 
 
@@ -37,6 +38,22 @@ def test_rounds_to_a_neighbour_without_bias(dtype, x):
         assert abs(np.mean(y == hi) - p_hi) <= 5 * np.sqrt(p_hi * (1 - p_hi) / y.size) + 1e-9
     if near == np.float32(x):
         assert values == {near}  # exactly representable: unchanged
+
+
+@pytest.mark.parametrize(
+    "x",
+    [1.0 + 2.0**-10 + 2.0**-20, -3.3e-3, 1.37 * 2.0**-130, -(2.0**-149), 1.99999, 3.3e38, -1.2345678e38],
+    ids=["normal", "negative", "subnormal", "smallest subnormal", "below a power of two", "top binade", "large"],
+)
+def test_bfloat16_rounds_up_with_probability_exactly_its_distance_over_the_gap(x):
+    """Over all 2**16 draws that bfloat16's rule tells apart (a draw's top 16 bits), the rounded values average to
+    ``x`` exactly: unbiased to the last bit, subnormals, carries into the next binade and the top binade included
+    (2**16 values of two neighbours sum exactly in float64)."""
+    x = np.float32(x)
+    bits = jnp.arange(2**16, dtype=jnp.uint32) << 16
+    y = jax.jit(_round_with, static_argnums=1)(jnp.full((2**16,), x), jnp.bfloat16, bits)
+    assert len(np.unique(np.asarray(y, np.float32))) == 2
+    assert np.asarray(y, np.float64).mean() == np.float64(x)
 
 
 def test_special_values_round_to_nearest():

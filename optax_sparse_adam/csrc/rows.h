@@ -101,6 +101,15 @@ struct Bf16 {
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
   }
+  // Stochastic rounding (_round_with): the draw's top 16 bits added below the kept half, then truncated. x goes
+  // up in magnitude with probability (low half of x) / 2^16, exactly (x - lo) / (hi - lo): a bfloat16 is the top
+  // half of a float32, so the float32s between two neighbours are evenly spaced (subnormals too), and a carry into
+  // the exponent is the next neighbour. To nearest past the largest finite value (infinities and NaN too).
+  OSA_ROW_INLINE static uint16_t Stochastic(float x, uint32_t bits) {
+    const uint32_t u = Bits(x);
+    const uint32_t drawn = (u + (bits >> 16)) >> 16;
+    return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F7F0000u ? Nearest(x) : drawn);
+  }
 };
 
 // float16 (IEEE binary16): the conversions of the FP16 library (github.com/Maratyszcza/FP16, MIT license), exact,
@@ -127,14 +136,16 @@ struct F16 {
     const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
     return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
   }
+  // Stochastic rounding (_round_with): RoundStochastic (below) on the draw's top 24 bits as a fraction.
+  OSA_ROW_INLINE static uint16_t Stochastic(float x, uint32_t bits);
 };
 
 inline bool IsFinite(float x) { return (Bits(x) & 0x7F800000u) != 0x7F800000u; }
 
-// _round_with: x rounded up or down at random (u uniform in [0, 1)), unbiased; to nearest where the dtype holds x,
-// where x is not finite, and where a neighbour is not. Branch-free, so that the row loops vectorize: the other
-// candidate is the 16-bit neighbour of the nearest toward x (as jax.lax.nextafter steps, from a zero of either sign
-// to the smallest subnormal of x's sign), and x goes to the upper of the two with probability
+// _round_with for float16: x rounded up or down at random (u uniform in [0, 1)), unbiased; to nearest where the
+// dtype holds x, where x is not finite, and where a neighbour is not. Branch-free, so that the row loops vectorize:
+// the other candidate is the 16-bit neighbour of the nearest toward x (as jax.lax.nextafter steps, from a zero of
+// either sign to the smallest subnormal of x's sign), and x goes to the upper of the two with probability
 // (x - lower) / (upper - lower).
 template <class Half>
 OSA_ROW_INLINE uint16_t RoundStochastic(float x, float u) {
@@ -153,6 +164,10 @@ OSA_ROW_INLINE uint16_t RoundStochastic(float x, float u) {
   return static_cast<uint16_t>(exact ? nearest : rounded);
 }
 
+OSA_ROW_INLINE uint16_t F16::Stochastic(float x, uint32_t bits) {
+  return RoundStochastic<F16>(x, static_cast<float>(bits >> 8) * 0x1p-24f);
+}
+
 // float32 parameters: read and written as they are.
 struct F32Params {
   using T = float;
@@ -162,8 +177,8 @@ struct F32Params {
 };
 
 // bfloat16 or float16 parameters. Stochastic rounding draws as _draws does: the row's seed is murmur3's
-// finalizer over the global row id and the two 32-bit seeds of the leaf's key, an element's draw the top 24 bits
-// of the finalizer of that seed plus its position times the golden ratio.
+// finalizer over the global row id and the two 32-bit seeds of the leaf's key, an element's draw the finalizer of
+// that seed plus its position times the golden ratio (Half::Stochastic takes the bits it uses from it).
 template <class Half, bool kStochastic>
 struct HalfParams {
   using T = uint16_t;
@@ -178,8 +193,7 @@ struct HalfParams {
     if constexpr (!kStochastic) {
       return Half::Nearest(x);
     } else {
-      const uint32_t bits = Mix(row_seed + static_cast<uint32_t>(j) * 0x9E3779B9u);
-      return RoundStochastic<Half>(x, static_cast<float>(bits >> 8) * 0x1p-24f);
+      return Half::Stochastic(x, Mix(row_seed + static_cast<uint32_t>(j) * 0x9E3779B9u));
     }
   }
 };
