@@ -128,9 +128,8 @@ ffi::Error SumSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ff
   Coalesced c;
   Coalesce(keys.typed_data(), k, num_rows, 0, c);
   std::vector<double> squares(static_cast<size_t>(c.size));
-  const std::vector<int32_t> row_of = EntryRows(c, k);
   ParallelFor(pool, c.size, std::min<int64_t>(threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    StreamSquares(row_of.data(), k, values.typed_data(), squares.data(), width, lo, hi);
+    StreamSquares(c.entry.data(), k, values.typed_data(), squares.data(), width, lo, hi);
   });
   *sum_of_squares->typed_data() = TotalSquares(squares);
   return ffi::Error::Success();

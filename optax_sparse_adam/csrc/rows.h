@@ -266,7 +266,8 @@ inline Clip ReadClip(const xla::ffi::BufferR1<xla::ffi::F32>& scalars, int64_t c
 struct Coalesced {
   std::vector<int32_t> row;    // row[d]: the d-th distinct key
   std::vector<int32_t> first;  // first[d]: its first entry
-  std::vector<int32_t> next;   // next[i]: the next entry with entry i's key, or -1
+  std::vector<int32_t> next;   // next[i]: the next entry with entry i's key, or -1 (unset for a skipped entry)
+  std::vector<int32_t> entry;  // entry[i]: the distinct row d entry i adds to, or -1 for a skipped entry
   int64_t size = 0;            // number of distinct keys
 };
 
@@ -308,46 +309,48 @@ inline bool HasDuplicate(const int32_t* keys, int64_t k, int64_t num_rows) {
 }
 
 // The keys in [lo, hi) are coalesced, the others skipped. Open addressing over
-// a table of at least 2k slots: O(k) expected.
+// a table of at least 2k slots, each slot a key and its distinct row in one
+// word (one load a probe): O(k) expected. Each entry's distinct row is
+// recorded as it is hashed (Coalesced::entry).
 inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coalesced& out) {
   out.row.resize(k);
   out.first.resize(k);
-  out.next.assign(k, -1);
+  out.next.resize(k);
+  out.entry.resize(k);
   out.size = 0;
   const uint32_t mask = HashMask(k);
-  std::vector<int32_t> slot_key(size_t{mask} + 1, -1);
-  std::vector<int32_t> slot_distinct(size_t{mask} + 1);
-  std::vector<int32_t> last(k);
+  std::vector<int64_t> table(size_t{mask} + 1, -1);  // (distinct row << 32) | key, or -1 for an empty slot
+  std::vector<int32_t> last(k);                      // last[d]: the latest entry of distinct row d
+  int32_t* __restrict next = out.next.data();
+  int32_t* __restrict entry = out.entry.data();
   for (int64_t i = 0; i < k; ++i) {
     const int32_t key = keys[i];
-    if (key < lo || key >= hi) continue;
+    if (key < lo || key >= hi) {
+      entry[i] = -1;
+      continue;
+    }
     uint32_t h = Mix(static_cast<uint32_t>(key)) & mask;
-    while (slot_key[h] >= 0 && slot_key[h] != key) h = (h + 1) & mask;
-    if (slot_key[h] == key) {
-      const int32_t d = slot_distinct[h];
-      out.next[last[d]] = static_cast<int32_t>(i);
-      last[d] = static_cast<int32_t>(i);
+    int64_t slot;
+    while ((slot = table[h]) >= 0 && static_cast<int32_t>(slot & 0xFFFFFFFF) != key) h = (h + 1) & mask;
+    const auto e = static_cast<int32_t>(i);
+    next[i] = -1;
+    if (slot >= 0) {
+      const auto d = static_cast<int32_t>(slot >> 32);
+      next[last[d]] = e;
+      last[d] = e;
+      entry[i] = d;
     } else {
       const auto d = static_cast<int32_t>(out.size++);
-      slot_key[h] = key;
-      slot_distinct[h] = d;
+      table[h] = (int64_t{d} << 32) | static_cast<uint32_t>(key);
       out.row[d] = key;
-      out.first[d] = static_cast<int32_t>(i);
-      last[d] = static_cast<int32_t>(i);
+      out.first[d] = e;
+      last[d] = e;
+      entry[i] = d;
     }
   }
 }
 
-// For each entry, the distinct row of a coalesced batch it adds to (-1 for padding).
-inline std::vector<int32_t> EntryRows(const Coalesced& c, int64_t k) {
-  std::vector<int32_t> row_of(static_cast<size_t>(k), -1);
-  for (int64_t d = 0; d < c.size; ++d) {
-    for (int32_t e = c.first[d]; e >= 0; e = c.next[e]) row_of[e] = static_cast<int32_t>(d);
-  }
-  return row_of;
-}
-
-// The gradient rows of the distinct rows [lo, hi) of a coalesced batch (row_of: EntryRows), summed into
+// The gradient rows of the distinct rows [lo, hi) of a coalesced batch (row_of: Coalesced::entry), summed into
 // `sums` ((hi - lo) x width, zeros on entry): each from 0 in entry order, as XLA's scatter-add sums them,
 // reading the entries in order (following each row's chain of entries instead misses the cache at every one).
 OSA_ROW_INLINE void SumEntries(const int32_t* row_of, int64_t k, const float* values, int64_t width, int64_t lo,

@@ -355,10 +355,9 @@ void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_
   if constexpr (!kApply) {  // padding slots of the step
     std::memset(rule.out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
   }
-  const std::vector<int32_t> row_of = EntryRows(c, k);
   // A thread is worth its scheduling past a few dozen rows.
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows(rule, o.clip, c, row_of.data(), k, shard, values, lo, hi);
+    CoalescedRows(rule, o.clip, c, c.entry.data(), k, shard, values, lo, hi);
   });
 }
 
