@@ -63,3 +63,25 @@ def test_gpu_benchmark_smoke_runs_on_the_cpu_and_renders(tmp_path: pathlib.Path)
         "torch_adam",
     }
     assert "| configuration |" in proc.stdout and "Summing duplicate ids" in proc.stdout
+
+
+def test_rowwise_fbgemm_benchmark_smoke_agrees_with_fbgemm(tmp_path: pathlib.Path) -> None:
+    """benchmarks/rowwise_fbgemm.py at tiny sizes: every contender runs in both configurations, and one step of the
+    library's row-wise Adagrad equals FBGEMM's (EXACT_ROWWISE_ADAGRAD) from the same table to float32 rounding."""
+    out = tmp_path / "rowwise_fbgemm.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rowwise_fbgemm.py"), "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["agreement_max_abs_diff"] < 1e-6
+    assert [r["config"]["dist"] for r in doc["runs"]] == ["zipf", "uniform"]
+    for record in doc["runs"]:
+        assert set(record["median_ms"]) == {"library", "fbgemm", "floor"}
+        assert set(record["without_fbgemm_median_ms"]) == {"library", "floor"}
+    assert "| configuration |" in proc.stdout
