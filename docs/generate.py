@@ -8,6 +8,8 @@ None of them is committed:
   ``benchmarks/results/dlrm.json``;
 - ``docs/benchmarks/sharding.md``: the tables of ``benchmarks/results/sharding.json``;
 - ``docs/benchmarks/gpu.md``: ``benchmarks/gpu.py`` (``render``) on ``benchmarks/results/gpu.json``;
+- ``docs/benchmarks/rowwise_fbgemm.md``: ``benchmarks/rowwise_fbgemm.py`` (``markdown``) on
+  ``benchmarks/results/rowwise_fbgemm.json``;
 - ``docs/_generated/costs.md``: the measured costs on the "Which path do I use" page, from ``results.json``;
 - ``docs/_generated/bf16_losses.md``: the mean losses of ``examples/bf16_stochastic_rounding.py``'s run, from the
   ``examples/bf16_stochastic_rounding.json`` it wrote;
@@ -422,6 +424,43 @@ def dlrm_catch_up_page(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rowwise_fbgemm_page(rowwise_fbgemm: Any, doc: dict[str, Any]) -> str:
+    """Row-wise Adagrad on one table against FBGEMM's fused backward: ``rowwise_fbgemm.markdown`` of
+    ``rowwise_fbgemm.json``."""
+    m, s = doc["machine"], doc["settings"]
+    agree = doc.get("agreement_max_abs_diff")
+    return "\n".join(
+        [
+            "# Benchmark: row-wise Adagrad against FBGEMM",
+            "",
+            "`benchmarks/rowwise_fbgemm.py` times row-wise Adagrad's step on one float32 table, on the same fresh "
+            "batches for every contender: the library's `sparse_rowwise_adagrad` through `update_and_apply` (one "
+            "native pass: duplicates summed, rows updated), FBGEMM's CPU table-batched embedding with "
+            "`EXACT_ROWWISE_ADAGRAD` (its `backward` of the same gradient rows timed alone, after an untimed "
+            "forward: FBGEMM groups the ids, sums the duplicates and updates the rows in it), and a floor (each "
+            "distinct touched row of the table and of the accumulator read and written once). The contenders take "
+            f"turns in blocks of {s['block']} steps in one process ({s['steps']} timed steps after {s['warmup']}, "
+            "medians). Next to FBGEMM's steps the others' steps are slower on this machine, so the library and the "
+            "floor are also timed before FBGEMM's table is made (last column).",
+            "",
+            f"Measured at commit `{_commit(m)}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, torch "
+            f"{m['torch']} on {s['threads']} threads (`OMP_WAIT_POLICY={m['omp_wait_policy']}`), {m['date_utc']}, "
+            f"1-minute load average {m['load_average_start'][0]:.2f} at the start: `python "
+            "benchmarks/rowwise_fbgemm.py`."
+            + (
+                f" One step from the same table: the library and FBGEMM within {agree:.1e}."
+                if agree is not None
+                else ""
+            ),
+            "",
+            "This page is generated at build time from `benchmarks/results/rowwise_fbgemm.json` by "
+            "`benchmarks/rowwise_fbgemm.py`'s own `markdown`.",
+            "",
+            rowwise_fbgemm.markdown(doc),
+        ]
+    )
+
+
 def _digest(paths: list[pathlib.Path]) -> str:
     h = hashlib.sha256()
     for p in paths:
@@ -434,8 +473,10 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
     their renderers changed."""
     names = ("results.json", "dlrm.json", "dlrm_catch_up.json", "sharding.json", "variants.json", "variants_gpu.json")
+    names += ("rowwise_fbgemm.json",)
     inputs = [RESULTS / n for n in (*names, "gpu.json")]
-    inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py", "gpu.py")] + [pathlib.Path(__file__)]
+    inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py", "gpu.py", "rowwise_fbgemm.py")]
+    inputs += [pathlib.Path(__file__)]
     stamp = pages / ".inputs"
     digest = _digest(inputs)
     if stamp.exists() and stamp.read_text() == digest and (out / "costs.md").exists():
@@ -448,6 +489,10 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
         import gpu  # benchmarks/gpu.py, on the path here
 
         write_if_changed(pages / "gpu.md", gpu.render(json.loads((RESULTS / "gpu.json").read_text())))
+        import rowwise_fbgemm  # benchmarks/rowwise_fbgemm.py
+
+        doc = json.loads((RESULTS / "rowwise_fbgemm.json").read_text())
+        write_if_changed(pages / "rowwise_fbgemm.md", rowwise_fbgemm_page(rowwise_fbgemm, doc))
     write_if_changed(out / "costs.md", costs_page(results))
     sharding = json.loads((RESULTS / "sharding.json").read_text())
     write_if_changed(pages / "sharding.md", sharding_page(sharding))
