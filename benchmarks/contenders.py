@@ -371,6 +371,21 @@ def time_steppers(steppers: dict[str, Stepper], plan: TimingPlan) -> dict[str, l
     return samples
 
 
+def fbgemm_unavailable() -> str | None:
+    """Why FBGEMM's CPU TBE cannot run here, or None."""
+    try:
+        import fbgemm_gpu  # noqa: F401
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception as e:  # any import failure (missing package, ABI mismatch with torch) skips it
+        return (
+            f"FBGEMM's CPU TBE does not import ({type(e).__name__}: {e}); "
+            "install it with `python -m pip install fbgemm-gpu-cpu==1.8.0 --no-deps`"
+        )
+    return None
+
+
 def release() -> None:
     """Frees what dropped steppers held."""
     gc.collect()

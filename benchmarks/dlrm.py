@@ -66,7 +66,7 @@ import numpy as np
 import optax
 import report
 import torch
-from contenders import JaxStepper, Stepper, TimingPlan, release, sample_ids, time_steppers
+from contenders import JaxStepper, Stepper, TimingPlan, fbgemm_unavailable, release, sample_ids, time_steppers
 
 import optax_sparse_adam as osa
 
@@ -274,21 +274,6 @@ def make_floor(cfg: DlrmConfig, data: Data, g: jax.Array, seed: int) -> Stepper:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # PyTorch and FBGEMM.
-
-
-def fbgemm_unavailable() -> str | None:
-    """Why FBGEMM's CPU TBE cannot run here, or None."""
-    try:
-        import fbgemm_gpu  # noqa: F401
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
-    except Exception as e:  # any import failure (missing package, ABI mismatch with torch) skips it
-        return (
-            f"FBGEMM's CPU TBE does not import ({type(e).__name__}: {e}); "
-            "install it with `python -m pip install fbgemm-gpu-cpu==1.8.0 --no-deps`"
-        )
-    return None
 
 
 def torch_g(data: Data) -> list[torch.Tensor]:

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from contenders import Config, make_batches, release
+from contenders import Config, fbgemm_unavailable, make_batches, release
 from report import machine_info
 
 import optax_sparse_adam as osa
@@ -67,17 +67,6 @@ LABELS = {
 }
 # A contender's step i: runs it and returns the seconds it timed.
 Timed = Callable[[int], float]
-
-
-def fbgemm_unavailable() -> str | None:
-    """Why FBGEMM's CPU TBE cannot run here, or None."""
-    try:
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
-    except Exception as e:  # any import failure (missing package, ABI mismatch with torch)
-        return f"FBGEMM's CPU TBE does not import ({type(e).__name__}: {e})"
-    return None
 
 
 def _tbe(rows: int, width: int, init: np.ndarray | None = None) -> Any:

@@ -13,10 +13,10 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_benchmark_smoke_writes_report(tmp_path: pathlib.Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _run_script(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script>`` with ``args``, from the repository root; fails the test if it fails."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -25,6 +25,12 @@ def test_benchmark_smoke_writes_report(tmp_path: pathlib.Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_benchmark_smoke_writes_report(tmp_path: pathlib.Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    _run_script("run.py", "--smoke", "--out", str(tmp_path), env=env)
 
     table = (tmp_path / "results.md").read_text()
     assert "| configuration |" in table
@@ -43,15 +49,7 @@ def test_benchmark_smoke_writes_report(tmp_path: pathlib.Path) -> None:
 def test_gpu_benchmark_smoke_runs_on_the_cpu_and_renders(tmp_path: pathlib.Path) -> None:
     """benchmarks/gpu.py at tiny sizes on whatever device there is: every contender runs, the page renders."""
     out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--json", str(out), "--resident-gb", "1e-4"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _run_script("gpu.py", "--smoke", "--json", str(out), "--resident-gb", "1e-4")
     doc = json.loads(out.read_text())
     (record,) = doc["configs"]
     assert set(record["results"]) == {
@@ -69,15 +67,7 @@ def test_rowwise_fbgemm_benchmark_smoke_agrees_with_fbgemm(tmp_path: pathlib.Pat
     """benchmarks/rowwise_fbgemm.py at tiny sizes: every contender runs in both configurations, and one step of the
     library's row-wise Adagrad equals FBGEMM's (EXACT_ROWWISE_ADAGRAD) from the same table to float32 rounding."""
     out = tmp_path / "rowwise_fbgemm.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "rowwise_fbgemm.py"), "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _run_script("rowwise_fbgemm.py", "--quick", "--json", str(out))
     doc = json.loads(out.read_text())
     assert doc["agreement_max_abs_diff"] < 1e-6
     assert [r["config"]["dist"] for r in doc["runs"]] == ["zipf", "uniform"]
