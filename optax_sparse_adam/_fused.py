@@ -219,8 +219,9 @@ class _Fusable(NamedTuple):
       clips: Whether ``apply`` takes a leaf's entries in place of a leaf that
         ``sparse_aware(clip_by_global_norm)`` clipped, and clips each summed row itself.
       with_clip: ``with_clip(scalars, clipped)``: the scalars ``apply`` then takes: by default the kernel's followed
-        by the clipping's two (:class:`~optax_sparse_adam._fusion.Clipped`); the catch-up optimizers' scalars are a
-        tuple, which takes the ``Clipped`` itself last.
+        by the clipping's ``max_norm`` where it recorded one (the table the only leaf it saw: the kernel takes the
+        norm itself) or else its two scalars (:class:`~optax_sparse_adam._fusion.Clipped`); the catch-up
+        optimizers' scalars are a tuple, which takes the ``Clipped`` itself last (their kernels take the two).
       half_params: Whether ``apply`` also takes bfloat16 and float16 parameters (rounded to nearest, or
         stochastically given a sixth argument, the seeds of :func:`._stochastic_rounding.leaf_seeds`), the
         gradient's values of a narrower float dtype converted to float32 first, as the rule converts them.
@@ -236,7 +237,7 @@ class _Fusable(NamedTuple):
     count_owner: str = "ScaleByScheduleState"
     options: Callable[[Any], Any] = lambda params: jax.tree.map(lambda _: None, params, is_leaf=is_leaf)
     clips: bool = False
-    with_clip: Callable[[Any, Clipped], Any] = lambda scalars, clip: clip.append_to(scalars)
+    with_clip: Callable[[Any, Clipped], Any] = lambda scalars, clip: clip.norm_appended_to(scalars)
     half_params: bool = False
 
     def run(

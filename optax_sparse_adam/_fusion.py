@@ -63,12 +63,16 @@ class Clipped(NamedTuple):
         where they are known distinct).
       divisor: ``g_norm``, or 1 where the norm was below ``c``.
       factor: ``c``, or 1 where the norm was below ``c``: each summed row ``g`` became ``(g / divisor) * factor``.
+      max_norm: ``c`` as a float32 scalar where this leaf is the only one the clipping saw, its norm the entries'
+        own: a kernel that takes ``c`` alone then computes the norm as it sums the rows, in the same call
+        (:meth:`norm_appended_to`), and the pass that computed ``divisor`` and ``factor`` drops out; else ``None``.
     """
 
     leaf: Any
     entries: Any
     divisor: Any
     factor: Any
+    max_norm: Any = None
 
     def scalars(self) -> jax.Array:
         """``[divisor, factor]``, the two scalars the kernels take after their own to clip each summed row."""
@@ -78,17 +82,24 @@ class Clipped(NamedTuple):
         """A kernel's ``scalars`` followed by the clipping's two."""
         return jnp.concatenate([scalars, self.scalars()])
 
+    def norm_appended_to(self, scalars: jax.Array) -> jax.Array:
+        """A kernel's ``scalars`` followed by ``max_norm`` alone, where there is one (the kernel then takes the
+        norm from the entries itself); else by the clipping's two."""
+        if self.max_norm is None:
+            return self.append_to(scalars)
+        return jnp.concatenate([scalars, jnp.reshape(self.max_norm, (1,))])
+
 
 def recording_active() -> bool:
     """Whether a :func:`recording` block is collecting."""
     return _CALLS.get() is not None
 
 
-def record_clip(leaf: Any, entries: Any, divisor: Any, factor: Any) -> None:
+def record_clip(leaf: Any, entries: Any, divisor: Any, factor: Any, max_norm: Any = None) -> None:
     """Adds a :class:`Clipped` to the innermost :func:`recording`, if any."""
     calls = _CALLS.get()
     if calls is not None:
-        calls.append(Clipped(leaf, entries, divisor, factor))
+        calls.append(Clipped(leaf, entries, divisor, factor, max_norm))
 
 
 def record(fusion: Any, grads: Any, state: Any, params: Any, out: tuple[Any, Any]) -> None:

@@ -183,12 +183,15 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
     divisor and factor), and a fused optimizer kernel then sums and clips each row itself as it reads the entries,
     bitwise as here; the squares then come from a kernel that reads the entries without writing their sums
     (:func:`._coalesce.sum_of_squares`, bitwise the same), so that neither the summed nor the clipped rows are
-    written.
+    written. Where that table is the only leaf the clipping sees, its norm is its entries' alone: the clipping is
+    recorded with ``max_norm`` too, and a kernel that takes it computes the norm itself as it sums the rows, bitwise
+    as ``sum_of_squares`` and the ``sqrt`` and comparison here, so that pass drops out as well.
     """
 
     # Inside update_and_apply, with the native kernels on: a fused Adam kernel may take the table's entries.
     fusing = recording_active() and _kernel_path.enabled()
     entries_of: dict[int, SparseLeaf] = {}  # by id of the summed leaf: the entries a fused kernel sums itself
+    from_entries: list[SparseLeaf] = []  # the summed leaves whose squares sum_of_squares took from the entries
 
     def split(path: Any, u: Any, p: Any) -> tuple[Any, SparseLeaf | None, Any]:
         """The values the rule sees, the summed leaf to rebuild, and the sum of its squares where computed."""
@@ -204,6 +207,7 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
             # the squares from the entries, and the kernel sums them again, clipping each as it goes.
             summed, squares = coalesce_leaf(entries), sum_of_squares(entries)
             entries_of[id(summed)] = entries
+            from_entries.append(summed)
         else:
             summed, squares = coalesce_with_squares(entries)
             entries_of[id(summed)] = summed
@@ -219,6 +223,7 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
     )
     treedef: Any = jax.tree.structure(updates, is_leaf=is_leaf)
     value_leaves = treedef.flatten_up_to(values)
+    squares_from_entries = len(from_entries) == 1
     # optax.tree.norm(values), each leaf's sum of squares being the coalescing's where it computed one.
     leaf_squares = [
         None if v is None else optax.tree.norm(v, squared=True) if s is None else s
@@ -229,6 +234,9 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
     trigger = jnp.squeeze(g_norm < max_norm)
     new_values = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm), values)
 
+    # A table that is the only leaf the clipping sees, summed by a kernel that does not keep the sums (the squares
+    # from sum_of_squares): the norm is its entries' alone, so a fused kernel can take it itself as it sums them.
+    alone = sum(v is not None for v in value_leaves) == 1 and squares_from_entries
     out = []
     for sp, v in zip(treedef.flatten_up_to(summed), treedef.flatten_up_to(new_values), strict=True):
         if sp is None:
@@ -237,8 +245,9 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
         leaf = sp._replace(values=v).to_leaf()
         if fusing and v.dtype == jnp.float32:
             one = jnp.ones([], jnp.float32)
+            limit = jnp.reshape(jnp.asarray(max_norm, jnp.float32), ())
             divisor = jnp.where(trigger, one, g_norm.astype(jnp.float32))
-            factor = jnp.where(trigger, one, jnp.reshape(jnp.asarray(max_norm, jnp.float32), ()))
-            record_clip(leaf, entries_of[id(sp)], divisor, factor)
+            factor = jnp.where(trigger, one, limit)
+            record_clip(leaf, entries_of[id(sp)], divisor, factor, limit if alone else None)
         out.append(leaf)
     return treedef.unflatten(out)

@@ -440,6 +440,45 @@ def test_global_norm_clipping_is_taken_by_the_optimizer_kernel(optimizer, kind, 
     _assert_same((*native[:2], None), two_calls, len(steps), 0.05)
 
 
+_ALONE = [(name, 0.5) for name in sorted(_CLIPPED) if "catch_up" not in name]
+_ALONE += [("adam", 1e6), ("rowwise_adagrad", 1e6), ("adam catch_up", 0.5)]
+
+
+@needs_kernels
+@pytest.mark.parametrize(("optimizer", "max_norm"), _ALONE)
+def test_global_norm_clipping_of_a_table_alone_is_one_kernel_call(optimizer, max_norm):
+    """chain(sparse_aware(clip_by_global_norm(c)), optimizer) under update_and_apply on a table that is the only
+    leaf the clipping sees (entries repeating keys, padding): the optimizer's kernel takes ``c`` alone and the
+    norm from the entries itself (one call, no sum_squares pass), with the two calls' numbers on the kernels
+    (moments bitwise, so the norm and each clipped row are), whether the norm clips or not. The catch-up
+    kernels take the clipping's two scalars, from sum_squares."""
+    tx = _clip_chain(max_norm, optimizer)
+    rng = np.random.default_rng(11)
+    params = {"table": jnp.asarray(rng.standard_normal((NUM_ROWS, WIDTH)), jnp.float32)}
+
+    def grads(ids, values):
+        return {"table": osa.IndexedRows(ids, values, NUM_ROWS)}
+
+    def two_calls(p, s, ids, values):
+        updates, s = tx.update(grads(ids, values), s, p)
+        return osa.apply_updates(p, updates), s
+
+    fused_step = jax.jit(lambda p, s, ids, values: osa.update_and_apply(tx, grads(ids, values), s, p))
+    with osa.use_kernels(True):
+        fused = reference = (params, tx.init(params))
+        for ids, values in _steps("dups", 64, n=3, seed=12):
+            fused = fused_step(*fused, jnp.asarray(ids), jnp.asarray(values))
+            reference = jax.jit(two_calls)(*reference, jnp.asarray(ids), jnp.asarray(values))
+        calls = _kernel_targets(fused_step, *fused, jnp.asarray(ids), jnp.asarray(values))
+    applies = {t for t in calls if t.endswith("_apply")}
+    assert len(applies) == 1, calls
+    if "catch_up" in optimizer:
+        assert "sum_squares" in calls, calls
+    else:
+        assert calls == applies, calls
+    _assert_same((*fused, None), (*reference, None), 3, 0.05)
+
+
 @needs_kernels
 @pytest.mark.parametrize(("width", "max_norm"), [(1, 0.5), (64, 0.5), (513, 0.5), (64, "shape (1,)")])
 def test_global_norm_clipping_in_the_kernel_is_the_two_calls_at_any_width(width, max_norm):
@@ -463,7 +502,7 @@ def test_global_norm_clipping_in_the_kernel_is_the_two_calls_at_any_width(width,
         state = tx.init(params)
         step = jax.jit(lambda p, s: osa.update_and_apply(tx, grads, s, p))
         fused = step(params, state)
-        assert _kernel_targets(step, params, state) == {"sum_squares", "sparse_adam_apply"}
+        assert _kernel_targets(step, params, state) == {"sparse_adam_apply"}  # the norm taken in the kernel
         reference = jax.jit(two_calls)(params, state)
     _assert_same((*fused, None), (*reference, None), 1, 0.05)
 

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -30,9 +31,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _ffi, _routing
+from optax_sparse_adam import _ffi, _kernel_path, _routing
 
 N, D, K = 512, 4, 256  # rows, width, ids per step (global)
+needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
 AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
 
 
@@ -144,6 +146,38 @@ def test_plain_jit_on_a_row_sharded_table_matches_one_device(mesh_kind, use_set_
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), out, ref)
     else:
         jax.tree.map(np.testing.assert_array_equal, out, ref)
+    _assert_row_sharded(out, mesh)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("optimizer", "kernel"), [("sparse_adam", "sparse_adam_apply"), ("sparse_rowwise_adagrad", "rowwise_adagrad_apply")]
+)
+def test_a_row_sharded_table_clipped_alone_takes_the_whole_batchs_norm_in_each_shards_kernel(optimizer, kernel):
+    """chain(sparse_aware(clip_by_global_norm), optimizer) under update_and_apply on a table P("x", None) of an
+    Auto mesh that is the only leaf the clipping sees: each row shard's kernel takes the norm from the entries
+    itself (no sum_squares call), over every row of the batch, not its own: the one-device fused step's numbers
+    bitwise (a shard's norm of its own rows would clip each block apart). (On an Explicit mesh the step runs the
+    XLA rule.)"""
+    mesh = _mesh("auto")
+    rng = np.random.default_rng(4)
+    ids = jnp.asarray(rng.integers(-2, N + 2, K), jnp.int32)
+    values = jnp.asarray(rng.standard_normal((K, D)), jnp.float32)
+    tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), getattr(osa, optimizer)(0.1))
+
+    def step(p: Any, s: Any, ids: jax.Array, values: jax.Array) -> Any:
+        return osa.update_and_apply(tx, {"emb": osa.IndexedRows(ids, values, N)}, s, p)
+
+    table = {"emb": jnp.asarray(_params()["emb"])}
+    with osa.use_kernels(True):
+        ref = jax.jit(step)(table, tx.init(table), ids, values)
+        params = {"emb": jax.device_put(table["emb"], NamedSharding(mesh, P("x", None)))}
+        sharded = jax.jit(step)
+        hlo = sharded.lower(params, tx.init(params), ids, values).compile().as_text()
+        out = sharded(params, tx.init(params), ids, values)
+    calls = set(re.findall(r'custom_call_target="optax_sparse_adam_v2_(\w+)"', hlo))
+    assert calls == {kernel}, calls
+    jax.tree.map(np.testing.assert_array_equal, out, ref)
     _assert_row_sharded(out, mesh)
 
 

@@ -30,20 +30,6 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-constexpr int64_t kLanes = 8;
-
-// The sum of the squares of a row in double: eight running sums, one per lane of eight elements (an in-order sum
-// would not vectorize), the same order on every ISA. A float's square is exact in double.
-OSA_ROW_INLINE double RowSquares(const float* __restrict row, int64_t width) {
-  double lane[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= width; j += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) lane[l] += static_cast<double>(row[j + l]) * static_cast<double>(row[j + l]);
-  }
-  for (; j < width; ++j) lane[0] += static_cast<double>(row[j]) * static_cast<double>(row[j]);
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-}
-
 // The distinct keys [lo, hi): each one's entries summed into its slot; with `squares`, each slot's sum of squares.
 OSA_TARGET_CLONES void SumRows(const Coalesced& c, const float* values, float* out, double* squares, int64_t width,
                                int64_t lo, int64_t hi) {
@@ -66,13 +52,6 @@ OSA_TARGET_CLONES void StreamSquares(const int32_t* row_of, int64_t k, const flo
   std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
   SumEntries(row_of, k, values, width, lo, hi, sums.data());
   for (int64_t d = lo; d < hi; ++d) squares[d] = RowSquares(sums.data() + (d - lo) * width, width);
-}
-
-// The rows' sums of squares added in slot order, in double, rounded once.
-float TotalSquares(const std::vector<double>& squares) {
-  double total = 0.0;
-  for (const double x : squares) total += x;
-  return static_cast<float>(total);
 }
 
 // Checks a batch of k keys with their values (one row each) for a table of num_rows rows; sets the row width.

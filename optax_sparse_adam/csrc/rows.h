@@ -232,16 +232,37 @@ xla::ffi::Error WithParams(xla::ffi::DataType type, int64_t rounding, const uint
 
 // Global-norm clipping of a summed gradient row, as optax.clip_by_global_norm
 // scales it: g = (g / div) * mul, in place (div = mul = 1 where it does not
-// clip). The apply handlers take div and mul as two more scalars.
+// clip). The apply handlers take div and mul as two more scalars; or, where
+// the table is the only leaf the clipping sees, its max_norm alone (`norm`):
+// the handler then sums the batch's rows once, their squares as the
+// sum_squares handler adds them, and takes div and mul from that norm
+// (ClipOfNorm) before the row pass, which reads the sums it kept.
 struct Clip {
   bool on = false;
   float div = 1.0f, mul = 1.0f;
+  bool norm = false;      // div and mul still to come from the batch's norm
+  float max_norm = 0.0f;  // with `norm`
 };
 constexpr int64_t kNumClipScalars = 2;
+constexpr int64_t kNumNormClipScalars = 1;
+
+// Whether `count` scalars are a handler's `num` and, where it `clips`, the clipping's (either form).
+inline bool ScalarCountOk(int64_t count, int64_t num, bool clips) {
+  return count == num || (clips && (count == num + kNumClipScalars || count == num + kNumNormClipScalars));
+}
 
 OSA_ROW_INLINE void ClipRow(const Clip& clip, float* __restrict g, int64_t width) {
   const float div = clip.div, mul = clip.mul;
   for (int64_t j = 0; j < width; ++j) g[j] = (g[j] / div) * mul;
+}
+
+// The clipping of a gradient whose squares sum to `sum_of_squares` (float32), as the XLA side computes it from
+// that sum: g_norm = sqrt(sum), and where g_norm < max_norm nothing (div = mul = 1), else div = g_norm and
+// mul = max_norm. A NaN norm clips every row to NaN, as there.
+inline Clip ClipOfNorm(float sum_of_squares, float max_norm) {
+  const float g_norm = std::sqrt(sum_of_squares);
+  if (g_norm < max_norm) return Clip{true, 1.0f, 1.0f};
+  return Clip{true, g_norm, max_norm};
 }
 
 // The gradient row g as the rule should see it: g itself where `clip` is off,
@@ -253,11 +274,34 @@ OSA_ROW_INLINE const float* ClippedRow(const Clip& clip, const float* g, float* 
   return buf;
 }
 
-// The clipping's scalars where `scalars` holds them after its first `count`;
+// The clipping's scalars where `scalars` holds them after its first `count` (div and mul, or max_norm alone);
 // a clipping that is off where it holds `count` only.
 inline Clip ReadClip(const xla::ffi::BufferR1<xla::ffi::F32>& scalars, int64_t count) {
-  if (static_cast<int64_t>(scalars.element_count()) != count + kNumClipScalars) return Clip{};
-  return Clip{true, scalars.typed_data()[count], scalars.typed_data()[count + 1]};
+  const auto n = static_cast<int64_t>(scalars.element_count());
+  const float* x = scalars.typed_data();
+  if (n == count + kNumClipScalars) return Clip{true, x[count], x[count + 1]};
+  if (n == count + kNumNormClipScalars) return Clip{true, 1.0f, 1.0f, true, x[count]};
+  return Clip{};
+}
+
+// The sum of the squares of a row in double: eight running sums, one per lane of eight elements (an in-order sum
+// would not vectorize), the same order on every ISA. A float's square is exact in double.
+OSA_ROW_INLINE double RowSquares(const float* __restrict row, int64_t width) {
+  constexpr int64_t kLanes = 8;
+  double lane[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= width; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lane[l] += static_cast<double>(row[j + l]) * static_cast<double>(row[j + l]);
+  }
+  for (; j < width; ++j) lane[0] += static_cast<double>(row[j]) * static_cast<double>(row[j]);
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+// The rows' sums of squares added in slot order, in double, rounded once.
+inline float TotalSquares(const std::vector<double>& squares) {
+  double total = 0.0;
+  for (const double x : squares) total += x;
+  return static_cast<float>(total);
 }
 
 // The distinct in-range keys of a batch, in order of first occurrence, with
@@ -390,6 +434,76 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t parts, F fn) {
   for (int64_t t = 1; t < parts; ++t) pool.Schedule([run_parts] { run_parts(); });
   run_parts();
   while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+}
+
+// A handler's temporary floats: a buffer of at least n, reused by the next call on this thread where it is at
+// most kKeep floats (16 MiB), else freed with this object. A fresh allocation of that size comes back from the
+// system with pages that fault on first touch, which cost a pass over a large batch's rows about as much as the
+// pass itself. One at a time per thread; the pool's threads may write through data().
+class ScratchFloats {
+ public:
+  static constexpr size_t kKeep = size_t{1} << 22;
+
+  explicit ScratchFloats(size_t n) {
+    thread_local std::vector<float> kept;
+    if (n > kKeep) {
+      own_.reset(new float[n]);
+      data_ = own_.get();
+      return;
+    }
+    if (kept.size() < n) kept.resize(n);
+    data_ = kept.data();
+  }
+  float* data() const { return data_; }
+
+ private:
+  std::unique_ptr<float[]> own_;
+  float* data_ = nullptr;
+};
+
+// Global-norm clipping with the norm computed in the handler (Clip::norm), for a batch coalesced over every row
+// in range (every shard's: the norm is the whole gradient's): each distinct row summed into `sums` (c.size x
+// width) as SumEntries sums it (from 0, in entry order), over the pool, and the clipping of their norm, the rows'
+// squares added as the sum_squares handler adds them (its sum, bitwise). The row pass then reads the sums. The
+// parts hold about equal numbers of entries, not of rows: a Zipf batch's first rows (its hot ids, first seen
+// early) hold most entries. prefetch(d) runs as distinct row d's first entry is read: the row pass's tables, asked
+// for then, arrive while this pass streams the entries, where the row pass would wait for each.
+template <typename Prefetch>
+Clip SumRowsForNorm(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, const float* values, int64_t width,
+                    int64_t threads, float max_norm, float* sums, Prefetch prefetch) {
+  const int32_t* row_of = c.entry.data();
+  std::vector<int32_t> end(static_cast<size_t>(c.size) + 1, 0);  // end[d + 1]: entries of the rows up to d
+  for (int64_t i = 0; i < k; ++i) {
+    if (row_of[i] >= 0) ++end[row_of[i] + 1];
+  }
+  for (int64_t d = 0; d < c.size; ++d) end[d + 1] += end[d];
+  const int64_t entries = end[c.size];
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, entries / 256 + 1));
+  std::vector<double> squares(static_cast<size_t>(c.size));
+  ParallelFor(pool, parts, parts, [&](int64_t part_lo, int64_t part_hi) {
+    for (int64_t part = part_lo; part < part_hi; ++part) {
+      // The rows whose entries start in this part's share of the entries.
+      const auto lo = static_cast<int64_t>(
+          std::lower_bound(end.begin(), end.end() - 1, entries * part / parts) - end.begin());
+      const auto hi = static_cast<int64_t>(
+          std::lower_bound(end.begin(), end.end() - 1, entries * (part + 1) / parts) - end.begin());
+      const int64_t top = part + 1 == parts ? c.size : hi;
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t d = row_of[i];
+        if (d < lo || d >= top) continue;
+        float* __restrict g = sums + d * width;
+        const float* __restrict v = values + i * width;
+        if (c.first[d] == i) {
+          prefetch(d);
+          for (int64_t j = 0; j < width; ++j) g[j] = 0.0f + v[j];
+        } else {
+          for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
+        }
+      }
+      for (int64_t d = lo; d < top; ++d) squares[d] = RowSquares(sums + d * width, width);
+    }
+  });
+  return ClipOfNorm(TotalSquares(squares), max_norm);
 }
 
 // ParallelFor over the entries [0, k) of a batch whose keys are distinct, in

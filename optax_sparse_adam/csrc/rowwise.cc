@@ -21,7 +21,11 @@
 //     by XLA as the rule computes them, where it does not in float32).
 // The apply handlers take two more scalars after the rule's (3 + 2, 9 + 2):
 // the global-norm clipping's divisor and factor, each summed gradient row then
-// clipped first, g = (g / div) * mul (sparse_aware(clip_by_global_norm)'s rule).
+// clipped first, g = (g / div) * mul (sparse_aware(clip_by_global_norm)'s rule);
+// or one (3 + 1, 9 + 1), its max_norm, where the table is the only leaf the
+// clipping sees: the handler then takes the norm of the batch's summed rows
+// itself, bitwise as the sum_squares handler, and div and mul from it (rows.h's
+// Clip), in one call.
 // The apply handlers take p as float32, bfloat16 or float16 (rows.h's
 // parameter policies: a 16-bit row widened, updated in float32, rounded once,
 // to nearest or, with `rounding` 1, stochastically from `seeds`: the leaf's two
@@ -287,15 +291,18 @@ struct AdamRule {
 
 // ---- The row loop, shared by the rules.
 
-// The distinct rows [lo, hi) of a coalesced batch.
+// The distinct rows [lo, hi) of a coalesced batch; with `summed`, their gradient rows summed already (c.size x
+// width, clipped here in place).
 template <class Rule>
 OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const Coalesced& c, const int32_t* row_of,
-                                     int64_t k, const Shard& shard, const float* values, int64_t lo, int64_t hi) {
+                                     int64_t k, const Shard& shard, const float* values, int64_t lo, int64_t hi,
+                                     float* summed = nullptr) {
   const int64_t width = rule.width;
   // The gradient rows first (duplicates summed from 0 in entry order).
-  std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
-  SumEntries(row_of, k, values, width, lo, hi, sums.data());
-  if (clip.on) ClipRow(clip, sums.data(), (hi - lo) * width);
+  std::vector<float> own(summed == nullptr ? static_cast<size_t>((hi - lo) * width) : 0, 0.0f);
+  float* sums = summed != nullptr ? summed + lo * width : own.data();
+  if (summed == nullptr) SumEntries(row_of, k, values, width, lo, hi, sums);
+  if (clip.on) ClipRow(clip, sums, (hi - lo) * width);
   std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance]))
@@ -304,7 +311,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const C
       if constexpr (!Rule::kApply) std::memset(rule.out + d * width, 0, sizeof(float) * static_cast<size_t>(width));
       continue;
     }
-    rule.Row(sums.data() + (d - lo) * width, shard.Local(c.row[d]), d, c.first[d], scratch.data());
+    rule.Row(sums + (d - lo) * width, shard.Local(c.row[d]), d, c.first[d], scratch.data());
   }
 }
 
@@ -328,9 +335,34 @@ OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const Clip& clip, const int3
 
 // Runs `rule` on every row the batch touches; with out_keys (the rows
 // handlers), the keys packed as the step rows are.
+// An apply handler's step whose clipping takes its norm from the batch itself (Clip::norm): the norm of every
+// row in range (a row shard's call too sums the whole gradient), then the row pass, clipping by it. Keys given
+// as distinct are coalesced too (Python gives this form only keys that may repeat).
+template <class Rule>
+void RunNormClipped(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_t* keys, int64_t k,
+                    const Shard& shard, const float* values) {
+  const int64_t width = rule.width;
+  const float max_norm = o.clip.max_norm;
+  Coalesced c;
+  Coalesce(keys, k, shard.num_rows, 0, c);
+  const ScratchFloats sums(static_cast<size_t>(c.size * width));
+  const Clip clip = SumRowsForNorm(pool, c, k, values, width, o.threads, max_norm, sums.data(), [&](int64_t d) {
+    if (shard.Owns(c.row[d])) rule.Prefetch(shard.Local(c.row[d]));
+  });
+  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+    CoalescedRows(rule, clip, c, c.entry.data(), k, shard, values, lo, hi, sums.data());
+  });
+}
+
 template <class Rule>
 void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_t* keys, int64_t k,
          const Shard& shard, const float* values, int32_t* out_keys) {
+  if constexpr (Rule::kApply) {
+    if (o.clip.norm) {
+      RunNormClipped(pool, rule, o, keys, k, shard, values);
+      return;
+    }
+  }
   const int64_t width = rule.width;
   const auto pad = static_cast<int32_t>(shard.num_rows);
   // A broken promise (a key twice) takes the coalescing path: its rows are
@@ -395,9 +427,9 @@ ffi::Error CheckAdagradShapes(ffi::Span<const int64_t> acc, ffi::Span<const int6
   if (values.size() < 1 || values[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
   width = RowWidth(values);
   if (width < 1) return ffi::Error::InvalidArgument("rows must hold at least one entry");
-  if (static_cast<int64_t>(scalars_count) != kAdagradScalars &&
-      !(clips && static_cast<int64_t>(scalars_count) == kAdagradScalars + kNumClipScalars))
-    return ffi::Error::InvalidArgument(clips ? "scalars must hold 3 values (5 to clip)" : "scalars must hold 3 values");
+  if (!ScalarCountOk(static_cast<int64_t>(scalars_count), kAdagradScalars, clips))
+    return ffi::Error::InvalidArgument(clips ? "scalars must hold 3 values (4 or 5 to clip)"
+                                             : "scalars must hold 3 values");
   if (decay < kNoDecay || decay > kDecoupled) return ffi::Error::InvalidArgument("decay must be 0, 1 or 2");
   return ffi::Error::Success();
 }
@@ -512,9 +544,9 @@ ffi::Error CheckAdam(ffi::Span<const int64_t> mu, size_t nu_count, ffi::Span<con
   if (static_cast<int64_t>(nu_count) != shard.local_rows) return ffi::Error::InvalidArgument("nu must be one per row");
   if (values.size() < 1 || values[0] != k || RowWidth(values) != width)
     return ffi::Error::InvalidArgument("values must have one row of mu's width per key");
-  if (static_cast<int64_t>(scalars_count) != kAdamScalars &&
-      !(clips && static_cast<int64_t>(scalars_count) == kAdamScalars + kNumClipScalars))
-    return ffi::Error::InvalidArgument(clips ? "scalars must hold 9 values (11 to clip)" : "scalars must hold 9 values");
+  if (!ScalarCountOk(static_cast<int64_t>(scalars_count), kAdamScalars, clips))
+    return ffi::Error::InvalidArgument(clips ? "scalars must hold 9 values (10 or 11 to clip)"
+                                             : "scalars must hold 9 values");
   if (extra.size() > 2 || extra_out.size() != (extra.size() > 0 ? 1u : 0u))
     return ffi::Error::InvalidArgument("per-row bias correction takes the row counts and, optionally, the corrections");
   if (extra.size() > 0) {

@@ -28,7 +28,11 @@
 // gradient was clipped by its global norm (sparse_aware(clip_by_global_norm)):
 // each summed row becomes (g / clip_div) * clip_mul first, bitwise what the
 // clipping stage computes on the coalesced rows, so the fused step reads the
-// batch's entries and no clipped copy of them.
+// batch's entries and no clipped copy of them. Where the table is the only
+// leaf the clipping sees, they take one, its max_norm, instead: the handler
+// sums the batch's rows once, takes their norm bitwise as the sum_squares
+// handler does, clip_div and clip_mul from it (rows.h's Clip), and updates the
+// rows from the sums it kept, all in one call.
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
@@ -81,12 +85,13 @@ OSA_ROW_INLINE void CatchUpAmsgradRow(const Scalars& s, const IdleRows* idle, in
   }
 }
 
-// The distinct rows [lo, hi) of a coalesced batch.
+// The distinct rows [lo, hi) of a coalesced batch; with `sums`, their summed gradient rows (c.size x width, each
+// clipped here in place) rather than the entries.
 template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const Shard& shard, const float* values,
                                      float* m, float* v, float* vm, float* out, int64_t width, int64_t lo,
-                                     int64_t hi, const IdleRows* idle) {
-  std::vector<float> g(static_cast<size_t>(width));
+                                     int64_t hi, const IdleRows* idle, float* sums = nullptr) {
+  std::vector<float> buffer(sums == nullptr ? static_cast<size_t>(width) : 0);
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
       const int64_t r = shard.Local(c.row[d + kPrefetchDistance]);
@@ -100,12 +105,13 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
       continue;
     }
     const int64_t r = shard.Local(c.row[d]);
-    SumChain(c, d, values, width, g.data());
-    if constexpr (kClip) ClipRow(s.clip, g.data(), width);
+    float* g = sums != nullptr ? sums + d * width : buffer.data();
+    if (sums == nullptr) SumChain(c, d, values, width, g);
+    if constexpr (kClip) ClipRow(s.clip, g, width);
     float* dst = kApply ? out + r * width : out + d * width;
     if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, c.first[d], dst, m + r * width, v + r * width,
                                                         vm + r * width, width);
-    UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g.data(), m + r * width, v + r * width, dst, width,
+    UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
                                                            kAmsgrad ? vm + r * width : nullptr);
   }
 }
@@ -138,10 +144,42 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
   }
 }
 
+// An apply handler's step whose clipping takes its norm from the batch itself (Clip::norm): the norm of every
+// row in range (a row shard's call too sums the whole gradient), then the row pass, clipping by it. Keys given
+// as distinct are coalesced too (Python gives this form only keys that may repeat).
+template <bool kTorch, bool kMaximize, bool kDecay, bool kAmsgrad>
+void RunNormClipped(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k,
+                    const Shard& shard, const float* values, float* m, float* v, float* vm, float* out,
+                    int64_t width, const IdleRows* idle) {
+  Scalars clipped = s;
+  Coalesced c;
+  Coalesce(keys, k, shard.num_rows, 0, c);
+  const ScratchFloats sums(static_cast<size_t>(c.size * width));
+  clipped.clip = SumRowsForNorm(pool, c, k, values, width, o.threads, s.clip.max_norm, sums.data(), [&](int64_t d) {
+    if (!shard.Owns(c.row[d])) return;
+    const int64_t r = shard.Local(c.row[d]) * width;
+    PrefetchRow(m + r, width);
+    PrefetchRow(v + r, width);
+    if constexpr (kAmsgrad) PrefetchRow(vm + r, width);
+    PrefetchRow(out + r, width);
+  });
+  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+    CoalescedRows<kTorch, kMaximize, true, kDecay, kAmsgrad, true>(clipped, c, shard, values, m, v, vm, out, width,
+                                                                   lo, hi, idle, sums.data());
+  });
+}
+
 template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip = false>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k, const Shard& shard,
          const float* values, float* m, float* v, float* vm, float* out, int32_t* out_keys, int64_t width,
          const IdleRows* idle = nullptr) {
+  if constexpr (kApply && kClip) {
+    if (s.clip.norm) {
+      RunNormClipped<kTorch, kMaximize, kDecay, kAmsgrad>(pool, s, o, keys, k, shard, values, m, v, vm, out, width,
+                                                          idle);
+      return;
+    }
+  }
   const auto pad = static_cast<int32_t>(shard.num_rows);
   // A broken promise (a key twice) takes the coalescing path: its rows are
   // summed as without it, and no two threads ever write one row. Keys the
@@ -174,7 +212,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
 }
 
 // Checks the shapes shared by both handlers; sets the shard's local rows and the width. An apply handler
-// (`clips`) also takes num_scalars + kNumClipScalars scalars.
+// (`clips`) also takes the clipping's scalars after its num_scalars (ReadClip).
 ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t nu_count, int64_t k,
                        size_t values_count, size_t scalars_count, int64_t num_scalars, Shard& shard, int64_t& width,
                        bool clips = false) {
@@ -187,10 +225,11 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t n
   if (static_cast<int64_t>(values_count) != k * width)
     return ffi::Error::InvalidArgument("values must have one row per key");
   const auto count = static_cast<int64_t>(scalars_count);
-  if (count != num_scalars && !(clips && count == num_scalars + kNumClipScalars)) {
+  if (!ScalarCountOk(count, num_scalars, clips)) {
     if (!clips) return ffi::Error::InvalidArgument("scalars must hold 10 values");
-    return ffi::Error::InvalidArgument(num_scalars == kNumScalars ? "scalars must hold 10 values (12 to clip)"
-                                                                  : "scalars must hold 11 values (13 to clip)");
+    return ffi::Error::InvalidArgument(num_scalars == kNumScalars
+                                           ? "scalars must hold 10 values (11 or 12 to clip)"
+                                           : "scalars must hold 11 values (12 or 13 to clip)");
   }
   return ffi::Error::Success();
 }
