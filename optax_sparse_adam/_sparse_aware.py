@@ -223,7 +223,6 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
     )
     treedef: Any = jax.tree.structure(updates, is_leaf=is_leaf)
     value_leaves = treedef.flatten_up_to(values)
-    squares_from_entries = len(from_entries) == 1
     # optax.tree.norm(values), each leaf's sum of squares being the coalescing's where it computed one.
     leaf_squares = [
         None if v is None else optax.tree.norm(v, squared=True) if s is None else s
@@ -236,7 +235,7 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
 
     # A table that is the only leaf the clipping sees, summed by a kernel that does not keep the sums (the squares
     # from sum_of_squares): the norm is its entries' alone, so a fused kernel can take it itself as it sums them.
-    alone = sum(v is not None for v in value_leaves) == 1 and squares_from_entries
+    alone = len(from_entries) == 1 and sum(v is not None for v in value_leaves) == 1
     out = []
     for sp, v in zip(treedef.flatten_up_to(summed), treedef.flatten_up_to(new_values), strict=True):
         if sp is None:

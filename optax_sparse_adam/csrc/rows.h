@@ -463,14 +463,11 @@ class ScratchFloats {
 
 // Global-norm clipping with the norm computed in the handler (Clip::norm), for a batch coalesced over every row
 // in range (every shard's: the norm is the whole gradient's): each distinct row summed into `sums` (c.size x
-// width) as SumEntries sums it (from 0, in entry order), over the pool, and the clipping of their norm, the rows'
-// squares added as the sum_squares handler adds them (its sum, bitwise). The row pass then reads the sums. The
-// parts hold about equal numbers of entries, not of rows: a Zipf batch's first rows (its hot ids, first seen
-// early) hold most entries. prefetch(d) runs as distinct row d's first entry is read: the row pass's tables, asked
-// for then, arrive while this pass streams the entries, where the row pass would wait for each.
-template <typename Prefetch>
-Clip SumRowsForNorm(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, const float* values, int64_t width,
-                    int64_t threads, float max_norm, float* sums, Prefetch prefetch) {
+// width) by SumEntries, over the pool, and the clipping of their norm, the rows' squares added as the sum_squares
+// handler adds them (its sum, bitwise). The row pass then reads the sums. The parts hold about equal numbers of
+// entries, not of rows: a Zipf batch's first rows (its hot ids, first seen early) hold most entries.
+inline Clip SumRowsForNorm(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, const float* values,
+                           int64_t width, int64_t threads, float max_norm, float* sums) {
   const int32_t* row_of = c.entry.data();
   std::vector<int32_t> end(static_cast<size_t>(c.size) + 1, 0);  // end[d + 1]: entries of the rows up to d
   for (int64_t i = 0; i < k; ++i) {
@@ -485,22 +482,14 @@ Clip SumRowsForNorm(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, c
       // The rows whose entries start in this part's share of the entries.
       const auto lo = static_cast<int64_t>(
           std::lower_bound(end.begin(), end.end() - 1, entries * part / parts) - end.begin());
-      const auto hi = static_cast<int64_t>(
-          std::lower_bound(end.begin(), end.end() - 1, entries * (part + 1) / parts) - end.begin());
-      const int64_t top = part + 1 == parts ? c.size : hi;
-      for (int64_t i = 0; i < k; ++i) {
-        const int64_t d = row_of[i];
-        if (d < lo || d >= top) continue;
-        float* __restrict g = sums + d * width;
-        const float* __restrict v = values + i * width;
-        if (c.first[d] == i) {
-          prefetch(d);
-          for (int64_t j = 0; j < width; ++j) g[j] = 0.0f + v[j];
-        } else {
-          for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
-        }
-      }
-      for (int64_t d = lo; d < top; ++d) squares[d] = RowSquares(sums + d * width, width);
+      const auto hi = part + 1 == parts ? c.size
+                                        : static_cast<int64_t>(std::lower_bound(end.begin(), end.end() - 1,
+                                                                                entries * (part + 1) / parts) -
+                                                               end.begin());
+      float* part_sums = sums + lo * width;
+      std::memset(part_sums, 0, sizeof(float) * static_cast<size_t>((hi - lo) * width));
+      SumEntries(row_of, k, values, width, lo, hi, part_sums);
+      for (int64_t d = lo; d < hi; ++d) squares[d] = RowSquares(sums + d * width, width);
     }
   });
   return ClipOfNorm(TotalSquares(squares), max_norm);

@@ -333,8 +333,6 @@ OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const Clip& clip, const int3
   }
 }
 
-// Runs `rule` on every row the batch touches; with out_keys (the rows
-// handlers), the keys packed as the step rows are.
 // An apply handler's step whose clipping takes its norm from the batch itself (Clip::norm): the norm of every
 // row in range (a row shard's call too sums the whole gradient), then the row pass, clipping by it. Keys given
 // as distinct are coalesced too (Python gives this form only keys that may repeat).
@@ -346,14 +344,14 @@ void RunNormClipped(ffi::ThreadPool& pool, const Rule& rule, const Options& o, c
   Coalesced c;
   Coalesce(keys, k, shard.num_rows, 0, c);
   const ScratchFloats sums(static_cast<size_t>(c.size * width));
-  const Clip clip = SumRowsForNorm(pool, c, k, values, width, o.threads, max_norm, sums.data(), [&](int64_t d) {
-    if (shard.Owns(c.row[d])) rule.Prefetch(shard.Local(c.row[d]));
-  });
+  const Clip clip = SumRowsForNorm(pool, c, k, values, width, o.threads, max_norm, sums.data());
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
     CoalescedRows(rule, clip, c, c.entry.data(), k, shard, values, lo, hi, sums.data());
   });
 }
 
+// Runs `rule` on every row the batch touches; with out_keys (the rows
+// handlers), the keys packed as the step rows are.
 template <class Rule>
 void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_t* keys, int64_t k,
          const Shard& shard, const float* values, int32_t* out_keys) {

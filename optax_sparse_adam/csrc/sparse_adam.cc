@@ -155,14 +155,7 @@ void RunNormClipped(ffi::ThreadPool& pool, const Scalars& s, const Options& o, c
   Coalesced c;
   Coalesce(keys, k, shard.num_rows, 0, c);
   const ScratchFloats sums(static_cast<size_t>(c.size * width));
-  clipped.clip = SumRowsForNorm(pool, c, k, values, width, o.threads, s.clip.max_norm, sums.data(), [&](int64_t d) {
-    if (!shard.Owns(c.row[d])) return;
-    const int64_t r = shard.Local(c.row[d]) * width;
-    PrefetchRow(m + r, width);
-    PrefetchRow(v + r, width);
-    if constexpr (kAmsgrad) PrefetchRow(vm + r, width);
-    PrefetchRow(out + r, width);
-  });
+  clipped.clip = SumRowsForNorm(pool, c, k, values, width, o.threads, s.clip.max_norm, sums.data());
   ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
     CoalescedRows<kTorch, kMaximize, true, kDecay, kAmsgrad, true>(clipped, c, shard, values, m, v, vm, out, width,
                                                                    lo, hi, idle, sums.data());
