@@ -1,12 +1,13 @@
 """Many tables and features in one pass: :class:`EmbeddingCollection`.
 
 A recommender reads dozens of tables, some through several features. Looked
-up one by one, every table pays its own deduplication, its own optimizer
-call and, sharded, its own exchange. The collection stacks the tables of one
-width and dtype into one parameter (as FBGEMM's table-batched embeddings and
-jax-tpu-embedding's stacked tables do) and shifts each feature's ids by its
-table's first row, so a step over all of them does one lookup, one
-deduplication and one optimizer pass per stack. The stacks are ordinary
+up one by one, every table pays its own deduplication and its own optimizer
+call (sharded, the tables of a step share its exchanges either way). The
+collection stacks the tables of one width and dtype into one parameter (as
+FBGEMM's table-batched embeddings and jax-tpu-embedding's stacked tables do)
+and shifts each feature's ids by its table's first row, so a step over all
+of them does one lookup, one deduplication and one optimizer pass per stack.
+The stacks are ordinary
 arrays: every optimizer, :func:`update_and_apply`, :class:`RowSharding` and
 checkpointing take them as they take one table.
 """

@@ -24,6 +24,8 @@ such a block to and from ids local to the device's rows.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
@@ -264,13 +266,49 @@ def _buckets(
     return dest, *over
 
 
-def _gather_entries(keys: jax.Array, values: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
-    """Every device's entries, on every device."""
-    keys, values = _vary(keys, axis), _vary(values, axis)
-    return (
-        jax.lax.all_gather(keys, axis, axis=0, tiled=True),
-        jax.lax.all_gather(values, axis, axis=0, tiled=True),
+def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The array of this shape and dtype whose bytes (``jax.lax.bitcast_convert_type`` to ``uint8``) ``b`` holds."""
+    size = jnp.dtype(dtype).itemsize
+    return jax.lax.bitcast_convert_type(b.reshape(*shape, size) if size > 1 else b.reshape(shape), dtype)
+
+
+def _gather(xs: list[jax.Array], axis: str, n: int) -> list[jax.Array]:
+    """Every device's ``xs``, on every device (each along its first axis, as ``jax.lax.all_gather(x, axis,
+    tiled=True)`` gathers it), in one all-gather of their bytes (not differentiable): XLA:CPU keys every all-gather of
+    a program alike, and two in flight at once could meet in one rendezvous."""
+    flat = [jax.lax.bitcast_convert_type(_vary(x, axis), jnp.uint8).reshape(-1) for x in xs]
+    got = jax.lax.all_gather(flat[0] if len(flat) == 1 else jnp.concatenate(flat), axis, axis=0, tiled=True)
+    got = got.reshape(n, -1)
+    ends = list(itertools.accumulate(f.shape[0] for f in flat))
+    return [
+        _from_bytes(got[:, start:end], (n * x.shape[0], *x.shape[1:]), x.dtype)
+        for x, start, end in zip(xs, [0, *ends[:-1]], ends, strict=True)
+    ]
+
+
+def _gathered_entries(
+    gradients: list[tuple[jax.Array, jax.Array, tuple[int, ...]]], axis: str, n: int
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Every device's entries of each gradient ``(keys, values, shape)``, on every device, those of rows this device
+    owns kept (one all-gather for all)."""
+    got = _gather([x for k, v, _ in gradients for x in (k, v)], axis, n)
+    return [_keep_owned(got[2 * i], got[2 * i + 1], s, axis, n) for i, (_, _, s) in enumerate(gradients)]
+
+
+def _scatter_sum(xs: list[jax.Array], axis: str, n: int) -> list[jax.Array]:
+    """Each of ``xs`` (``(n * k, ...)``, floats) summed over the devices of ``axis`` and scattered along its first
+    axis, as ``jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)`` does, in one reduce-scatter (in the
+    widest of their dtypes; differentiable)."""
+    dtype = functools.reduce(jnp.promote_types, [x.dtype for x in xs])
+    flat = [x.astype(dtype).reshape(n, -1) for x in xs]
+    got = jax.lax.psum_scatter(
+        flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1), axis, scatter_dimension=0, tiled=True
     )
+    ends = list(itertools.accumulate(f.shape[1] for f in flat))
+    return [
+        got[:, start:end].reshape(x.shape[0] // n, *x.shape[1:]).astype(x.dtype)
+        for x, start, end in zip(xs, [0, *ends[:-1]], ends, strict=True)
+    ]
 
 
 def _keep_owned(
@@ -298,149 +336,320 @@ def _no_overflow() -> tuple[jax.Array, jax.Array]:
     return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
 
 
-def route_entries(
-    keys: jax.Array, values: jax.Array, shape: tuple[int, ...], axis: str, n: int, route: Route, capacity: int | None
-) -> tuple[tuple[jax.Array, jax.Array], Callable[[RoutingInfo], tuple[jax.Array, jax.Array]]]:
-    """Routes a sparse gradient's entries to their owners.
+class _Entries:
+    """One sparse gradient's entries on the all-to-all route: bucketed by owner, in two rounds."""
 
-    Returns this device's overflows (first and second round) and ``finish(decision)``, which gives the
-    owner-aligned ``(keys, values)`` once every table's overflow has decided the step's route (:func:`decide`).
-    """
-    if route == "replicated":
-        return _no_overflow(), lambda _: _keep_owned(keys, values, shape, axis, n)
-    if route == "all_gather":
-        return _no_overflow(), lambda _: _keep_owned(*_gather_entries(keys, values, axis), shape, axis, n)
-    k = keys.shape[0]
-    cap = _capacity(k, n, capacity)
-    rounds = 1 if cap >= k else 2  # a second round where the first can overflow
-    size = max(n * k, rounds * n * cap)
-    pad = jnp.asarray(shape[: keys.shape[1]], jnp.int32)
+    def __init__(
+        self, keys: jax.Array, values: jax.Array, shape: tuple[int, ...], axis: str, n: int, capacity: int | None
+    ) -> None:
+        self.keys, self.values, self.shape, self.axis, self.n = keys, values, shape, axis, n
+        self.k = k = keys.shape[0]
+        self.cap = cap = _capacity(k, n, capacity)
+        self.rounds = 1 if cap >= k else 2  # a second round where the first can overflow
+        self.size = max(n * k, self.rounds * n * cap)
+        self.fallback = 2 * cap < k  # two rounds may not fit the entries: the all-gather route stands by
+        self.pad = jnp.asarray(shape[: keys.shape[1]], jnp.int32)
+        self.dests, *overflow = _buckets(keys[:, 0], keys[:, 0] < shape[0], shape[0], n, cap)
+        self.overflow = (overflow[0], overflow[1])
 
-    def padded(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
-        extra = size - keys.shape[0]
-        keys = jnp.concatenate([keys, jnp.broadcast_to(pad, (extra, keys.shape[1]))])
+    def empty(self) -> tuple[jax.Array, jax.Array]:
+        """A round's buffers with no entry: padding keys, zero values."""
+        width = self.n * self.cap
+        keys = jnp.broadcast_to(self.pad, (width, self.keys.shape[1]))
+        return keys, jnp.zeros((width, *self.values.shape[1:]), self.values.dtype)
+
+    def sent(self, round_: int) -> list[jax.Array]:
+        """A round's send buffers, keys and values."""
+        return [
+            scatter_rows(x, self.dests[round_], y, "set")
+            for x, y in zip(self.empty(), (self.keys, self.values), strict=True)
+        ]
+
+    def nothing(self) -> list[jax.Array]:  # what a round with no entry in any bucket receives
+        return [_vary(x, self.axis) for x in self.empty()]
+
+    def padded(self, keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+        extra = self.size - keys.shape[0]
+        keys = jnp.concatenate([keys, jnp.broadcast_to(self.pad, (extra, keys.shape[1]))])
         return keys, jnp.concatenate([values, jnp.zeros((extra, *values.shape[1:]), values.dtype)])
 
-    valid = keys[:, 0] < shape[0]
-    dests, *overflow = _buckets(keys[:, 0], valid, shape[0], n, cap)
 
-    def one_round(dest: jax.Array) -> tuple[jax.Array, jax.Array]:
-        send_k = scatter_rows(jnp.broadcast_to(pad, (n * cap, keys.shape[1])), dest, keys, "set")
-        send_v = scatter_rows(jnp.zeros((n * cap, *values.shape[1:]), values.dtype), dest, values, "set")
-        recv_k = jax.lax.all_to_all(send_k.reshape(n, cap, -1), axis, 0, 0, tiled=False)
-        recv_v = jax.lax.all_to_all(send_v.reshape(n, cap, *values.shape[1:]), axis, 0, 0, tiled=False)
-        return recv_k.reshape(n * cap, -1), recv_v.reshape(n * cap, *values.shape[1:])
+def route_entries(
+    gradients: list[tuple[jax.Array, jax.Array, tuple[int, ...]]], axis: str, n: int, route: Route, capacity: int | None
+) -> tuple[list[tuple[jax.Array, jax.Array]], Callable[[RoutingInfo], list[tuple[jax.Array, jax.Array]]]]:
+    """Routes sparse gradients' entries, ``(keys, values, shape)`` each, to their owners.
 
-    def skipped_round() -> tuple[jax.Array, jax.Array]:  # what a round with no id in any bucket receives
-        keys_in = jnp.broadcast_to(pad, (n * cap, keys.shape[1]))
-        return _vary(keys_in, axis), _vary(jnp.zeros((n * cap, *values.shape[1:]), values.dtype), axis)
+    Returns each gradient's overflows on this device (first and second round) and ``finish(decision)``, which gives
+    each one's owner-aligned ``(keys, values)`` once the overflows have decided the step's route (:func:`decide`).
+    On the all-to-all route the gradients share each exchange, keys and values alike (as bytes): one all-to-all in
+    a step, and one more in a step that runs the second round.
+    """
+    none = [_no_overflow() for _ in gradients]
+    if route == "replicated":
+        return none, lambda _: [_keep_owned(k, v, s, axis, n) for k, v, s in gradients]
+    if route == "all_gather":
+        return none, lambda _: _gathered_entries(gradients, axis, n)
+    entries = [_Entries(k, v, s, axis, n, capacity) for k, v, s in gradients]
+    two = [t for t, e in enumerate(entries) if e.rounds == 2]
 
-    def exchange(decision: RoutingInfo) -> tuple[jax.Array, jax.Array]:
-        first = one_round(dests[0])
-        if rounds == 1:
-            return padded(*first)
-        # On any first-round overflow: a table with no all-gather branch (two rounds always fit it) runs its second
-        # round also in a step that another table sends down the all-gather route.
-        second = jax.lax.cond(decision.overflow > 0, lambda: one_round(dests[1]), skipped_round)
-        return padded(*(jnp.concatenate(pair) for pair in zip(first, second, strict=True)))
+    def exchange(decision: RoutingInfo, tabs: list[int]) -> dict[int, tuple[jax.Array, jax.Array]]:
+        # On any first-round overflow: a gradient with no all-gather branch (two rounds always fit it) runs its second
+        # round also in a step that another sends down the all-gather route.
+        received = _rounds(
+            decision,
+            tabs,
+            two,
+            lambda t, r: entries[t].sent(r),
+            lambda t: entries[t].nothing(),
+            lambda xs: _exchange(xs, axis, n, as_bytes=True),
+        )
+        return {t: entries[t].padded(*(jnp.concatenate(part) for part in zip(*received[t], strict=True))) for t in tabs}
 
-    def gather() -> tuple[jax.Array, jax.Array]:
-        return padded(*_keep_owned(*_gather_entries(keys, values, axis), shape, axis, n))
+    standby = [t for t, e in enumerate(entries) if e.fallback]  # gradients the all-gather route takes in its steps
 
-    def finish(decision: RoutingInfo) -> tuple[jax.Array, jax.Array]:
-        if 2 * cap >= k:  # two rounds fit whatever the ids
-            return exchange(decision)
-        return jax.lax.cond(decision.fallback, gather, lambda: exchange(decision))
+    def gathered(tabs: list[int]) -> dict[int, tuple[jax.Array, jax.Array]]:
+        got = _gathered_entries([gradients[t] for t in tabs], axis, n)
+        return {t: entries[t].padded(*x) for t, x in zip(tabs, got, strict=True)}
 
-    return (overflow[0], overflow[1]), finish
+    def finish(decision: RoutingInfo) -> list[tuple[jax.Array, jax.Array]]:
+        return _by_route(decision, len(entries), standby, lambda tabs: exchange(decision, tabs), gathered)
+
+    return [e.overflow for e in entries], finish
+
+
+def _exchange(xs: list[jax.Array], axis: str, n: int, *, as_bytes: bool = False) -> list[jax.Array]:
+    """The arrays ``xs``, each ``(n * cap, ...)`` in ``n`` blocks by destination, exchanged between the devices of
+    ``axis`` as :func:`jax.lax.all_to_all` exchanges one, all in one all-to-all: of one dtype (floats in the widest
+    of theirs, exactly; differentiable, its transpose the same exchange), or with ``as_bytes`` their bytes (not
+    differentiable). One collective, not one per array: XLA:CPU keys every all-to-all of a program alike, and two
+    in flight at once could meet in one rendezvous."""
+    if as_bytes:
+        got = _exchange([jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(n, -1) for x in xs], axis, n)
+        return [_from_bytes(b, x.shape, x.dtype) for b, x in zip(got, xs, strict=True)]
+    dtype = functools.reduce(jnp.promote_types, [x.dtype for x in xs])
+    if any(x.dtype != dtype for x in xs) and not all(jnp.issubdtype(x.dtype, jnp.floating) for x in xs):
+        raise TypeError(f"_exchange: arrays of dtypes {sorted({str(x.dtype) for x in xs})} in one exchange")
+    flat = [xs[i].astype(dtype).reshape(n, -1) for i in range(len(xs))]
+    got = jax.lax.all_to_all(flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1), axis, 0, 0)
+    ends = list(itertools.accumulate(f.shape[1] for f in flat))
+    return [
+        got[:, start:end].reshape(x.shape).astype(x.dtype)
+        for x, start, end in zip(xs, [0, *ends[:-1]], ends, strict=True)
+    ]
+
+
+def _by_route(
+    decision: RoutingInfo,
+    count: int,
+    standby: list[int],
+    buckets: Callable[[list[int]], dict[int, Any]],
+    gathered: Callable[[list[int]], dict[int, Any]],
+) -> list[Any]:
+    """The result of each of ``count`` tables, ``buckets(tables)`` (by table) the all-to-all route's: in a step that
+    takes the all-gather route, ``gathered(tables)`` for the tables of ``standby`` (those two rounds may not fit)
+    and the others' buckets as ever; one ``lax.cond`` for all."""
+    everyone = list(range(count))
+    rest = [t for t in everyone if t not in standby]
+
+    def in_buckets() -> list[Any]:
+        out = buckets(everyone)
+        return [out[t] for t in everyone]
+
+    def fallen_back() -> list[Any]:
+        out = {**(buckets(rest) if rest else {}), **gathered(standby)}
+        return [out[t] for t in everyone]
+
+    if not count:
+        return []
+    return jax.lax.cond(decision.fallback, fallen_back, in_buckets) if standby else in_buckets()
+
+
+def _rounds(
+    decision: RoutingInfo,
+    tabs: list[int],
+    two: list[int],
+    sent: Callable[[int, int], Any],
+    nothing: Callable[[int], Any],
+    exchange: Callable[[list[jax.Array]], list[jax.Array]],
+) -> dict[int, list[Any]]:
+    """What each table of ``tabs`` receives in each of its rounds, ``sent(t, round)`` its send buffers (an array
+    or a list of them) and ``nothing(t)`` what a round with nothing in any bucket receives: one ``exchange`` of the
+    first round's buffers, or in a step that runs the second round (those of ``two`` that ``tabs`` holds), one of
+    both rounds' buffers. One exchange whichever: none left to run beside another."""
+    seconds = [t for t in two if t in tabs]
+
+    def flat(bufs: list[Any]) -> list[jax.Array]:
+        return [x for b in bufs for x in (b if isinstance(b, list) else [b])]
+
+    def regroup(got: list[jax.Array], like: list[Any]) -> list[Any]:
+        out, i = [], 0
+        for b in like:
+            size = len(b) if isinstance(b, list) else 1
+            out.append(got[i : i + size] if isinstance(b, list) else got[i])
+            i += size
+        return out
+
+    firsts = [sent(t, 0) for t in tabs]
+    if not seconds:
+        got = regroup(exchange(flat(firsts)), firsts)
+        return {t: [x] for t, x in zip(tabs, got, strict=True)}
+    lasts = [sent(t, 1) for t in seconds]
+
+    def both() -> list[jax.Array]:
+        return exchange(flat(firsts + lasts))
+
+    def one() -> list[jax.Array]:
+        return exchange(flat(firsts)) + flat([nothing(t) for t in seconds])
+
+    got = regroup(jax.lax.cond(decision.overflow > 0, both, one), firsts + lasts)
+    out = {t: [x] for t, x in zip(tabs, got[: len(tabs)], strict=True)}
+    for t, x in zip(seconds, got[len(tabs) :], strict=True):
+        out[t].append(x)
+    return out
+
+
+def _pad_to(x: jax.Array, n_out: int, fill: int) -> jax.Array:
+    return jnp.concatenate([x, jnp.full((n_out - x.shape[0],), fill, x.dtype)])
+
+
+def _localize(uids: jax.Array, num_rows: int, axis: str, n: int) -> jax.Array:
+    """Global ids as rows of this device's block (``num_rows / n``: not this device's)."""
+    shard, lo = block(num_rows, axis, n)
+    local = uids - lo
+    return jnp.where((uids < num_rows) & (local >= 0) & (local < shard), local, shard)
+
+
+class _Lookup:
+    """One table's lookup on the all-to-all route: its distinct ids bucketed by owner, in two rounds."""
+
+    def __init__(self, ids: jax.Array, num_rows: int, axis: str, n: int, capacity: int | None) -> None:
+        self.ids, self.num_rows, self.axis, self.n = ids, num_rows, axis, n
+        self.k = k = ids.shape[0]
+        self.shard = num_rows // n
+        self.cap = cap = _capacity(k, n, capacity)
+        self.rounds = 1 if cap >= k else 2  # a second round where the first can overflow
+        self.size = max(n * k, self.rounds * n * cap)
+        self.fallback = 2 * cap < k  # two rounds may not fit the ids: the all-gather route stands by
+        self.uids, self.inverse = distinct_ids(ids, num_rows)
+        self.dests, *overflow = _buckets(self.uids, self.uids < num_rows, num_rows, n, cap)
+        self.overflow = (overflow[0], overflow[1])
+        # Each distinct id's slot among the rows the rounds bring back: the first round's n * cap, then the second's.
+        first, second = self.dests
+        self.slot = jnp.where(
+            first < n * cap, first, jnp.where(second < n * cap, n * cap + second, self.rounds * n * cap)
+        )
+
+    def asked(self, round_: int) -> jax.Array:
+        """A round's send buffer: the id in each bucket slot, local to its owner (``shard``: none)."""
+        owner_lo = (self.uids // self.shard) * self.shard
+        empty = jnp.full((self.n * self.cap,), self.shard, jnp.int32)
+        return scatter_rows(empty, self.dests[round_], self.uids - owner_lo, "set")
+
+    def no_ids(self) -> jax.Array:  # what a round with no id in any bucket receives
+        return _vary(jnp.full((self.n * self.cap,), self.shard, jnp.int32), self.axis)
+
+    def bucket_plan(self, received: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """``(wanted, select)`` from the ids the rounds received: the rows to read and send back, and where this
+        device's ids find theirs among the rows the rounds bring back."""
+        n, k = self.n, self.k
+        select = _pad_to(take_rows(self.slot, self.inverse), n * k, self.rounds * n * self.cap)
+        return _pad_to(jnp.concatenate(received), self.size, self.shard), select
+
+    def sent_back(self, rows: jax.Array, round_: int) -> jax.Array:
+        """The rows read for a round's ids, to send back."""
+        width = self.n * self.cap
+        return rows[round_ * width : (round_ + 1) * width]
+
+
+def _gathered_plans(tables: list[tuple[jax.Array, int]], axis: str, n: int) -> list[tuple[jax.Array, jax.Array]]:
+    """The all-gather route's ``(wanted, select)`` of each table ``(ids, num_rows)``: every device's distinct ids,
+    and where this device's are among them (one all-gather for all)."""
+    out = []
+    for ids, (_, num_rows) in zip(_gather([ids for ids, _ in tables], axis, n), tables, strict=True):
+        uids, inverse = distinct_ids(ids, num_rows)
+        out.append((_localize(uids, num_rows, axis, n), inverse))
+    return out
+
+
+def _gathered_exchange(rows: list[jax.Array], select: list[jax.Array], axis: str, n: int) -> list[jax.Array]:
+    """The all-gather route's rows: each table's rows read for every device's ids, summed to their devices."""
+    return _scatter_sum([take_rows(r, s) for r, s in zip(rows, select, strict=True)], axis, n)
 
 
 def plan(
-    ids: jax.Array, num_rows: int, axis: str, n: int, route: Route, capacity: int | None
-) -> tuple[tuple[jax.Array, jax.Array], Callable[[RoutingInfo], Any]]:
-    """Routes a device's flat ids for a lookup (the fast path).
+    tables: list[tuple[jax.Array, int]], axis: str, n: int, route: Route, capacity: int | None
+) -> tuple[list[tuple[jax.Array, jax.Array]], Callable[[RoutingInfo], Any]]:
+    """Routes a device's flat ids for the lookups of several tables, ``(ids, num_rows)`` each (the fast path).
 
-    Returns this device's overflows (first and second round) and ``finish(decision)``, which gives ``(exchange,
-    wanted, positions)`` once every table's overflow has decided the step's route (:func:`decide`): ``wanted``
-    are the local rows this device must read (``num_rows / n`` for none); ``exchange`` maps them, read, to the
-    rows of this device's ids (differentiably); ``positions`` index those rows as the ids indexed the table.
+    Returns each table's overflows on this device (first and second round) and ``finish(decision)``, which gives
+    ``(exchange, wanted, positions)`` once the overflows have decided the step's route (:func:`decide`):
+    ``wanted[t]`` are the local rows of table ``t`` this device must read (``num_rows / n`` for none);
+    ``exchange`` maps the list of them, read, to the rows of this device's ids of each table (differentiably);
+    ``positions[t]`` index those rows as the ids indexed the table. On the all-to-all route the tables share each
+    exchange: in a step, one all-to-all of the ids asked for and one of the rows sent back (one per dtype of the
+    tables), and as many again in a step that runs the second round.
     """
-    k = ids.shape[0]
-    shard, lo = block(num_rows, axis, n)
-
-    def localize(uids: jax.Array) -> jax.Array:
-        local = uids - lo
-        return jnp.where((uids < num_rows) & (local >= 0) & (local < shard), local, shard)
-
+    mines = [jnp.arange(ids.shape[0], dtype=jnp.int32) for ids, _ in tables]
+    no_overflow = [_no_overflow() for _ in tables]
     if route == "replicated":  # every device has every id: read mine, all-reduce
-        uids, inverse = distinct_ids(ids, num_rows)
-        return _no_overflow(), lambda _: ((lambda rows: jax.lax.psum(rows, axis)), localize(uids), inverse)
+        distinct = [distinct_ids(ids, num_rows) for ids, num_rows in tables]
+        wanted = [_localize(u, num_rows, axis, n) for (u, _), (_, num_rows) in zip(distinct, tables, strict=True)]
 
-    mine = jnp.arange(k, dtype=jnp.int32)
+        def psums(rows: list[jax.Array]) -> list[jax.Array]:
+            return [jax.lax.psum(r, axis) for r in rows]
 
-    def gathered_plan() -> tuple[jax.Array, jax.Array]:
-        uids, inverse = distinct_ids(jax.lax.all_gather(_vary(ids, axis), axis, tiled=True), num_rows)
-        return localize(uids), inverse
-
-    def gathered_exchange(rows: jax.Array, select: jax.Array) -> jax.Array:
-        return jax.lax.psum_scatter(take_rows(rows, select), axis, scatter_dimension=0, tiled=True)
+        return no_overflow, lambda _: (psums, wanted, [inverse for _, inverse in distinct])
 
     if route == "all_gather":
-        wanted, inverse = gathered_plan()
-        return _no_overflow(), lambda _: ((lambda rows: gathered_exchange(rows, inverse)), wanted, mine)
+        gathered = _gathered_plans(tables, axis, n)
 
-    cap = _capacity(k, n, capacity)
-    rounds = 1 if cap >= k else 2  # a second round where the first can overflow
-    size = max(n * k, rounds * n * cap)
-    uids, inverse = distinct_ids(ids, num_rows)
-    valid = uids < num_rows
-    dests, *overflow = _buckets(uids, valid, num_rows, n, cap)
-    # Each distinct id's slot among the rows the rounds bring back: the first round's n * cap, then the second's.
-    slot = jnp.where(dests[0] < n * cap, dests[0], jnp.where(dests[1] < n * cap, n * cap + dests[1], rounds * n * cap))
+        def scatters(rows: list[jax.Array]) -> list[jax.Array]:
+            return _gathered_exchange(rows, [s for _, s in gathered], axis, n)
 
-    def pad_to(x: jax.Array, n_out: int, fill: int) -> jax.Array:
-        return jnp.concatenate([x, jnp.full((n_out - x.shape[0],), fill, x.dtype)])
+        return no_overflow, lambda _: (scatters, [w for w, _ in gathered], mines)
 
-    def ask(dest: jax.Array) -> jax.Array:
-        owner_lo = (uids // shard) * shard
-        asked = scatter_rows(jnp.full((n * cap,), shard, jnp.int32), dest, uids - owner_lo, "set")
-        return jax.lax.all_to_all(asked.reshape(n, cap), axis, 0, 0).reshape(n * cap)
+    lookups = [_Lookup(ids, num_rows, axis, n, capacity) for ids, num_rows in tables]
+    two = [t for t, lk in enumerate(lookups) if lk.rounds == 2]
 
-    def back(rows: jax.Array) -> jax.Array:
-        return jax.lax.all_to_all(rows.reshape(n, cap, *rows.shape[1:]), axis, 0, 0).reshape(rows.shape)
+    def exchange_(xs: list[jax.Array]) -> list[jax.Array]:
+        return _exchange(xs, axis, n)
 
-    def bucket_plan(decision: RoutingInfo) -> tuple[jax.Array, jax.Array]:
-        asked = ask(dests[0])
-        if rounds == 2:
-            skip = lambda: _vary(jnp.full((n * cap,), shard, jnp.int32), axis)  # noqa: E731
-            asked = jnp.concatenate([asked, jax.lax.cond(decision.overflow > 0, lambda: ask(dests[1]), skip)])
-        return pad_to(asked, size, shard), pad_to(take_rows(slot, inverse), n * k, rounds * n * cap)
+    def bucket_plans(decision: RoutingInfo, tabs: list[int]) -> dict[int, tuple[jax.Array, jax.Array]]:
+        received = _rounds(
+            decision, tabs, two, lambda t, r: lookups[t].asked(r), lambda t: lookups[t].no_ids(), exchange_
+        )
+        return {t: lookups[t].bucket_plan(received[t]) for t in tabs}
 
-    def bucket_exchange(rows: jax.Array, select: jax.Array, decision: RoutingInfo) -> jax.Array:
-        out = back(rows[: n * cap])
-        if rounds == 2:
-            second = rows[n * cap : 2 * n * cap]
-            skip = lambda: _vary(jnp.zeros_like(second), axis)  # noqa: E731
-            out = jnp.concatenate([out, jax.lax.cond(decision.overflow > 0, lambda: back(second), skip)])
-        return take_rows(out, select[:k])
+    def bucket_exchange(
+        rows: dict[int, jax.Array], select: dict[int, jax.Array], decision: RoutingInfo
+    ) -> dict[int, jax.Array]:
+        def nothing(t: int) -> jax.Array:
+            return _vary(jnp.zeros_like(lookups[t].sent_back(rows[t], 1)), axis)
 
-    def fallback_plan() -> tuple[jax.Array, jax.Array]:
-        wanted, select = gathered_plan()
-        return pad_to(wanted, size, shard), select
+        back = _rounds(decision, list(rows), two, lambda t, r: lookups[t].sent_back(rows[t], r), nothing, exchange_)
+        return {t: take_rows(jnp.concatenate(back[t]), select[t][: lookups[t].k]) for t in rows}
+
+    standby = [t for t, lk in enumerate(lookups) if lk.fallback]  # tables the all-gather route takes in its steps
+
+    def gathered_plans(tabs: list[int]) -> dict[int, tuple[jax.Array, jax.Array]]:
+        got = _gathered_plans([tables[t] for t in tabs], axis, n)
+        return {t: (_pad_to(w, lookups[t].size, lookups[t].shard), s) for t, (w, s) in zip(tabs, got, strict=True)}
 
     def finish(decision: RoutingInfo) -> Any:
-        if 2 * cap >= k:  # two rounds fit whatever the ids
-            wanted, select = bucket_plan(decision)
-            return (lambda rows: bucket_exchange(rows, select, decision)), wanted, mine
-        wanted, select = jax.lax.cond(decision.fallback, fallback_plan, lambda: bucket_plan(decision))
+        plans = _by_route(decision, len(lookups), standby, lambda tabs: bucket_plans(decision, tabs), gathered_plans)
+        wanted = [w for w, _ in plans]
+        select = dict(enumerate(s for _, s in plans))
 
-        def exchange(rows: jax.Array) -> jax.Array:
-            return jax.lax.cond(
-                decision.fallback,
-                lambda: gathered_exchange(rows, select),
-                lambda: bucket_exchange(rows, select, decision),
-            )
+        def exchange(rows: list[jax.Array]) -> list[jax.Array]:
+            def in_buckets(tabs: list[int]) -> dict[int, jax.Array]:
+                return bucket_exchange({t: rows[t] for t in tabs}, select, decision)
 
-        return exchange, wanted, mine
+            def gathered(tabs: list[int]) -> dict[int, jax.Array]:
+                got = _gathered_exchange([rows[t] for t in tabs], [select[t] for t in tabs], axis, n)
+                return dict(zip(tabs, got, strict=True))
 
-    return (overflow[0], overflow[1]), finish
+            return _by_route(decision, len(lookups), standby, in_buckets, gathered)
+
+        return exchange, wanted, mines
+
+    return [lk.overflow for lk in lookups], finish

@@ -96,7 +96,8 @@ class RowSharding:
       ids, which does not fall as devices are added;
     - ``"all_to_all"``: each device sums its duplicates, buckets its distinct
       ids by owner with ``capacity`` slots per owner, and exchanges buckets
-      (ids, then rows, then gradients): ``n * capacity * (2 * width + 1)``
+      (ids, then rows, then gradients; all tables in each exchange, one per
+      dtype of rows): ``n * capacity * (2 * width + 1)``
       words per device, about ``K / n * (2 * width + 1)`` when ``capacity``
       fits the batch. Ids over capacity go in a second round of buckets,
       run only in a step where a bucket on some device overflows; ids over
@@ -425,13 +426,12 @@ class RowSharding:
 
         def body(grads: Any) -> Any:
             g = _flatten_up_to(treedef, grads, where)
-            routed = {}
-            for i in sparse:
-                keys, values = entries(g[i], shapes[i], paths[i], where)
-                routed[i] = _routing.route_entries(keys, values, shapes[i], axis, n, route, self.capacity)
-            info = _routing.decide([o for o, _ in routed.values()], axis, route)
-            for i, (_, finish) in routed.items():
-                g[i] = _routing.rebuild(out_leaves[i], *finish(info), shapes[i])
+            gradients = [(*entries(g[i], shapes[i], paths[i], where), shapes[i]) for i in sparse]
+            # One routing for all the tables: on the all-to-all route they share each exchange.
+            overflows, finish = _routing.route_entries(gradients, axis, n, route, self.capacity)
+            info = _routing.decide(overflows, axis, route)
+            for i, (keys, values) in zip(sparse, finish(info), strict=True):
+                g[i] = _routing.rebuild(out_leaves[i], keys, values, shapes[i])
             return treedef.unflatten(g), info
 
         return self._map(body, (in_specs,), (out_specs, _ROUTING_INFO_SPECS), grads)
@@ -520,17 +520,17 @@ class RowSharding:
             def body(params: Any, ids: Any, args: Any, rest: Any) -> Any:
                 local = _flatten_up_to(treedef, params, where)
                 flat_ids = ids
-                exchanges: dict[int, Any] = {}
-                wanted: dict[int, jax.Array] = {}
                 positions: list[Any] = [None] * len(flat_ids)
-                plans = {}
+                table_ids = []
                 for i in tables:
                     flat = [jnp.asarray(flat_ids[j]).reshape(-1) for j in by_table[i]]
-                    ids_i = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
-                    plans[i] = _routing.plan(ids_i, shapes[i][0], axis, n, route, self.capacity)
-                info = _routing.decide([o for o, _ in plans.values()], axis, route)
-                for i, (_, finish) in plans.items():
-                    exchanges[i], wanted[i], pos = finish(info)
+                    table_ids.append((flat[0] if len(flat) == 1 else jnp.concatenate(flat), shapes[i][0]))
+                # One plan for all the tables: on the all-to-all route they share each exchange.
+                overflows, finish = _routing.plan(table_ids, axis, n, route, self.capacity)
+                info = _routing.decide(overflows, axis, route)
+                exchange, wanted_list, pos_list = finish(info)
+                wanted = dict(zip(tables, wanted_list, strict=True))
+                for i, pos in zip(tables, pos_list, strict=True):
                     start = 0
                     for j in by_table[i]:
                         x = flat_ids[j]
@@ -540,7 +540,8 @@ class RowSharding:
                 pos_tree = given.with_positions(positions, rest)
 
                 def inner(diff: list[Any]) -> Any:
-                    full = [exchanges[i](diff[i]) if i in tables else diff[i] for i in range(len(diff))]
+                    read = dict(zip(tables, exchange([diff[i] for i in tables]), strict=True))
+                    full = [read[i] if i in tables else diff[i] for i in range(len(diff))]
                     out = fun(treedef.unflatten(full), pos_tree, *args)
                     if has_aux:
                         return out[0] / n_batch, out[1]

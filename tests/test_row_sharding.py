@@ -561,6 +561,106 @@ def test_several_tables_and_a_table_looked_up_twice():
         assert p["item"].sharding.is_equivalent_to(NamedSharding(mesh, P("x", None)), 2)
 
 
+def _collectives(compiled_text: str) -> dict[str, int]:
+    """The all-to-all, all-gather and reduce-scatter instructions of a compiled program (in every computation:
+    branches too), by kind and element type."""
+    counts: dict[str, int] = {}
+    for line in compiled_text.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%\S+ = \(?(\w+)\[.* (all-to-all|all-gather|reduce-scatter)\(", line)
+        if match:
+            key = f"{match[2]} {match[1]}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("routing", "capacity"),
+    [("all_to_all", None), ("all_to_all", 5), ("all_to_all", 2), ("all_gather", None)],
+    ids=["one-round", "second-round", "all-gather-fallback", "all-gather-route"],
+)
+def test_the_tables_of_a_routed_step_share_each_exchange(routing, capacity):
+    """On the all-to-all route the tables of a step share each exchange: the compiled lookup and backward of
+    three float32 tables of different widths, and of a bfloat16 one beside them (its rows sent as float32), hold
+    as many all-to-alls as those of one table, as does ``rs.route`` of their gradients (keys and values as bytes).
+    The values and gradients equal one device's, the step taking the route the buckets say."""
+    mesh = _mesh()
+    rng = np.random.default_rng(9)
+    shapes = {"a": (N, 4), "b": (2 * N, 8), "c": (N, 3), "h": (N, 4)}
+    dtypes = {"a": jnp.float32, "b": jnp.float32, "c": jnp.float32, "h": jnp.bfloat16}
+    init = {name: jnp.asarray(rng.standard_normal(s), dtypes[name]) for name, s in shapes.items()}
+    # Zipf ids (a few hot rows, so that small buckets overflow) and padding, the same hot rows on every device.
+    ids = {
+        name: np.where(rng.random(K) < 0.1, -1, (rng.zipf(1.5, K) * 37) % s[0]).astype(np.int32)
+        for name, s in shapes.items()
+    }
+    y = rng.standard_normal(K).astype(np.float32)
+
+    def loss(p: Any, ids: Any, y: jax.Array) -> jax.Array:
+        feats = [jnp.sum(p[name][ids[name]].astype(jnp.float32), axis=1) for name in sorted(p)]
+        return jnp.mean((sum(f * (i + 1.0) for i, f in enumerate(feats)) - y) ** 2)
+
+    def routed(names: list[str]) -> tuple[Any, dict[str, int]]:
+        rs = osa.RowSharding(
+            mesh, "x", lambda p: tuple(p[n] for n in names), batch_axis="x", routing=routing, capacity=capacity
+        )
+        batch = NamedSharding(mesh, P("x"))
+        params = rs.shard({n: init[n] for n in names})
+        args = (params, tuple(jax.device_put(ids[n], batch) for n in names), jax.device_put(y, batch))
+
+        def run(p: Any, ids: Any, y: jax.Array) -> Any:
+            return rs.value_and_row_grad(lambda p, i, y: loss(p, dict(zip(names, i, strict=True)), y))(p, ids, y)
+
+        step = jax.jit(run)
+        return step(*args), _collectives(step.lower(*args).compile().as_text())
+
+    (value, grads, info), counts = routed(list(shapes))
+    _, one = routed(["a"])
+    _, three = routed(["a", "b", "c"])
+    assert {"all_to_all": {"all-to-all s32", "all-to-all f32"}, "all_gather": {"all-gather u8", "reduce-scatter f32"}}[
+        routing
+    ] <= set(one), one
+    assert counts == three == one, (counts, three, one)
+
+    ref_value, ref_grads = osa.value_and_row_grad(loss, lambda p: tuple(p[n] for n in shapes))(init, ids, y)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for name in shapes:
+        got, ref = (np.asarray(g[name].todense(), np.float32) for g in (grads, ref_grads))
+        # bfloat16 gradients: the devices sum a hot row's duplicates in bfloat16, in another order than one device.
+        tol = {"rtol": 0.05, "atol": 0.05 * np.abs(ref).max()} if name == "h" else {"rtol": 1e-5, "atol": 1e-7}
+        np.testing.assert_allclose(got, ref, **tol)
+        np.testing.assert_array_equal(got != 0, ref != 0)  # the same rows (an exchange mixed up would move them)
+    want = {None: "one round", 5: "second round", 2: "all-gather"}[capacity] if routing == "all_to_all" else "one round"
+    assert _route_taken(info) == want
+
+    # The gradients' own route (rs.route): the tables' keys and values go in one exchange of bytes a round.
+    def routed_entries(names: list[str]) -> tuple[Any, Any, dict[str, int]]:
+        rs = osa.RowSharding(
+            mesh, "x", lambda p: tuple(p[n] for n in names), batch_axis="x", routing=routing, capacity=capacity
+        )
+        batch = NamedSharding(mesh, P("x"))
+        params = rs.shard({n: init[n] for n in names})
+        grads = {
+            n: osa.IndexedRows(
+                jax.device_put(ids[n], batch),
+                jax.device_put(rng.standard_normal((K, shapes[n][1])).astype(dtypes[n]), batch),
+                shapes[n][0],
+            )
+            for n in names
+        }
+        route = jax.jit(rs.route)
+        routed, info = route(grads, params)
+        return (grads, routed, info), _collectives(route.lower(grads, params).compile().as_text())
+
+    (grads, routed, info), counts = routed_entries(list(shapes))
+    _, one = routed_entries(["a"])
+    assert counts == one and set(one) <= {"all-to-all u8", "all-gather u8"}, (counts, one)
+    assert _route_taken(info) == want
+    for name in shapes:  # summed per device, then per owner: float32 (and bfloat16) roundings apart
+        got, ref = (np.asarray(jax.tree.map(jnp.asarray, g[name]).todense(), np.float32) for g in (routed, grads))
+        tol = {"rtol": 0.05, "atol": 0.05 * np.abs(ref).max()} if name == "h" else {"rtol": 1e-6, "atol": 1e-6}
+        np.testing.assert_allclose(got, ref, **tol)
+
+
 @pytest.mark.parametrize("routing", ["all_to_all", "all_gather"])
 def test_a_collection_with_pooled_bags_matches_one_device(routing):
     """A stack of tables read by pooled multi-hot features, routed over 8 devices, equals the one-device step."""
