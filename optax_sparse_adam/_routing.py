@@ -266,9 +266,27 @@ def _buckets(
     return dest, *over
 
 
+def _bytes(x: jax.Array) -> jax.Array:
+    """``x``'s bytes, ``uint8`` of shape ``(*x.shape, bytes per element)`` (a complex number as its real and
+    imaginary parts, a bool as a byte)."""
+    shape = x.shape
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    elif x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    per = jnp.dtype(x.dtype).itemsize * (x.ndim - len(shape) + 1)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*shape, per)
+
+
 def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """The array of this shape and dtype whose bytes (``jax.lax.bitcast_convert_type`` to ``uint8``) ``b`` holds."""
-    size = jnp.dtype(dtype).itemsize
+    """The array of this shape and dtype whose bytes (:func:`_bytes`) ``b`` holds."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        parts = _from_bytes(b, (*shape, 2), jnp.finfo(dtype).dtype)
+        return jax.lax.complex(parts[..., 0], parts[..., 1])
+    if dtype == jnp.bool_:
+        return _from_bytes(b, shape, jnp.uint8).astype(jnp.bool_)
+    size = dtype.itemsize
     return jax.lax.bitcast_convert_type(b.reshape(*shape, size) if size > 1 else b.reshape(shape), dtype)
 
 
@@ -276,7 +294,7 @@ def _gather(xs: list[jax.Array], axis: str, n: int) -> list[jax.Array]:
     """Every device's ``xs``, on every device (each along its first axis, as ``jax.lax.all_gather(x, axis,
     tiled=True)`` gathers it), in one all-gather of their bytes (not differentiable): XLA:CPU keys every all-gather of
     a program alike, and two in flight at once could meet in one rendezvous."""
-    flat = [jax.lax.bitcast_convert_type(_vary(x, axis), jnp.uint8).reshape(-1) for x in xs]
+    flat = [_bytes(_vary(x, axis)).reshape(-1) for x in xs]
     got = jax.lax.all_gather(flat[0] if len(flat) == 1 else jnp.concatenate(flat), axis, axis=0, tiled=True)
     got = got.reshape(n, -1)
     ends = list(itertools.accumulate(f.shape[0] for f in flat))
@@ -297,18 +315,21 @@ def _gathered_entries(
 
 def _scatter_sum(xs: list[jax.Array], axis: str, n: int) -> list[jax.Array]:
     """Each of ``xs`` (``(n * k, ...)``, floats) summed over the devices of ``axis`` and scattered along its first
-    axis, as ``jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)`` does, in one reduce-scatter (in the
-    widest of their dtypes; differentiable)."""
-    dtype = functools.reduce(jnp.promote_types, [x.dtype for x in xs])
-    flat = [x.astype(dtype).reshape(n, -1) for x in xs]
+    axis, as ``jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)`` does, in one reduce-scatter
+    (differentiable). The sums are in float32 (float64 where a table is), whatever the tables beside: 16-bit floats
+    are summed in float32 and rounded once, and a complex table's real and imaginary parts alike."""
+    parts = [jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1) if jnp.iscomplexobj(x) else x for x in xs]
+    wide = jnp.float64 if any(jnp.dtype(x.dtype).itemsize == 8 for x in parts) else jnp.float32
+    flat = [x.astype(wide).reshape(n, -1) for x in parts]
     got = jax.lax.psum_scatter(
         flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1), axis, scatter_dimension=0, tiled=True
     )
     ends = list(itertools.accumulate(f.shape[1] for f in flat))
-    return [
-        got[:, start:end].reshape(x.shape[0] // n, *x.shape[1:]).astype(x.dtype)
-        for x, start, end in zip(xs, [0, *ends[:-1]], ends, strict=True)
-    ]
+    out = []
+    for x, part, start, end in zip(xs, parts, [0, *ends[:-1]], ends, strict=True):
+        summed = got[:, start:end].reshape(part.shape[0] // n, *part.shape[1:]).astype(part.dtype)
+        out.append(jax.lax.complex(summed[..., 0], summed[..., 1]) if jnp.iscomplexobj(x) else summed)
+    return out
 
 
 def _keep_owned(
@@ -381,9 +402,11 @@ def route_entries(
 
     Returns each gradient's overflows on this device (first and second round) and ``finish(decision)``, which gives
     each one's owner-aligned ``(keys, values)`` once the overflows have decided the step's route (:func:`decide`).
-    On the all-to-all route the gradients share each exchange, keys and values alike (as bytes): one all-to-all in
-    a step, and one more in a step that runs the second round.
+    The gradients share each collective, keys and values alike (as bytes): on the all-to-all route one all-to-all
+    in a step (both rounds in it where a second runs), on the all-gather route one all-gather.
     """
+    if not gradients:
+        return [], lambda _: []
     none = [_no_overflow() for _ in gradients]
     if route == "replicated":
         return none, lambda _: [_keep_owned(k, v, s, axis, n) for k, v, s in gradients]
@@ -401,7 +424,7 @@ def route_entries(
             two,
             lambda t, r: entries[t].sent(r),
             lambda t: entries[t].nothing(),
-            lambda xs: _exchange(xs, axis, n, as_bytes=True),
+            lambda xs: _exchange(xs, axis, n),
         )
         return {t: entries[t].padded(*(jnp.concatenate(part) for part in zip(*received[t], strict=True))) for t in tabs}
 
@@ -417,25 +440,31 @@ def route_entries(
     return [e.overflow for e in entries], finish
 
 
-def _exchange(xs: list[jax.Array], axis: str, n: int, *, as_bytes: bool = False) -> list[jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _exchange(xs: list[jax.Array], axis: str, n: int) -> list[jax.Array]:
     """The arrays ``xs``, each ``(n * cap, ...)`` in ``n`` blocks by destination, exchanged between the devices of
-    ``axis`` as :func:`jax.lax.all_to_all` exchanges one, all in one all-to-all: of one dtype (floats in the widest
-    of theirs, exactly; differentiable, its transpose the same exchange), or with ``as_bytes`` their bytes (not
-    differentiable). One collective, not one per array: XLA:CPU keys every all-to-all of a program alike, and two
-    in flight at once could meet in one rendezvous."""
-    if as_bytes:
-        got = _exchange([jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(n, -1) for x in xs], axis, n)
-        return [_from_bytes(b, x.shape, x.dtype) for b, x in zip(got, xs, strict=True)]
-    dtype = functools.reduce(jnp.promote_types, [x.dtype for x in xs])
-    if any(x.dtype != dtype for x in xs) and not all(jnp.issubdtype(x.dtype, jnp.floating) for x in xs):
-        raise TypeError(f"_exchange: arrays of dtypes {sorted({str(x.dtype) for x in xs})} in one exchange")
-    flat = [xs[i].astype(dtype).reshape(n, -1) for i in range(len(xs))]
+    ``axis`` as :func:`jax.lax.all_to_all` exchanges one, all in one all-to-all of their bytes: one collective, not
+    one per array (XLA:CPU keys every all-to-all of a program alike, and two in flight at once could meet in one
+    rendezvous), and each array's own bytes, whatever its dtype and the others'. Differentiable: the gradient is
+    the same exchange of the cotangents."""
+    flat = [_bytes(x).reshape(n, -1) for x in xs]
     got = jax.lax.all_to_all(flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1), axis, 0, 0)
     ends = list(itertools.accumulate(f.shape[1] for f in flat))
     return [
-        got[:, start:end].reshape(x.shape).astype(x.dtype)
+        _from_bytes(got[:, start:end], x.shape, x.dtype)
         for x, start, end in zip(xs, [0, *ends[:-1]], ends, strict=True)
     ]
+
+
+def _exchange_forward(xs: list[jax.Array], axis: str, n: int) -> tuple[list[jax.Array], None]:
+    return _exchange(xs, axis, n), None
+
+
+def _exchange_backward(axis: str, n: int, _: None, cotangents: list[jax.Array]) -> tuple[list[jax.Array]]:
+    return (_exchange(cotangents, axis, n),)  # a permutation of blocks: its transpose is itself
+
+
+_exchange.defvjp(_exchange_forward, _exchange_backward)
 
 
 def _by_route(
@@ -585,10 +614,13 @@ def plan(
     ``(exchange, wanted, positions)`` once the overflows have decided the step's route (:func:`decide`):
     ``wanted[t]`` are the local rows of table ``t`` this device must read (``num_rows / n`` for none);
     ``exchange`` maps the list of them, read, to the rows of this device's ids of each table (differentiably);
-    ``positions[t]`` index those rows as the ids indexed the table. On the all-to-all route the tables share each
-    exchange: in a step, one all-to-all of the ids asked for and one of the rows sent back (one per dtype of the
-    tables), and as many again in a step that runs the second round.
+    ``positions[t]`` index those rows as the ids indexed the table. The tables share each collective: on the
+    all-to-all route, in a step, one all-to-all of the ids asked for and one of the rows sent back (their bytes,
+    whatever the tables' widths and dtypes; both rounds in each where a second runs), and one of the gradients
+    back; on the all-gather route one all-gather of the ids and one reduce-scatter of the rows.
     """
+    if not tables:
+        return [], lambda _: ((lambda rows: []), [], [])
     mines = [jnp.arange(ids.shape[0], dtype=jnp.int32) for ids, _ in tables]
     no_overflow = [_no_overflow() for _ in tables]
     if route == "replicated":  # every device has every id: read mine, all-reduce

@@ -96,8 +96,8 @@ class RowSharding:
       ids, which does not fall as devices are added;
     - ``"all_to_all"``: each device sums its duplicates, buckets its distinct
       ids by owner with ``capacity`` slots per owner, and exchanges buckets
-      (ids, then rows, then gradients; all tables in each exchange, one per
-      dtype of rows): ``n * capacity * (2 * width + 1)``
+      (ids, then rows, then gradients; all tables in each exchange):
+      ``n * capacity * (2 * width + 1)``
       words per device, about ``K / n * (2 * width + 1)`` when ``capacity``
       fits the batch. Ids over capacity go in a second round of buckets,
       run only in a step where a bucket on some device overflows; ids over

@@ -579,10 +579,10 @@ def _collectives(compiled_text: str) -> dict[str, int]:
     ids=["one-round", "second-round", "all-gather-fallback", "all-gather-route"],
 )
 def test_the_tables_of_a_routed_step_share_each_exchange(routing, capacity):
-    """On the all-to-all route the tables of a step share each exchange: the compiled lookup and backward of
-    three float32 tables of different widths, and of a bfloat16 one beside them (its rows sent as float32), hold
-    as many all-to-alls as those of one table, as does ``rs.route`` of their gradients (keys and values as bytes).
-    The values and gradients equal one device's, the step taking the route the buckets say."""
+    """The tables of a routed step share each collective: the compiled lookup and backward of three float32
+    tables of different widths and of a bfloat16 one beside them hold as many all-to-alls (their bytes), all-gathers
+    and reduce-scatters as those of one table, as does ``rs.route`` of their gradients (keys and values as bytes), on
+    every route. The values and gradients equal one device's, the step taking the route the buckets say."""
     mesh = _mesh()
     rng = np.random.default_rng(9)
     shapes = {"a": (N, 4), "b": (2 * N, 8), "c": (N, 3), "h": (N, 4)}
@@ -616,9 +616,7 @@ def test_the_tables_of_a_routed_step_share_each_exchange(routing, capacity):
     (value, grads, info), counts = routed(list(shapes))
     _, one = routed(["a"])
     _, three = routed(["a", "b", "c"])
-    assert {"all_to_all": {"all-to-all s32", "all-to-all f32"}, "all_gather": {"all-gather u8", "reduce-scatter f32"}}[
-        routing
-    ] <= set(one), one
+    assert {"all_to_all": {"all-to-all u8"}, "all_gather": {"all-gather u8", "reduce-scatter f32"}}[routing] <= set(one)
     assert counts == three == one, (counts, three, one)
 
     ref_value, ref_grads = osa.value_and_row_grad(loss, lambda p: tuple(p[n] for n in shapes))(init, ids, y)
@@ -659,6 +657,53 @@ def test_the_tables_of_a_routed_step_share_each_exchange(routing, capacity):
         got, ref = (np.asarray(jax.tree.map(jnp.asarray, g[name]).todense(), np.float32) for g in (routed, grads))
         tol = {"rtol": 0.05, "atol": 0.05 * np.abs(ref).max()} if name == "h" else {"rtol": 1e-6, "atol": 1e-6}
         np.testing.assert_allclose(got, ref, **tol)
+
+
+@pytest.mark.parametrize(("routing", "capacity"), [("all_to_all", None), ("all_to_all", 2), ("all_gather", None)])
+def test_a_complex_table_beside_a_float_one_routes_as_on_one_device(routing, capacity):
+    """A complex64 table shares the step's collectives with a float32 one (as its real and imaginary parts): the
+    routed lookup's value and gradients, and ``rs.route`` of complex entries, equal one device's; ``rs.route`` of a
+    tree with no sparse leaf passes it through."""
+    mesh = _mesh()
+    rng = np.random.default_rng(13)
+    init = {
+        "z": jnp.asarray(rng.standard_normal((N, 3)) + 1j * rng.standard_normal((N, 3)), jnp.complex64),
+        "f": jnp.asarray(rng.standard_normal((N, 4)), jnp.float32),
+    }
+    ids = tuple(jnp.asarray((rng.zipf(1.5, K) * 37) % N, jnp.int32) for _ in range(2))
+    y = jnp.asarray(rng.standard_normal(K), jnp.float32)
+
+    def loss(p: Any, ids: Any, y: jax.Array) -> jax.Array:
+        z = p["z"][ids[0]]
+        return jnp.mean(
+            (jnp.sum(jnp.real(z * jnp.conj(z)) + jnp.imag(z), axis=1) * jnp.sum(p["f"][ids[1]], 1) - y) ** 2
+        )
+
+    tables = lambda p: (p["z"], p["f"])  # noqa: E731
+    ref_value, ref_g = osa.value_and_row_grad(loss, tables)(init, ids, y)
+    rs = osa.RowSharding(mesh, "x", tables, batch_axis="x", routing=routing, capacity=capacity)
+    batch = NamedSharding(mesh, P("x"))
+    params = rs.shard(init)
+    value, g, _ = jax.jit(rs.value_and_row_grad(loss))(params, jax.device_put(ids, batch), jax.device_put(y, batch))
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for name in init:
+        got = np.asarray(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), g[name]).todense())
+        np.testing.assert_allclose(got, ref_g[name].todense(), rtol=1e-4, atol=1e-6)
+    grads = {
+        "z": osa.IndexedRows(
+            jax.device_put(ids[0], batch), jax.device_put(jnp.ones((K, 3), jnp.complex64) * 1j, batch), N
+        ),
+        "f": osa.IndexedRows(jax.device_put(ids[1], batch), jax.device_put(jnp.ones((K, 4), jnp.float32), batch), N),
+    }
+    routed, _ = jax.jit(rs.route)(grads, params)
+    for name, value in (("z", 1j), ("f", 1.0)):
+        want = np.zeros(init[name].shape, init[name].dtype)
+        np.add.at(want, np.asarray(ids[name == "f"]), value)
+        got = np.asarray(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), routed[name]).todense())
+        np.testing.assert_array_equal(got, want)
+    dense = {"z": jnp.zeros((N, 3), jnp.complex64), "f": jnp.zeros((N, 4), jnp.float32)}
+    passed, _ = jax.jit(rs.route)(jax.device_put(dense, NamedSharding(mesh, P("x", None))), params)
+    jax.tree.map(np.testing.assert_array_equal, passed, dense)
 
 
 @pytest.mark.parametrize("routing", ["all_to_all", "all_gather"])
