@@ -266,13 +266,27 @@ def _buckets(
     return dest, *over
 
 
+def _pairs(x: jax.Array) -> jax.Array:
+    """A complex ``x`` as its real and imaginary parts along a new last axis; any other ``x`` as it is."""
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1) if jnp.iscomplexobj(x) else x
+
+
+def _unpaired(x: jax.Array, dtype: Any) -> jax.Array:
+    """The inverse of :func:`_pairs` for an array of ``dtype``."""
+    return jax.lax.complex(x[..., 0], x[..., 1]) if jnp.issubdtype(dtype, jnp.complexfloating) else x
+
+
+def _split(joined: jax.Array, widths: list[int]) -> list[jax.Array]:
+    """The pieces of ``joined`` along its axis 1, of these widths (the arrays concatenated into it)."""
+    return jnp.split(joined, list(itertools.accumulate(widths))[:-1], axis=1)
+
+
 def _bytes(x: jax.Array) -> jax.Array:
     """``x``'s bytes, ``uint8`` of shape ``(*x.shape, bytes per element)`` (a complex number as its real and
     imaginary parts, a bool as a byte)."""
     shape = x.shape
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-    elif x.dtype == jnp.bool_:
+    x = _pairs(x)
+    if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     per = jnp.dtype(x.dtype).itemsize * (x.ndim - len(shape) + 1)
     return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*shape, per)
@@ -282,8 +296,7 @@ def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """The array of this shape and dtype whose bytes (:func:`_bytes`) ``b`` holds."""
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        parts = _from_bytes(b, (*shape, 2), jnp.finfo(dtype).dtype)
-        return jax.lax.complex(parts[..., 0], parts[..., 1])
+        return _unpaired(_from_bytes(b, (*shape, 2), jnp.finfo(dtype).dtype), dtype)
     if dtype == jnp.bool_:
         return _from_bytes(b, shape, jnp.uint8).astype(jnp.bool_)
     size = dtype.itemsize
@@ -295,12 +308,10 @@ def _gather(xs: list[jax.Array], axis: str, n: int) -> list[jax.Array]:
     tiled=True)`` gathers it), in one all-gather of their bytes (not differentiable): XLA:CPU keys every all-gather of
     a program alike, and two in flight at once could meet in one rendezvous."""
     flat = [_bytes(_vary(x, axis)).reshape(-1) for x in xs]
-    got = jax.lax.all_gather(flat[0] if len(flat) == 1 else jnp.concatenate(flat), axis, axis=0, tiled=True)
-    got = got.reshape(n, -1)
-    ends = list(itertools.accumulate(f.shape[0] for f in flat))
+    got = jax.lax.all_gather(jnp.concatenate(flat), axis, axis=0, tiled=True).reshape(n, -1)
     return [
-        _from_bytes(got[:, start:end], (n * x.shape[0], *x.shape[1:]), x.dtype)
-        for x, start, end in zip(xs, [0, *ends[:-1]], ends, strict=True)
+        _from_bytes(b, (n * x.shape[0], *x.shape[1:]), x.dtype)
+        for x, b in zip(xs, _split(got, [f.shape[0] for f in flat]), strict=True)
     ]
 
 
@@ -318,18 +329,14 @@ def _scatter_sum(xs: list[jax.Array], axis: str, n: int) -> list[jax.Array]:
     axis, as ``jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)`` does, in one reduce-scatter
     (differentiable). The sums are in float32 (float64 where a table is), whatever the tables beside: 16-bit floats
     are summed in float32 and rounded once, and a complex table's real and imaginary parts alike."""
-    parts = [jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1) if jnp.iscomplexobj(x) else x for x in xs]
+    parts = [_pairs(x) for x in xs]
     wide = jnp.float64 if any(jnp.dtype(x.dtype).itemsize == 8 for x in parts) else jnp.float32
     flat = [x.astype(wide).reshape(n, -1) for x in parts]
-    got = jax.lax.psum_scatter(
-        flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1), axis, scatter_dimension=0, tiled=True
-    )
-    ends = list(itertools.accumulate(f.shape[1] for f in flat))
-    out = []
-    for x, part, start, end in zip(xs, parts, [0, *ends[:-1]], ends, strict=True):
-        summed = got[:, start:end].reshape(part.shape[0] // n, *part.shape[1:]).astype(part.dtype)
-        out.append(jax.lax.complex(summed[..., 0], summed[..., 1]) if jnp.iscomplexobj(x) else summed)
-    return out
+    got = jax.lax.psum_scatter(jnp.concatenate(flat, axis=1), axis, scatter_dimension=0, tiled=True)
+    return [
+        _unpaired(summed.reshape(part.shape[0] // n, *part.shape[1:]).astype(part.dtype), x.dtype)
+        for x, part, summed in zip(xs, parts, _split(got, [f.shape[1] for f in flat]), strict=True)
+    ]
 
 
 def _keep_owned(
@@ -357,20 +364,29 @@ def _no_overflow() -> tuple[jax.Array, jax.Array]:
     return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
 
 
-class _Entries:
+class _Bucketed:
+    """A device's ``k`` ids (or entries) of a table on the all-to-all route: ``cap`` slots per owner and round, a
+    second round where the first can overflow, the all-gather route standing by where two may not fit; ``size``
+    rows of results on every route."""
+
+    def __init__(self, k: int, axis: str, n: int, capacity: int | None) -> None:
+        self.k, self.axis, self.n = k, axis, n
+        self.cap = cap = _capacity(k, n, capacity)
+        self.rounds = 1 if cap >= k else 2
+        self.size = max(n * k, self.rounds * n * cap)
+        self.fallback = 2 * cap < k
+
+
+class _Entries(_Bucketed):
     """One sparse gradient's entries on the all-to-all route: bucketed by owner, in two rounds."""
 
     def __init__(
         self, keys: jax.Array, values: jax.Array, shape: tuple[int, ...], axis: str, n: int, capacity: int | None
     ) -> None:
-        self.keys, self.values, self.shape, self.axis, self.n = keys, values, shape, axis, n
-        self.k = k = keys.shape[0]
-        self.cap = cap = _capacity(k, n, capacity)
-        self.rounds = 1 if cap >= k else 2  # a second round where the first can overflow
-        self.size = max(n * k, self.rounds * n * cap)
-        self.fallback = 2 * cap < k  # two rounds may not fit the entries: the all-gather route stands by
+        super().__init__(keys.shape[0], axis, n, capacity)
+        self.keys, self.values, self.shape = keys, values, shape
         self.pad = jnp.asarray(shape[: keys.shape[1]], jnp.int32)
-        self.dests, *overflow = _buckets(keys[:, 0], keys[:, 0] < shape[0], shape[0], n, cap)
+        self.dests, *overflow = _buckets(keys[:, 0], keys[:, 0] < shape[0], shape[0], n, self.cap)
         self.overflow = (overflow[0], overflow[1])
 
     def empty(self) -> tuple[jax.Array, jax.Array]:
@@ -419,12 +435,7 @@ def route_entries(
         # On any first-round overflow: a gradient with no all-gather branch (two rounds always fit it) runs its second
         # round also in a step that another sends down the all-gather route.
         received = _rounds(
-            decision,
-            tabs,
-            two,
-            lambda t, r: entries[t].sent(r),
-            lambda t: entries[t].nothing(),
-            lambda xs: _exchange(xs, axis, n),
+            decision, tabs, two, lambda t, r: entries[t].sent(r), lambda t: entries[t].nothing(), axis, n
         )
         return {t: entries[t].padded(*(jnp.concatenate(part) for part in zip(*received[t], strict=True))) for t in tabs}
 
@@ -441,26 +452,29 @@ def route_entries(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _exchange(xs: list[jax.Array], axis: str, n: int) -> list[jax.Array]:
-    """The arrays ``xs``, each ``(n * cap, ...)`` in ``n`` blocks by destination, exchanged between the devices of
-    ``axis`` as :func:`jax.lax.all_to_all` exchanges one, all in one all-to-all of their bytes: one collective, not
-    one per array (XLA:CPU keys every all-to-all of a program alike, and two in flight at once could meet in one
-    rendezvous), and each array's own bytes, whatever its dtype and the others'. Differentiable: the gradient is
-    the same exchange of the cotangents."""
-    flat = [_bytes(x).reshape(n, -1) for x in xs]
-    got = jax.lax.all_to_all(flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1), axis, 0, 0)
-    ends = list(itertools.accumulate(f.shape[1] for f in flat))
-    return [
-        _from_bytes(got[:, start:end], x.shape, x.dtype)
-        for x, start, end in zip(xs, [0, *ends[:-1]], ends, strict=True)
-    ]
+def _exchange(xs: Any, axis: str, n: int) -> Any:
+    """The arrays of the tree ``xs``, each ``(n * cap, ...)`` in ``n`` blocks by destination, exchanged between the
+    devices of ``axis`` as :func:`jax.lax.all_to_all` exchanges one, all in one all-to-all of their bytes: one
+    collective, not one per array (XLA:CPU keys every all-to-all of a program alike, and two in flight at once could
+    meet in one rendezvous), and each array's own bytes, whatever its dtype and the others'. Differentiable: the
+    gradient is the same exchange of the cotangents."""
+    leaves, treedef = jax.tree.flatten(xs)
+    flat = [_bytes(x).reshape(n, -1) for x in leaves]
+    got = jax.lax.all_to_all(jnp.concatenate(flat, axis=1), axis, 0, 0)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            _from_bytes(b, x.shape, x.dtype)
+            for x, b in zip(leaves, _split(got, [f.shape[1] for f in flat]), strict=True)
+        ],
+    )
 
 
-def _exchange_forward(xs: list[jax.Array], axis: str, n: int) -> tuple[list[jax.Array], None]:
+def _exchange_forward(xs: Any, axis: str, n: int) -> tuple[Any, None]:
     return _exchange(xs, axis, n), None
 
 
-def _exchange_backward(axis: str, n: int, _: None, cotangents: list[jax.Array]) -> tuple[list[jax.Array]]:
+def _exchange_backward(axis: str, n: int, _: None, cotangents: Any) -> tuple[Any]:
     return (_exchange(cotangents, axis, n),)  # a permutation of blocks: its transpose is itself
 
 
@@ -499,40 +513,25 @@ def _rounds(
     two: list[int],
     sent: Callable[[int, int], Any],
     nothing: Callable[[int], Any],
-    exchange: Callable[[list[jax.Array]], list[jax.Array]],
+    axis: str,
+    n: int,
 ) -> dict[int, list[Any]]:
-    """What each table of ``tabs`` receives in each of its rounds, ``sent(t, round)`` its send buffers (an array
-    or a list of them) and ``nothing(t)`` what a round with nothing in any bucket receives: one ``exchange`` of the
-    first round's buffers, or in a step that runs the second round (those of ``two`` that ``tabs`` holds), one of
-    both rounds' buffers. One exchange whichever: none left to run beside another."""
+    """What each table of ``tabs`` receives in each of its rounds, ``sent(t, round)`` its send buffers (a tree of
+    arrays) and ``nothing(t)`` what a round with nothing in any bucket receives: one :func:`_exchange` of the first
+    round's buffers, or in a step that runs the second round (those of ``two`` that ``tabs`` holds), one of both
+    rounds' buffers. One exchange whichever: none left to run beside another."""
     seconds = [t for t in two if t in tabs]
-
-    def flat(bufs: list[Any]) -> list[jax.Array]:
-        return [x for b in bufs for x in (b if isinstance(b, list) else [b])]
-
-    def regroup(got: list[jax.Array], like: list[Any]) -> list[Any]:
-        out, i = [], 0
-        for b in like:
-            size = len(b) if isinstance(b, list) else 1
-            out.append(got[i : i + size] if isinstance(b, list) else got[i])
-            i += size
-        return out
-
     firsts = [sent(t, 0) for t in tabs]
     if not seconds:
-        got = regroup(exchange(flat(firsts)), firsts)
-        return {t: [x] for t, x in zip(tabs, got, strict=True)}
+        return {t: [x] for t, x in zip(tabs, _exchange(firsts, axis, n), strict=True)}
     lasts = [sent(t, 1) for t in seconds]
-
-    def both() -> list[jax.Array]:
-        return exchange(flat(firsts + lasts))
-
-    def one() -> list[jax.Array]:
-        return exchange(flat(firsts)) + flat([nothing(t) for t in seconds])
-
-    got = regroup(jax.lax.cond(decision.overflow > 0, both, one), firsts + lasts)
-    out = {t: [x] for t, x in zip(tabs, got[: len(tabs)], strict=True)}
-    for t, x in zip(seconds, got[len(tabs) :], strict=True):
+    got_firsts, got_lasts = jax.lax.cond(
+        decision.overflow > 0,
+        lambda: _exchange((firsts, lasts), axis, n),
+        lambda: (_exchange(firsts, axis, n), [nothing(t) for t in seconds]),
+    )
+    out = {t: [x] for t, x in zip(tabs, got_firsts, strict=True)}
+    for t, x in zip(seconds, got_lasts, strict=True):
         out[t].append(x)
     return out
 
@@ -548,17 +547,14 @@ def _localize(uids: jax.Array, num_rows: int, axis: str, n: int) -> jax.Array:
     return jnp.where((uids < num_rows) & (local >= 0) & (local < shard), local, shard)
 
 
-class _Lookup:
+class _Lookup(_Bucketed):
     """One table's lookup on the all-to-all route: its distinct ids bucketed by owner, in two rounds."""
 
     def __init__(self, ids: jax.Array, num_rows: int, axis: str, n: int, capacity: int | None) -> None:
-        self.ids, self.num_rows, self.axis, self.n = ids, num_rows, axis, n
-        self.k = k = ids.shape[0]
+        super().__init__(ids.shape[0], axis, n, capacity)
+        cap = self.cap
+        self.ids, self.num_rows = ids, num_rows
         self.shard = num_rows // n
-        self.cap = cap = _capacity(k, n, capacity)
-        self.rounds = 1 if cap >= k else 2  # a second round where the first can overflow
-        self.size = max(n * k, self.rounds * n * cap)
-        self.fallback = 2 * cap < k  # two rounds may not fit the ids: the all-gather route stands by
         self.uids, self.inverse = distinct_ids(ids, num_rows)
         self.dests, *overflow = _buckets(self.uids, self.uids < num_rows, num_rows, n, cap)
         self.overflow = (overflow[0], overflow[1])
@@ -568,14 +564,17 @@ class _Lookup:
             first < n * cap, first, jnp.where(second < n * cap, n * cap + second, self.rounds * n * cap)
         )
 
+    def empty(self) -> jax.Array:
+        """A round's buffer with no id (``shard`` in every slot)."""
+        return jnp.full((self.n * self.cap,), self.shard, jnp.int32)
+
     def asked(self, round_: int) -> jax.Array:
         """A round's send buffer: the id in each bucket slot, local to its owner (``shard``: none)."""
         owner_lo = (self.uids // self.shard) * self.shard
-        empty = jnp.full((self.n * self.cap,), self.shard, jnp.int32)
-        return scatter_rows(empty, self.dests[round_], self.uids - owner_lo, "set")
+        return scatter_rows(self.empty(), self.dests[round_], self.uids - owner_lo, "set")
 
     def no_ids(self) -> jax.Array:  # what a round with no id in any bucket receives
-        return _vary(jnp.full((self.n * self.cap,), self.shard, jnp.int32), self.axis)
+        return _vary(self.empty(), self.axis)
 
     def bucket_plan(self, received: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
         """``(wanted, select)`` from the ids the rounds received: the rows to read and send back, and where this
@@ -643,12 +642,9 @@ def plan(
     lookups = [_Lookup(ids, num_rows, axis, n, capacity) for ids, num_rows in tables]
     two = [t for t, lk in enumerate(lookups) if lk.rounds == 2]
 
-    def exchange_(xs: list[jax.Array]) -> list[jax.Array]:
-        return _exchange(xs, axis, n)
-
     def bucket_plans(decision: RoutingInfo, tabs: list[int]) -> dict[int, tuple[jax.Array, jax.Array]]:
         received = _rounds(
-            decision, tabs, two, lambda t, r: lookups[t].asked(r), lambda t: lookups[t].no_ids(), exchange_
+            decision, tabs, two, lambda t, r: lookups[t].asked(r), lambda t: lookups[t].no_ids(), axis, n
         )
         return {t: lookups[t].bucket_plan(received[t]) for t in tabs}
 
@@ -658,7 +654,7 @@ def plan(
         def nothing(t: int) -> jax.Array:
             return _vary(jnp.zeros_like(lookups[t].sent_back(rows[t], 1)), axis)
 
-        back = _rounds(decision, list(rows), two, lambda t, r: lookups[t].sent_back(rows[t], r), nothing, exchange_)
+        back = _rounds(decision, list(rows), two, lambda t, r: lookups[t].sent_back(rows[t], r), nothing, axis, n)
         return {t: take_rows(jnp.concatenate(back[t]), select[t][: lookups[t].k]) for t in rows}
 
     standby = [t for t, lk in enumerate(lookups) if lk.fallback]  # tables the all-gather route takes in its steps
