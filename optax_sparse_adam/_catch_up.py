@@ -462,9 +462,24 @@ def _coefficients(
     terms = plan.rho.size
     if plan.cap == 0:  # b1 == 0: idle steps do not move a row
         return jnp.zeros((*last.shape, terms), jnp.float32)
+    recent = _window(plan, lr, done, weights)[jnp.clip(idle - 1, 0, plan.cap - 1)]
+    long_idle = idle > plan.cap
+    far, by_row = _far(plan, lr, last, long_idle, weights)
+    if not by_row:
+        far = far[jnp.clip(last, 0, far.shape[0] - 1)]
+    if weights is not None:  # the table's or the loop's terms carry 1 / (the decay of the steps up to theirs)
+        far = far * weights.far[:, None]
+    out = jnp.where(long_idle[:, None], far, recent)
+    return jnp.where((idle > 0)[:, None], out, 0.0)
+
+
+def _window(
+    plan: _SeriesPlan, lr: Callable[[jax.Array], jax.Array], done: jax.Array, weights: _DecayWeights | None = None
+) -> jax.Array:
+    """``C_j`` of rows idle ``d <= K`` steps, in row ``d - 1``, shape ``(K, terms)`` (``K >= 1``): ``C_j(d) =
+    sum_{o < d} h_j(done - o) rho_j^(d - o)``, as the recurrence ``C(d) = rho (h(done - d + 1) + C(d - 1))``, one
+    associative scan over the last ``K`` steps."""
     rho = jnp.asarray(plan.rho, jnp.float32)
-    # Rows idle d <= K steps: C_j(d) = sum_{o < d} h_j(done - o) rho_j^(d - o), as the recurrence
-    # C(d) = rho (h(done - d + 1) + C(d - 1)), one associative scan over the last K steps.
     tau = done - jnp.arange(plan.cap, dtype=jnp.int32)
     h = jnp.where((tau >= 1)[:, None], plan.rates(tau, lr(jnp.maximum(tau, 1) - 1), jnp), 0.0)
     if weights is not None:
@@ -477,21 +492,26 @@ def _coefficients(
     def scan() -> jax.Array:
         return jax.lax.associative_scan(combine, (a, a * h))[1]  # window[d - 1] = C(d)
 
-    # The window is computed once, into a buffer the gather below reads: left to fusion, XLA:CPU recomputes the
-    # scan's last level inside that gather for each row's read (a fifth of sparse_adam(catch_up=True)'s fused step
-    # at 8,192 Zipf ids; jax.lax.optimization_barrier does not stop it, XLA:CPU expands barriers before fusing).
-    # A conditional's result is a buffer fusion does not reach into; its predicate always holds.
-    window = jax.lax.cond(done >= 0, scan, lambda: jnp.zeros_like(h))
-    recent = window[jnp.clip(idle - 1, 0, plan.cap - 1)]
-    long_idle = idle > plan.cap
+    # The window is computed once, into a buffer the rows' reads read: left to fusion, XLA:CPU recomputes the
+    # scan's last level inside a gather for each row's read (a fifth of sparse_adam(catch_up=True)'s fused step at
+    # 8,192 Zipf ids; jax.lax.optimization_barrier does not stop it, XLA:CPU expands barriers before fusing). A
+    # conditional's result is a buffer fusion does not reach into; its predicate always holds.
+    return jax.lax.cond(done >= 0, scan, lambda: jnp.zeros_like(h))
+
+
+def _far(
+    plan: _SeriesPlan,
+    lr: Callable[[jax.Array], jax.Array],
+    last: jax.Array,
+    long_idle: jax.Array,
+    weights: _DecayWeights | None = None,
+) -> tuple[jax.Array, bool]:
+    """``G_j`` of the rows idle more than ``K`` steps, before AdamW's ``weights.far``: with a constant learning
+    rate the plan's table, by the row's last step (clipped to its last entry), and ``False``; else one entry per
+    row of ``last`` (:func:`_long_idle_loop`), and ``True``."""
     if plan.table is not None:
-        far = jnp.asarray(plan.table)[jnp.clip(last, 0, plan.table.shape[0] - 1)]
-    else:
-        far = _long_idle_loop(plan, lr, last, long_idle, weights)
-    if weights is not None:  # the table's or the loop's terms carry 1 / (the decay of the steps up to theirs)
-        far = far * weights.far[:, None]
-    out = jnp.where(long_idle[:, None], far, recent)
-    return jnp.where((idle > 0)[:, None], out, 0.0)
+        return jnp.asarray(plan.table), False
+    return _long_idle_loop(plan, lr, last, long_idle, weights), True
 
 
 def _long_idle_loop(
@@ -643,10 +663,12 @@ def fused_apply(
     ``state`` with the decay mark last. The touched rows are replayed up to step ``done`` (the state's count before
     the step) and take step ``count`` (after it).
 
-    The coefficients of each key's row (:func:`_coefficients`, the moments' decays, and with AdamW's decay the
-    row's decay over its idle steps) are computed here, on the keys, as the XLA path computes them on the rows; the
-    kernel replays and steps each touched row in one pass, taking the idle steps one by one for the elements the
-    series does not take (from the window's learning rates and the plan's bias corrections). Rows it flags (such
+    What the XLA path computes per row to replay it is computed here per key (the moments' decays, and with
+    AdamW's decay the row's decay over its idle steps and the long-idle terms' weight), with the series' window
+    and long-idle table (:func:`_window`, :func:`_far`), from which the kernel picks each row's coefficients as
+    :func:`_coefficients` does; the kernel replays and steps each touched row in one pass, taking the idle steps
+    one by one for the elements the series does not take (from the window's learning rates and the plan's bias
+    corrections). Rows it flags (such
     steps of a row idle longer than the window under a schedule, or with AdamW's decay; no table of corrections)
     then take the XLA rule on those rows alone. With a global-norm ``clip``, ``leaf`` is the table's entries, which
     the kernel sums and clips row by row (its two scalars after Adam's), and which are summed and clipped alike for
@@ -666,18 +688,27 @@ def fused_apply(
     idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
     weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
     rest = idle.astype(jnp.float32)[:, None]
-    columns = [_coefficients(plan, replayer.lr, last_k, idle, done, weights), _power(hp.b1, rest), _power(hp.b2, rest)]
+    columns = [_power(hp.b1, rest), _power(hp.b2, rest)]
     if weights is not None:
-        columns.append(weights.rows[:, None])
+        columns += [weights.rows[:, None], weights.far[:, None]]
+    # The kernel reads each row's series coefficients from the window or the long-idle table, where the XLA path
+    # gathers them (:func:`_coefficients`): per key, only what depends on the key's row.
+    if plan.cap == 0:  # b1 == 0: no idle step moves a row, every coefficient 0
+        window = far = jnp.zeros((1, _TERMS), jnp.float32)
+        far_by_key = False
+    else:
+        window = _window(plan, replayer.lr, done, weights)
+        far, far_by_key = _far(plan, replayer.lr, last_k, idle > plan.cap, weights)
     long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
     has_table = float(plan.corrections is not None)
     limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table)])
     if clip is not None:
         scalars = clip.append_to(scalars)
-    operands = (p, m, v, keys, leaf.values, scalars, jnp.concatenate(columns, axis=1), idle, last_k, limits)
+    per_key = jnp.concatenate(columns, axis=1)
+    operands = (p, m, v, keys, leaf.values, scalars, window, far, per_key, idle, last_k, limits)
     flags = kernel_flags(hp, leaf)
     p, m, v, flagged = _ffi.catch_up_adam_apply(
-        *operands, neg_rates, corrections, cap=plan.cap, decay=decay is not None, **flags
+        *operands, neg_rates, corrections, cap=plan.cap, decay=decay is not None, far_by_key=far_by_key, **flags
     )
     tables = (m, v, last, *state[3:])
 

@@ -310,7 +310,9 @@ def catch_up_adam_apply(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    coefficients: jax.Array,
+    window: jax.Array,
+    far: jax.Array,
+    per_key: jax.Array,
     idle: jax.Array,
     last: jax.Array,
     limits: jax.Array,
@@ -322,11 +324,16 @@ def catch_up_adam_apply(
     maximize: bool,
     unique: int,
     decay: bool = False,
+    far_by_key: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, flags)``; with ``decay``,
     ``sparse_adamw(catch_up=True)``'s.
 
-    ``coefficients`` (``(k, 10)``: the series' eight, then ``b1**idle`` and
+    A key's row idle ``1 <= idle <= cap`` steps takes the series' eight
+    coefficients in ``window[idle - 1]`` (``(max(cap, 1), 8)``); one idle
+    longer, those in ``far[clip(last, 0, len(far) - 1)]`` (the long-idle
+    table, by the row's last step), or with ``far_by_key`` in ``far[key]``
+    (one entry per key). ``per_key`` (``(k, 2)``: ``b1**idle`` and
     ``b2**idle``), ``idle`` and ``last`` (the row's last step) are per key, as
     :func:`._catch_up.replay` computes them for the key's row; ``limits`` is
     ``(binv, ratio, long_neg_lr, has_corrections)``. Elements the series does
@@ -339,13 +346,16 @@ def catch_up_adam_apply(
     the caller's to record.
 
     With ``decay``, ``scalars`` holds AdamW's weight decay after Adam's ten
-    (before the clipping's two) and ``coefficients`` an eleventh per key, the
-    row's decay over its idle steps (the series' terms carrying the decay of
-    the steps after theirs, as :func:`._catch_up.replay` computes them); the
+    (before the clipping's two) and ``per_key`` two more columns, the row's
+    decay over its idle steps and the weight of the long-idle terms (``far``
+    times it; the window's terms carry the decay of the steps after theirs,
+    as :func:`._catch_up.replay` computes them); the
     kernel takes idle steps one by one only for rows idle within the window,
     and flags the others that need them.
     """
-    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique)
+    attrs = _attrs(
+        p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key
+    )
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(p.shape, p.dtype)
@@ -357,9 +367,9 @@ def catch_up_adam_apply(
             vmap_method="sequential",
         )(p, m, v, *rest, row_begin, **attrs)
 
-    rule = "n w, n w, n w, k, k w, s, k c, k, k, l, r, t b -> n w, n w, n w, k"
+    rule = "n w, n w, n w, k, k w, s, a j, f j, k c, k, k, l, r, t b -> n w, n w, n w, k"
     rows = (_rows2d(p), _rows2d(m), _rows2d(v), keys, _rows2d(values))
-    args = (*rows, scalars, coefficients, idle, last, limits, neg_rates, corrections)
+    args = (*rows, scalars, window, far, per_key, idle, last, limits, neg_rates, corrections)
     new_p, new_m, new_v, flags = _by_row_shards(fn, rule, summed=(3,))(*args)
     return new_p.reshape(p.shape), new_m.reshape(m.shape), new_v.reshape(v.shape), flags
 

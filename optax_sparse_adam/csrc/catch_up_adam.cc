@@ -2,7 +2,7 @@
 // decay sparse_adamw(catch_up=True)) and its application, as an XLA FFI
 // handler for the CPU:
 //   optax_sparse_adam_v2_catch_up_adam_apply
-//     (p, mu, nu, keys, values, scalars, coefficients, idle, last, limits, neg_rates, corrections)
+//     (p, mu, nu, keys, values, scalars, window, far, per_key, idle, last, limits, neg_rates, corrections)
 //       -> (p, mu, nu, flags)
 // (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
 // global-norm clipping's divisor and factor, each summed gradient row then
@@ -10,9 +10,12 @@
 // Each touched row first takes the `idle` steps it sat out as _catch_up.replay
 // takes them, then Adam's step as sparse_adam.cc takes it (the XLA side
 // records the step). Per element, the idle steps' displacement is the closed
-// form, from coefficients the XLA side computed per entry from the row's last
-// step (the row's C_0..C_{T-1} of the series in z = eps / sqrt(v), then
-// b1**idle and b2**idle), where the series reaches float32 resolution
+// form, from the row's C_0..C_{T-1} of the series in z = eps / sqrt(v), which
+// this kernel picks as _catch_up._coefficients does (window[idle - 1] for a
+// row idle at most `cap` steps; for one idle longer, the long-idle table's
+// entry of its last step, or with far_by_key the key's own), and from what
+// the XLA side computed per entry (per_key: b1**idle and b2**idle), where
+// the series reaches float32 resolution
 // (z * limits[0] <= limits[1]); an element it does not reach (tiny or zero v)
 // with m != 0 takes the first min(idle, cap) idle steps one by one, in
 // _catch_up._replay_steps' arithmetic: each step's -lr from neg_rates (the
@@ -30,8 +33,9 @@
 //
 // With `decay` (AdamW's decoupled decay, sparse_adamw(catch_up=True)) each
 // idle step also multiplies the row by gamma = 1 - lr wd first: a key's
-// coefficients hold an eleventh, W, the product of gamma over its idle steps
-// (the series' C_j then carry the decay of the steps after theirs), and
+// per_key holds a third, W, the product of gamma over its idle steps (the
+// window's C_j then carry the decay of the steps after theirs; a long-idle
+// row's are the far entry's times the key's fourth, their weight), and
 //   p = fma(W, p, (-(m i)) S)
 // the idle steps one by one add wd p to each step, as _replay_steps does, and
 // are taken here only within the window (idle <= cap: past it their decay is
@@ -55,7 +59,6 @@ namespace optax_sparse_adam {
 namespace {
 
 constexpr int64_t kTerms = 8;  // _catch_up._TERMS
-constexpr int64_t kCoefficients = kTerms + 2;
 
 // What taking a row's idle steps one by one needs beyond the row: the rates and the bias corrections.
 struct IdleSteps {
@@ -117,13 +120,34 @@ inline ffi::Error CheckSteps(int64_t cap, const ffi::BufferR1<ffi::F32>& neg_rat
 }
 
 struct CatchUp {
-  const float* coefficients;  // (k, stride)
-  int64_t stride;             // kCoefficients, and one more (W) with decay
-  const int32_t* idle;        // (k,)
-  const int32_t* last;        // (k,)
+  const float* window;  // (max(cap, 1), kTerms): the coefficients of rows idle 1 .. cap steps
+  const float* far;     // (far_rows, kTerms): of rows idle longer, by their last step (or by key)
+  int64_t far_rows;
+  bool far_by_key;
+  const float* per_key;  // (k, stride): b1**idle, b2**idle, and with decay W and the far terms' weight
+  int64_t stride;
+  const int32_t* idle;  // (k,)
+  const int32_t* last;  // (k,)
   float binv, ratio;
   IdleSteps steps;
   int32_t* flags;  // (k,)
+
+  // The series' coefficients of entry `slot`'s row (idle > 0), as _catch_up._coefficients picks them; with decay
+  // a long-idle row's are the far entry's times the key's weight, written into `scratch` (kTerms floats).
+  template <bool kDecay>
+  OSA_ROW_INLINE const float* Terms(int64_t slot, float* __restrict scratch) const {
+    const int32_t n = idle[slot];
+    if (n <= steps.cap) return window + static_cast<int64_t>(n - 1) * kTerms;
+    const int64_t at = far_by_key ? slot : std::clamp<int64_t>(last[slot], 0, far_rows - 1);
+    const float* f = far + at * kTerms;
+    if constexpr (!kDecay) {
+      return f;
+    } else {
+      const float weight = per_key[slot * stride + 3];
+      for (int64_t j = 0; j < kTerms; ++j) scratch[j] = f[j] * weight;
+      return scratch;
+    }
+  }
 };
 
 // The series sum_j (-z)^j C_j of a row's coefficients c, by Horner's rule.
@@ -135,15 +159,15 @@ OSA_ROW_INLINE float Series(const float* c, float z) {
 
 // The row's idle steps, in place: the closed form where the series takes an element (z * binv <= ratio, as the
 // XLA path tests it; false for NaN), the steps one by one where it does not and m != 0. False, and nothing
-// written, where those steps are needed and cannot be taken here. `work` holds 5 * width floats. With kDecay the
-// row is first scaled by its decay W (the key's eleventh coefficient), as _catch_up.replay scales it.
+// written, where those steps are needed and cannot be taken here. `work` holds 5 * width + kTerms floats. With
+// kDecay the row is first scaled by its decay W (the key's third per-key value), as _catch_up.replay scales it.
 template <bool kTorch, bool kDecay>
 OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, float* __restrict p,
                                float* __restrict m, float* __restrict v, float* __restrict work, int64_t width) {
-  const float* c = cu.coefficients + slot * cu.stride;
+  const float* k = cu.per_key + slot * cu.stride;
   const float eps = s.eps, binv = cu.binv, ratio = cu.ratio;
-  const float decay1 = c[kTerms], decay2 = c[kTerms + 1];
-  const float w = kDecay ? c[kCoefficients] : 1.0f;
+  const float decay1 = k[0], decay2 = k[1];
+  const float w = kDecay ? k[2] : 1.0f;
   // The replay's (W p) + shift, as one multiply-add (the parameters' bound covers XLA:CPU's rounding it either
   // way); without decay, p + shift.
   auto moved = [w](float pj, float shift) { return kDecay ? std::fma(w, pj, shift) : pj + shift; };
@@ -159,6 +183,7 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
     }
     return true;
   }
+  const float* c = cu.Terms<kDecay>(slot, work + 5 * width);
   float* __restrict z = work;
   float* __restrict shift = work + width;
   // Each element's z and its closed form's shift in one pass (the shift is garbage where the series does not take
@@ -216,7 +241,7 @@ template <bool kTorch, bool kMaximize, bool kDecay>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const Coalesced& c, const Shard& shard,
                                      const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
                                      int64_t hi) {
-  std::vector<float> g(static_cast<size_t>(width)), work(5 * static_cast<size_t>(width));
+  std::vector<float> g(static_cast<size_t>(width)), work(5 * static_cast<size_t>(width) + kTerms);
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
       const int64_t r = shard.Local(c.row[d + kPrefetchDistance]);
@@ -240,7 +265,7 @@ template <bool kTorch, bool kMaximize, bool kDecay>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int32_t* keys, const Shard& shard,
                                   const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
                                   int64_t hi) {
-  std::vector<float> work(5 * static_cast<size_t>(width)), clipped(s.clip.on ? static_cast<size_t>(width) : 0);
+  std::vector<float> work(5 * static_cast<size_t>(width) + kTerms), clipped(s.clip.on ? static_cast<size_t>(width) : 0);
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
       const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
@@ -275,13 +300,14 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchU
 
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                     ffi::BufferR2<ffi::F32> coefficients, ffi::BufferR1<ffi::S32> idle,
+                     ffi::BufferR2<ffi::F32> window, ffi::BufferR2<ffi::F32> far,
+                     ffi::BufferR2<ffi::F32> per_key, ffi::BufferR1<ffi::S32> idle,
                      ffi::BufferR1<ffi::S32> last, ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
                      ffi::BufferR2<ffi::F32> corrections, ffi::BufferR0<ffi::S32> row_begin,
                      ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
                      ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
                      int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
-                     int64_t threads) {
+                     int64_t far_by_key, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   const auto dims = p.dimensions();
@@ -297,13 +323,18 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   if (static_cast<int64_t>(scalars.element_count()) != num_scalars &&
       static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars)
     return ffi::Error::InvalidArgument("scalars must hold 10 values (11 with decay; 2 more to clip)");
-  const int64_t stride = kCoefficients + (decay != 0);
-  if (coefficients.dimensions()[1] != stride)
-    return ffi::Error::InvalidArgument("coefficients must hold 10 values per key (11 with decay)");
-  if (static_cast<int64_t>(coefficients.element_count()) != k * stride ||
+  const int64_t stride = decay != 0 ? 4 : 2;
+  if (per_key.dimensions()[1] != stride)
+    return ffi::Error::InvalidArgument("per_key must hold 2 values per key (4 with decay)");
+  if (static_cast<int64_t>(per_key.element_count()) != k * stride ||
       static_cast<int64_t>(idle.element_count()) != k || static_cast<int64_t>(last.element_count()) != k ||
       static_cast<int64_t>(flags->element_count()) != k)
-    return ffi::Error::InvalidArgument("coefficients, idle, last and flags must have one row per key");
+    return ffi::Error::InvalidArgument("per_key, idle, last and flags must have one row per key");
+  const auto window_dims = window.dimensions(), far_dims = far.dimensions();
+  if (window_dims[1] != kTerms || window_dims[0] < std::max<int64_t>(cap, 1))
+    return ffi::Error::InvalidArgument("window must hold 8 coefficients for each idle count up to cap");
+  if (far_dims[1] != kTerms || far_dims[0] < 1 || (far_by_key != 0 && far_dims[0] != k))
+    return ffi::Error::InvalidArgument("far must hold 8 coefficients per last step (or per key with far_by_key)");
   if (limits.element_count() != 4) return ffi::Error::InvalidArgument("limits must hold 4 values");
   if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
   const auto table = corrections.dimensions();
@@ -320,8 +351,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   s.clip = ReadClip(scalars, num_scalars);
   const IdleSteps steps{s.b1,   s.b2, s.eps, s.weight_decay, limit[2], limit[3] != 0.0f, neg_rates.typed_data(),
                         cap, corrections.typed_data(), table[0]};
-  const CatchUp cu{coefficients.typed_data(), stride, idle.typed_data(), last.typed_data(), limit[0], limit[1],
-                   steps, flags->typed_data()};
+  const CatchUp cu{window.typed_data(),  far.typed_data(), far_dims[0],       far_by_key != 0,
+                   per_key.typed_data(), stride,           idle.typed_data(), last.typed_data(),
+                   limit[0],             limit[1],         steps,             flags->typed_data()};
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   auto run = [&](auto torch_eps, auto maximize, auto decays) {
     Run<decltype(torch_eps)::value, decltype(maximize)::value, decltype(decays)::value>(
@@ -420,7 +452,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()     // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // coefficients: per key
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // window: coefficients by idle count
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // far: of long-idle rows, by last step or key
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // per_key: b1**idle, b2**idle[, W, weight]
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // last: per key, the row's last step
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // limits: binv, ratio, long_neg_lr, has table
@@ -437,6 +471,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Attr<int64_t>("maximize")
                                   .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("far_by_key")
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpSteps, optax_sparse_adam::StepsImpl,
