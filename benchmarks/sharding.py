@@ -16,12 +16,20 @@ Temporaries per device come from the compiled ``memory_analysis``. Tables of
 simulated devices sharing the machine's cores: a sanity check, not a speed
 figure.
 
-Usage: ``python benchmarks/sharding.py [--rows 1e6 1e8] [--steps 20] [--json out.json]``.
+Many tables (``run_tables``): DLRM's 26 Criteo tables on the all-to-all route,
+the collectives a step runs and the bytes received per device against the
+ids and rows a device must exchange (no padding), at the default capacity
+and at ``suggest_capacity``'s, and the steps of fresh Zipf batches that took
+a second round or the all-gather route.
+
+Usage: ``python benchmarks/sharding.py [--rows 1e6 1e8] [--steps 20] [--json out.json]``
+(``--tables-only`` for the many-tables measurement alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -86,7 +94,7 @@ def collective_bytes(hlo: str, n: int) -> dict[str, Any]:
             comps[name].append(line)
     assert entry is not None
 
-    out = {"path": 0, "fallback": 0, "per_trip": 0, "kinds": {}}
+    out: dict[str, Any] = {"path": 0, "fallback": 0, "per_trip": 0, "kinds": {}, "path_counts": {}}
 
     def walk(comp: str, where: str) -> None:
         for line in comps.get(comp, []):
@@ -95,6 +103,8 @@ def collective_bytes(hlo: str, n: int) -> dict[str, Any]:
                 out[where] += b
                 kind = _COLLECTIVE.search(line).group(1)  # type: ignore[union-attr]
                 out["kinds"][kind] = out["kinds"].get(kind, 0) + b
+                if where == "path":  # collectives a step without overflow runs
+                    out["path_counts"][kind] = out["path_counts"].get(kind, 0) + 1
             m = re.search(r"branch_computations=\{([^}]*)\}", line)
             if m:
                 branches = [b.strip().lstrip("%") for b in m.group(1).split(",")]
@@ -225,6 +235,114 @@ def run(rows: int, dist: str, steps: int, execute: bool) -> list[dict[str, Any]]
     return results
 
 
+# DLRM's 26 tables (the Criteo Kaggle cardinalities, examples/dlrm.py), capped and padded to a multiple of 8 rows.
+CRITEO = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]  # fmt: skip
+
+
+def _table_batch(rng: np.random.Generator, rows: list[int], perms: list[np.ndarray], batch: int) -> dict[str, Any]:
+    """One id per example and table: Zipf(1.15) ranks scattered over each table by its permutation (as
+    examples/dlrm.py draws them)."""
+    return {f"t{t}": perms[t][(rng.zipf(1.15, batch) - 1) % n].astype(np.int32) for t, n in enumerate(rows)}
+
+
+def ideal_bytes(ids: dict[str, np.ndarray], rows: list[int], n: int, width: int) -> float:
+    """Bytes a device receives in a step with no padding, averaged over the devices: as an owner, each distinct id
+    another device asks of it (4 bytes) and that id's gradient row; as a requester, the row of each of its distinct
+    ids another device owns (float32 rows of ``width``)."""
+    total = 0
+    for t, r in enumerate(rows):
+        shares = np.array_split(ids[f"t{t}"], n)  # each device's share of the batch, as batch_axis splits it
+        for d, share in enumerate(shares):
+            owners = np.unique(share) // (r // n)
+            remote = int(np.count_nonzero(owners != d))
+            total += remote * (4 + 4 * width) + remote * 4 * width  # the owners receive ids and grads; d the rows
+    return total / n
+
+
+def run_tables(max_rows: int, width: int, batch: int, steps: int, record: int) -> dict[str, Any]:
+    """DLRM's 26 tables (capped at ``max_rows``) on the all-to-all route, one id per example and table: the
+    compiled step's collectives and bytes received per device (the common path), against :func:`ideal_bytes` over
+    fresh batches, at the default capacity and at :meth:`RowSharding.suggest_capacity` learned from ``record``
+    other batches; and over ``steps`` fresh batches, the steps that overflowed into a second round or fell back to
+    the all-gather route."""
+    n = 8
+    mesh = jax.make_mesh((n,), ("x",))
+    rows = [-(-min(c, max_rows) // n) * n for c in CRITEO]
+    rng = np.random.default_rng(0)
+    perms = [rng.permutation(r).astype(np.int32) for r in rows]
+    names = [f"t{t}" for t in range(len(rows))]
+    init = {
+        "tables": {
+            k: rng.standard_normal((r, width)).astype(np.float32) * 0.01 for k, r in zip(names, rows, strict=True)
+        },
+        "w": np.ones(width, np.float32),
+    }
+
+    def loss(p: Any, ids: Any, y: jax.Array) -> jax.Array:
+        pooled = sum(p["tables"][k][ids[k]] for k in names)
+        return jnp.mean((pooled @ p["w"] - y) ** 2)
+
+    tx = osa.sparse_adam(1e-3)
+    base = osa.RowSharding(mesh, "x", lambda p: p["tables"], batch_axis="x", routing="all_to_all")
+    recorded = [_table_batch(rng, rows, perms, batch) for _ in range(record)]
+    suggested = base.suggest_capacity(init, recorded)
+    batches = [
+        (_table_batch(rng, rows, perms, batch), rng.standard_normal(batch).astype(np.float32)) for _ in range(steps)
+    ]
+    ideal = float(np.mean([ideal_bytes(ids, rows, n, width) for ids, _ in batches]))
+    out: dict[str, Any] = {
+        "tables": len(rows),
+        "rows": rows,
+        "width": width,
+        "batch": batch,
+        "ideal_recv_bytes": ideal,
+        "suggested_capacity": suggested,
+        "recorded_batches": record,
+        "runs": [],
+    }
+    batch_sh = NamedSharding(mesh, P("x"))
+    for label, capacity in (("default", None), ("suggested", suggested)):
+        rs = dataclasses.replace(base, capacity=capacity)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(p: Any, s: Any, ids: Any, y: jax.Array, rs: osa.RowSharding = rs) -> Any:
+            _, g, info = rs.value_and_row_grad(loss)(p, ids, y)
+            u, s = rs.update(tx, g, s, p)
+            return rs.apply_updates(p, u), s, info
+
+        params = rs.shard(init)
+        state = tx.init(params)
+        first_ids, first_y = batches[0]
+        compiled = step.lower(params, state, jax.device_put(first_ids, batch_sh), jax.device_put(first_y, batch_sh))
+        hlo = compiled.compile().as_text()
+        comm = collective_bytes(hlo, n)
+        second = fallback = overflow = 0
+        for ids, y in batches:
+            params, state, info = step(params, state, jax.device_put(ids, batch_sh), jax.device_put(y, batch_sh))
+            second += int(info.second_round)
+            fallback += int(info.fallback)
+            overflow += int(info.overflow)
+        run = {
+            "capacity": label,
+            "capacity_value": capacity,
+            "recv_bytes": comm["path"],
+            "recv_fallback_bytes": comm["fallback"],
+            "vs_ideal": comm["path"] / ideal,
+            "collectives_on_path": comm["path_counts"],
+            "steps": len(batches),
+            "second_round_steps": second,
+            "fallback_steps": fallback,
+            "overflowed_ids": overflow,
+        }
+        out["runs"].append(run)
+        print(json.dumps(run), flush=True)
+        del params, state
+    return out
+
+
 def _one_device(init: Any, tx: Any, batches: Any) -> tuple[np.ndarray, np.ndarray]:
     dev = jax.devices()[0]
 
@@ -263,20 +381,25 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=float, default=[1e6, 1e8])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--table-rows", type=int, default=200_000, help="the 26 tables' cap (many tables)")
+    parser.add_argument("--table-batch", type=int, default=2048, help="examples a step (many tables)")
+    parser.add_argument("--record", type=int, default=200, help="batches suggest_capacity learns from")
+    parser.add_argument("--tables-only", action="store_true", help="only the many-tables measurement")
     args = parser.parse_args()
     machine = machine_info(threads=0)
     print(f"jax {jax.__version__}, {jax.device_count()} devices, width {WIDTH}, {IDS} ids a step", flush=True)
     results = []
-    for rows in args.rows:
+    for rows in [] if args.tables_only else args.rows:
         for dist in ("zipf", "uniform"):
             results += run(int(rows), dist, args.steps, execute=rows <= 1e7)
     paper = [on_paper(n, IDS // 8) for n in (8, 64, 512)]
     for p in paper:
         print(json.dumps(p), flush=True)
+    tables = run_tables(args.table_rows, 16, args.table_batch, args.steps, args.record)
     if args.json:
         with open(args.json, "w") as f:
             machine["load_average_end"] = os.getloadavg()
-            json.dump({"machine": machine, "measured": results, "on_paper": paper}, f, indent=1)
+            json.dump({"machine": machine, "measured": results, "on_paper": paper, "tables": tables}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -224,7 +224,42 @@ def sharding_page(doc: dict[str, Any]) -> str:
             f"| {p['devices']} | {_mb(p['replicated ids'])} | {_mb(p['all-gather'])} | {_mb(p['all-to-all'])} | "
             f"{p['all-to-all capacity']} |"
         )
+    if "tables" in doc:
+        lines += tables_section(doc["tables"])
     return "\n".join(lines) + "\n"
+
+
+def tables_section(t: dict[str, Any]) -> list[str]:
+    """The many-tables measurement of ``sharding.json`` (``run_tables``): bytes against the ideal, collectives, and
+    the steps that overflowed."""
+    lines = [
+        "",
+        f"## Many tables: DLRM's {t['tables']}",
+        "",
+        f"The 26 Criteo tables capped at {max(t['rows']):,} rows (padded to a multiple of 8), width {t['width']}, "
+        f"float32, one id per example and table, {t['batch']:,} examples a step split over 8 devices, Zipf(1.15) ids "
+        'scattered over each table; `RowSharding(..., routing="all_to_all")` with `sparse_adam`, one step = '
+        "`value_and_row_grad`, the update and `apply_updates`. The ideal is the bytes a device must receive, "
+        "averaged over the devices and the measured steps: each distinct id another device asks of it (4 bytes) "
+        "with its gradient row, and the row of each of its own distinct ids another device owns. The suggested "
+        f"capacity is `suggest_capacity` over {t['recorded_batches']} other batches; the steps are "
+        "fresh batches of the same distribution.",
+        "",
+        f"Ideal: {_mb(t['ideal_recv_bytes'])} MB received per device per step.",
+        "",
+        "| capacity | received per device (MB) | vs ideal | collectives a step runs (no overflow) | "
+        "in the overflow branches (MB) | steps with a second round | steps on the all-gather route |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for r in t["runs"]:
+        label = "default" if r["capacity_value"] is None else f"suggested ({r['capacity_value']})"
+        kinds = ", ".join(f"{v} {k}" for k, v in sorted(r["collectives_on_path"].items()))
+        lines.append(
+            f"| {label} | {_mb(r['recv_bytes'])} | {r['vs_ideal']:.2f}x | {kinds} | "
+            f"{_mb(r['recv_fallback_bytes'])} | {r['second_round_steps']} of {r['steps']} | "
+            f"{r['fallback_steps']} of {r['steps']} |"
+        )
+    return lines
 
 
 def costs_page(doc: dict[str, Any]) -> str:

@@ -365,16 +365,19 @@ def _no_overflow() -> tuple[jax.Array, jax.Array]:
 
 
 class _Bucketed:
-    """A device's ``k`` ids (or entries) of a table on the all-to-all route: ``cap`` slots per owner and round, a
-    second round where the first can overflow, the all-gather route standing by where two may not fit; ``size``
-    rows of results on every route."""
+    """A device's ``k`` distinct ids (or entries) of a table on the all-to-all route: ``cap`` slots per owner and
+    round, a second round where the first can overflow, the all-gather route standing by where two may not fit;
+    ``size`` rows of results on every route. ``limit``: the most distinct ids one owner holds (its rows), which
+    also bounds a bucket: a table with fewer rows per owner than the capacity gets buckets of its rows, and
+    never overflows."""
 
-    def __init__(self, k: int, axis: str, n: int, capacity: int | None) -> None:
+    def __init__(self, k: int, axis: str, n: int, capacity: int | None, limit: int) -> None:
         self.k, self.axis, self.n = k, axis, n
-        self.cap = cap = _capacity(k, n, capacity)
-        self.rounds = 1 if cap >= k else 2
+        self.cap = cap = max(1, min(_capacity(k, n, capacity), limit))
+        most = min(k, limit)  # the most ids one owner's bucket can be given
+        self.rounds = 1 if cap >= most else 2
         self.size = max(n * k, self.rounds * n * cap)
-        self.fallback = 2 * cap < k
+        self.fallback = 2 * cap < most
 
 
 class _Entries(_Bucketed):
@@ -383,7 +386,9 @@ class _Entries(_Bucketed):
     def __init__(
         self, keys: jax.Array, values: jax.Array, shape: tuple[int, ...], axis: str, n: int, capacity: int | None
     ) -> None:
-        super().__init__(keys.shape[0], axis, n, capacity)
+        # An owner's distinct keys: its rows, times the other indexed dimensions' sizes.
+        limit = shape[0] // n * math.prod(shape[1 : keys.shape[1]])
+        super().__init__(keys.shape[0], axis, n, capacity, limit)
         self.keys, self.values, self.shape = keys, values, shape
         self.pad = jnp.asarray(shape[: keys.shape[1]], jnp.int32)
         self.dests, *overflow = _buckets(keys[:, 0], keys[:, 0] < shape[0], shape[0], n, self.cap)
@@ -551,7 +556,7 @@ class _Lookup(_Bucketed):
     """One table's lookup on the all-to-all route: its distinct ids bucketed by owner, in two rounds."""
 
     def __init__(self, ids: jax.Array, num_rows: int, axis: str, n: int, capacity: int | None) -> None:
-        super().__init__(ids.shape[0], axis, n, capacity)
+        super().__init__(ids.shape[0], axis, n, capacity, num_rows // n)
         cap = self.cap
         self.ids, self.num_rows = ids, num_rows
         self.shard = num_rows // n

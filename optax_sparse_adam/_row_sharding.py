@@ -125,7 +125,9 @@ class RowSharding:
         plus ``4 * sqrt(m) + 4``, which uniformly spread ids overflow about
         once in a million buckets. Ids concentrated on a few owners (low ids
         of a Zipf law with contiguous row blocks) need more: permute the
-        ids, or raise it, as :class:`RoutingInfo` shows.
+        ids, or raise it, as :class:`RoutingInfo` shows. A table with fewer
+        rows per device than this gets buckets of its rows per device (an
+        owner holds no more distinct ids), which never overflow.
 
     Examples:
       >>> import jax, jax.numpy as jnp

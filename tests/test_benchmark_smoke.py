@@ -75,3 +75,26 @@ def test_rowwise_fbgemm_benchmark_smoke_agrees_with_fbgemm(tmp_path: pathlib.Pat
         assert set(record["median_ms"]) == {"library", "fbgemm", "floor"}
         assert set(record["without_fbgemm_median_ms"]) == {"library", "floor"}
     assert "| configuration |" in proc.stdout
+
+
+def test_sharding_benchmark_many_tables_smoke(tmp_path: pathlib.Path) -> None:
+    """benchmarks/sharding.py's many-tables measurement at tiny sizes: the 26 tables share three all-to-alls a
+    step, the buckets receive at least the ideal bytes, no step falls back at the suggested capacity, and the page
+    renders."""
+    out = tmp_path / "sharding.json"
+    args = ("--tables-only", "--table-rows", "4000", "--table-batch", "256", "--steps", "3", "--record", "8")
+    _run_script("sharding.py", *args, "--json", str(out))
+    doc = json.loads(out.read_text())
+    tables = doc["tables"]
+    assert tables["tables"] == 26 and tables["ideal_recv_bytes"] > 0
+    for run in tables["runs"]:
+        assert run["collectives_on_path"].get("all-to-all") == 3, run  # ids, rows, gradients: shared by all tables
+        assert run["vs_ideal"] >= 1.0, run
+    assert tables["runs"][1]["fallback_steps"] == 0
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    page = generate.sharding_page(doc)
+    assert "## Many tables: DLRM's 26" in page

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import pathlib
 import re
@@ -704,6 +705,76 @@ def test_a_complex_table_beside_a_float_one_routes_as_on_one_device(routing, cap
     dense = {"z": jnp.zeros((N, 3), jnp.complex64), "f": jnp.zeros((N, 4), jnp.float32)}
     passed, _ = jax.jit(rs.route)(jax.device_put(dense, NamedSharding(mesh, P("x", None))), params)
     jax.tree.map(np.testing.assert_array_equal, passed, dense)
+
+
+_HLO_BYTES = {"u8": 1, "s8": 1, "pred": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "f64": 8, "s64": 8}
+
+
+def _all_to_all_bytes(compiled_text: str) -> int:
+    """The bytes the all-to-alls of a compiled program return, summed over every computation (branches too)."""
+    total = 0
+    for line in compiled_text.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%\S+ = (.*?) all-to-all\(", line)
+        if match:
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", match[1]):
+                total += _HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+@pytest.mark.parametrize("capacity", [None, 5, 2], ids=["one-round", "second-round", "all-gather-fallback"])
+def test_a_table_with_fewer_rows_per_device_than_the_capacity_gets_buckets_of_its_rows(capacity):
+    """An owner holds at most its rows, so a table with fewer rows per device than the capacity has buckets of that
+    many slots, in one round, never standing by for the all-gather route: alone, its lookup and backward exchange
+    ``n * rows_per_device`` ids and twice as many rows (nothing else, no branch). Beside a crowded table that takes
+    a second round or the all-gather route, its buckets stay one round; values, gradients and the trained tables
+    equal one device's."""
+    mesh = _mesh()
+    rng = np.random.default_rng(21)
+    shapes = {"tiny": (16, D), "big": (N, D)}  # the tiny table: 2 rows a device, under every capacity here
+    init = {name: jnp.asarray(rng.standard_normal(s), jnp.float32) for name, s in shapes.items()}
+    ids = {  # hot rows crowding a few owners of the big table
+        "tiny": rng.integers(-1, 16, K).astype(np.int32),
+        "big": ((rng.zipf(1.5, K) * 37) % N).astype(np.int32),
+    }
+    y = rng.standard_normal(K).astype(np.float32)
+
+    def loss(p: Any, ids: Any, y: jax.Array) -> jax.Array:
+        return jnp.mean((jnp.sum(p["tiny"][ids[0]], 1) * jnp.sum(p["big"][ids[1]], 1) - y) ** 2)
+
+    def tables(p: Any) -> Any:
+        return p["tiny"], p["big"]
+
+    batch = NamedSharding(mesh, P("x"))
+    rs = osa.RowSharding(mesh, "x", tables, batch_axis="x", capacity=capacity)
+
+    # Alone: one exchange of 2 ids per owner, and of their rows forward and their gradients back.
+    alone = osa.RowSharding(mesh, "x", lambda p: p["tiny"], batch_axis="x", capacity=capacity)
+
+    def lookup(p: Any, ids: jax.Array, y: jax.Array) -> Any:
+        return alone.value_and_row_grad(lambda p, i, y: jnp.mean((jnp.sum(p["tiny"][i], 1) - y) ** 2))(p, ids, y)
+
+    args = (alone.shard({"tiny": init["tiny"]}), jax.device_put(ids["tiny"], batch), jax.device_put(y, batch))
+    text = jax.jit(lookup).lower(*args).compile().as_text()
+    assert _all_to_all_bytes(text) == 8 * 2 * (4 + 2 * 4 * D)  # ids, then rows and gradients of width D, float32
+
+    tx = osa.sparse_adam(0.05)
+    params = rs.shard(jax.tree.map(np.asarray, init))
+
+    @jax.jit
+    def step(p: Any, s: Any, ids: Any, y: jax.Array) -> Any:
+        value, g, info = rs.value_and_row_grad(loss)(p, ids, y)
+        u, s = rs.update(tx, g, s, p)
+        return value, g, rs.apply_updates(p, u), info
+
+    ids_t = (ids["tiny"], ids["big"])
+    value, g, p, info = step(params, tx.init(params), jax.device_put(ids_t, batch), jax.device_put(y, batch))
+    assert _route_taken(info) == {None: "one round", 5: "second round", 2: "all-gather"}[capacity]
+    ref_value, ref_g = osa.value_and_row_grad(loss, tables)(init, ids_t, y)
+    ref_p = osa.apply_updates(init, tx.update(ref_g, tx.init(init), init)[0])
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for name in shapes:
+        np.testing.assert_allclose(g[name].todense(), ref_g[name].todense(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(p[name], ref_p[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("routing", ["all_to_all", "all_gather"])
