@@ -33,7 +33,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_sparse_adam._coalesce import coalesce
+from optax_sparse_adam._coalesce import coalesce_unless_known
 from optax_sparse_adam._indexed_rows import IndexedRows, is_bcoo
 from optax_sparse_adam._row_grad import distinct_ids
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
@@ -183,8 +183,10 @@ def keys_values(leaf: Any, shape: tuple[int, ...], path: Any, where: str) -> tup
 
 
 def coalesced(leaf: Any, shape: tuple[int, ...], path: Any, where: str) -> tuple[jax.Array, jax.Array]:
-    """As :func:`keys_values`, duplicates summed into the leading slots."""
-    sp = coalesce(to_sparse_leaf(leaf, shape, path, where))
+    """As :func:`keys_values`, duplicates summed into the leading slots: also those of a leaf distinct only by the
+    user's ``unique_indices`` promise (the buckets of a table with fewer rows per device than the capacity hold
+    one entry per row, and a broken promise's duplicates would overflow them unsent)."""
+    sp = coalesce_unless_known(to_sparse_leaf(leaf, shape, path, where))
     return sp.keys, sp.values
 
 

@@ -777,6 +777,26 @@ def test_a_table_with_fewer_rows_per_device_than_the_capacity_gets_buckets_of_it
         np.testing.assert_allclose(p[name], ref_p[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("capacity", [None, 8])
+def test_routed_entries_with_a_broken_unique_indices_promise_are_summed_not_dropped(capacity):
+    """``rs.route`` of entries promised distinct (``unique_indices=True``) that repeat rows: every entry reaches its
+    owner and the owner's rows hold their sums, as without the promise, also in a table whose buckets hold one entry
+    per row (fewer rows per device than the capacity), where unsummed duplicates would overflow them."""
+    mesh = _mesh()
+    rs = osa.RowSharding(mesh, "x", lambda p: p["t"], batch_axis="x", capacity=capacity)
+    params = rs.shard({"t": np.zeros((16, 2), np.float32)})
+    batch = NamedSharding(mesh, P("x"))
+    ids = jax.device_put(np.tile(np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32), 8), batch)  # rows of device 0
+    values = jax.device_put(np.ones((64, 2), np.float32), batch)
+    for promise in (False, True):
+        grads = {"t": osa.IndexedRows(ids, values, 16, unique_indices=promise)}
+        routed, info = jax.jit(rs.route)(grads, params)
+        dense = np.asarray(jax.tree.map(jnp.asarray, routed["t"]).todense())
+        np.testing.assert_array_equal(dense[:2], np.full((2, 2), 32.0, np.float32))
+        np.testing.assert_array_equal(dense[2:], 0.0)
+        assert _route_taken(info) == "one round"
+
+
 @pytest.mark.parametrize("routing", ["all_to_all", "all_gather"])
 def test_a_collection_with_pooled_bags_matches_one_device(routing):
     """A stack of tables read by pooled multi-hot features, routed over 8 devices, equals the one-device step."""
