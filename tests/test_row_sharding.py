@@ -262,6 +262,11 @@ def _check_routed_steps(mesh_kind, batch_axis, routing, capacity):
         assert set(routes) == {"one round"}, routes
 
 
+def _dense(leaf: Any) -> np.ndarray:
+    """A sparse leaf whose arrays may be spread over the devices (a routed gradient), dense on the host."""
+    return np.asarray(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), leaf).todense())
+
+
 def _route_taken(info: osa.RoutingInfo) -> str:
     """The route a step took, by its RoutingInfo (checked consistent)."""
     overflow, fallback, second = int(info.overflow), bool(info.fallback), bool(info.second_round)
@@ -655,7 +660,7 @@ def test_the_tables_of_a_routed_step_share_each_exchange(routing, capacity):
     assert counts == one and set(one) <= {"all-to-all u8", "all-gather u8"}, (counts, one)
     assert _route_taken(info) == want
     for name in shapes:  # summed per device, then per owner: float32 (and bfloat16) roundings apart
-        got, ref = (np.asarray(jax.tree.map(jnp.asarray, g[name]).todense(), np.float32) for g in (routed, grads))
+        got, ref = (_dense(g[name]).astype(np.float32) for g in (routed, grads))
         tol = {"rtol": 0.05, "atol": 0.05 * np.abs(ref).max()} if name == "h" else {"rtol": 1e-6, "atol": 1e-6}
         np.testing.assert_allclose(got, ref, **tol)
 
@@ -688,7 +693,7 @@ def test_a_complex_table_beside_a_float_one_routes_as_on_one_device(routing, cap
     value, g, _ = jax.jit(rs.value_and_row_grad(loss))(params, jax.device_put(ids, batch), jax.device_put(y, batch))
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for name in init:
-        got = np.asarray(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), g[name]).todense())
+        got = _dense(g[name])
         np.testing.assert_allclose(got, ref_g[name].todense(), rtol=1e-4, atol=1e-6)
     grads = {
         "z": osa.IndexedRows(
@@ -700,7 +705,7 @@ def test_a_complex_table_beside_a_float_one_routes_as_on_one_device(routing, cap
     for name, value in (("z", 1j), ("f", 1.0)):
         want = np.zeros(init[name].shape, init[name].dtype)
         np.add.at(want, np.asarray(ids[name == "f"]), value)
-        got = np.asarray(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), routed[name]).todense())
+        got = _dense(routed[name])
         np.testing.assert_array_equal(got, want)
     dense = {"z": jnp.zeros((N, 3), jnp.complex64), "f": jnp.zeros((N, 4), jnp.float32)}
     passed, _ = jax.jit(rs.route)(jax.device_put(dense, NamedSharding(mesh, P("x", None))), params)
@@ -791,7 +796,7 @@ def test_routed_entries_with_a_broken_unique_indices_promise_are_summed_not_drop
     for promise in (False, True):
         grads = {"t": osa.IndexedRows(ids, values, 16, unique_indices=promise)}
         routed, info = jax.jit(rs.route)(grads, params)
-        dense = np.asarray(jax.tree.map(jnp.asarray, routed["t"]).todense())
+        dense = _dense(routed["t"])
         np.testing.assert_array_equal(dense[:2], np.full((2, 2), 32.0, np.float32))
         np.testing.assert_array_equal(dense[2:], 0.0)
         assert _route_taken(info) == "one round"
@@ -869,7 +874,7 @@ def test_a_table_two_rounds_always_fit_keeps_its_second_round_in_a_step_another_
     assert _route_taken(info) == "all-gather" and int(info.overflow) == 1 + 4
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     for name in ("a", "b"):
-        got = np.asarray(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), g[name]).todense())
+        got = _dense(g[name])
         np.testing.assert_allclose(got, ref_g[name].todense(), rtol=1e-5, atol=1e-8)
     assert np.count_nonzero(np.abs(got).sum(1)) == 6
     # the routed gradients' own route (rs.route): "a"'s entries over the first round reach their owner too
@@ -880,7 +885,7 @@ def test_a_table_two_rounds_always_fit_keeps_its_second_round_in_a_step_another_
     routed, info = jax.jit(rs.route)(jax.device_put(grads, batch), rs.shard(jax.tree.map(np.asarray, init)))
     assert _route_taken(info) == "all-gather"
     for name, ids in (("a", ids_a), ("b", ids_b)):
-        dense = np.asarray(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), routed[name]).todense())
+        dense = _dense(routed[name])
         want = np.zeros((N, D), np.float32)
         np.add.at(want, ids[ids >= 0], 1.0)
         np.testing.assert_array_equal(dense, want)
