@@ -44,6 +44,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from dlrm import CARDINALITIES  # noqa: E402  (benchmarks/dlrm.py: the Criteo Kaggle tables)
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from report import machine_info  # noqa: E402
@@ -235,13 +236,6 @@ def run(rows: int, dist: str, steps: int, execute: bool) -> list[dict[str, Any]]
     return results
 
 
-# DLRM's 26 tables (the Criteo Kaggle cardinalities, examples/dlrm.py), capped and padded to a multiple of 8 rows.
-CRITEO = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-]  # fmt: skip
-
-
 def _table_batch(rng: np.random.Generator, rows: list[int], perms: list[np.ndarray], batch: int) -> dict[str, Any]:
     """One id per example and table: Zipf(1.15) ranks scattered over each table by its permutation (as
     examples/dlrm.py draws them)."""
@@ -270,7 +264,7 @@ def run_tables(max_rows: int, width: int, batch: int, steps: int, record: int) -
     the all-gather route."""
     n = 8
     mesh = jax.make_mesh((n,), ("x",))
-    rows = [-(-min(c, max_rows) // n) * n for c in CRITEO]
+    rows = [-(-min(c, max_rows) // n) * n for c in CARDINALITIES]  # capped, padded to a multiple of 8 rows
     rng = np.random.default_rng(0)
     perms = [rng.permutation(r).astype(np.int32) for r in rows]
     names = [f"t{t}" for t in range(len(rows))]
