@@ -58,6 +58,11 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
+// What reading and writing p, m and v of a row, and its idle steps' replay costs, in gradient entries read: the weight of a row
+// beside its entries when the coalesced rows are split over threads (ParallelForRows). Measured on a 1e6 x 64
+// table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from 10 to 24).
+constexpr int64_t kRowWork = 16;
+
 constexpr int64_t kTerms = 8;  // _catch_up._TERMS
 
 // What taking a row's idle steps one by one needs beyond the row: the rates and the bias corrections.
@@ -293,7 +298,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchU
   }
   Coalesced c;
   Coalesce(keys, k, shard.begin + shard.local_rows, shard.begin, c);
-  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+  ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
     CoalescedRows<kTorch, kMaximize, kDecay>(s, cu, c, shard, values, q, m, v, width, lo, hi);
   });
 }

@@ -79,8 +79,8 @@ ffi::Error CoalesceInto(ffi::ThreadPool& pool, ffi::BufferR1<ffi::S32> keys, ffi
   float* out = values_out->typed_data();
   std::memset(out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
   std::vector<double> squares(sum_of_squares != nullptr ? static_cast<size_t>(c.size) : 0);
-  // A thread is worth its scheduling past a few dozen rows.
-  ParallelFor(pool, c.size, std::min<int64_t>(threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+  // A row weighs its entries plus two (writing its sum; rows.h's ParallelForRows).
+  ParallelForRows(pool, c, k, 2, threads, [&](int64_t lo, int64_t hi) {
     SumRows(c, values.typed_data(), out, sum_of_squares != nullptr ? squares.data() : nullptr, width, lo, hi);
   });
   if (sum_of_squares != nullptr) *sum_of_squares = TotalSquares(squares);
@@ -107,7 +107,7 @@ ffi::Error SumSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ff
   Coalesced c;
   Coalesce(keys.typed_data(), k, num_rows, 0, c);
   std::vector<double> squares(static_cast<size_t>(c.size));
-  ParallelFor(pool, c.size, std::min<int64_t>(threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+  ParallelForRows(pool, c, k, 1, threads, [&](int64_t lo, int64_t hi) {
     StreamSquares(c.entry.data(), k, values.typed_data(), squares.data(), width, lo, hi);
   });
   *sum_of_squares->typed_data() = TotalSquares(squares);

@@ -436,6 +436,38 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t parts, F fn) {
   while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
 }
 
+// Runs fn(lo, hi) over the distinct rows [0, c.size) of a batch of k entries coalesced as `c`, split into
+// contiguous ranges of about equal work for up to `threads` threads, a row weighing its entries plus `row_weight`
+// (what reading and writing its state costs, in entries read). Split by rows alone, the thread holding a Zipf
+// batch's first rows (its hot ids, first seen early) would add most of the batch's entries while the other read
+// and wrote as many rows with few entries each. Each row is still one thread's, so the numbers do not depend on the
+// split.
+template <typename F>
+void ParallelForRows(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, int64_t row_weight, int64_t threads,
+                     F fn) {
+  // work[d + 1]: the work of the rows up to d.
+  std::vector<int64_t> work(static_cast<size_t>(c.size) + 1, 0);
+  for (int64_t i = 0; i < k; ++i) {
+    if (c.entry[i] >= 0) ++work[c.entry[i] + 1];
+  }
+  for (int64_t d = 0; d < c.size; ++d) work[d + 1] += work[d] + row_weight;
+  const int64_t total = work[c.size];
+  // A thread is worth its scheduling past a few dozen rows.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, c.size / 32 + 1));
+  // The first row whose work starts in part p's share of it.
+  const auto bound = [&](int64_t p) {
+    return p == parts ? c.size
+                      : static_cast<int64_t>(std::lower_bound(work.begin(), work.end() - 1, total * p / parts) -
+                                             work.begin());
+  };
+  ParallelFor(pool, parts, parts, [&](int64_t part_lo, int64_t part_hi) {
+    for (int64_t part = part_lo; part < part_hi; ++part) {
+      const int64_t lo = part == 0 ? 0 : bound(part), hi = bound(part + 1);
+      if (lo < hi) fn(lo, hi);
+    }
+  });
+}
+
 // A handler's temporary floats: a buffer of at least n, reused by the next call on this thread where it is at
 // most kKeep floats (16 MiB), else freed with this object. A fresh allocation of that size comes back from the
 // system with pages that fault on first touch, which cost a pass over a large batch's rows about as much as the
@@ -464,33 +496,15 @@ class ScratchFloats {
 // Global-norm clipping with the norm computed in the handler (Clip::norm), for a batch coalesced over every row
 // in range (every shard's: the norm is the whole gradient's): each distinct row summed into `sums` (c.size x
 // width) by SumEntries, over the pool, and the clipping of their norm, the rows' squares added as the sum_squares
-// handler adds them (its sum, bitwise). The row pass then reads the sums. The parts hold about equal numbers of
-// entries, not of rows: a Zipf batch's first rows (its hot ids, first seen early) hold most entries.
+// handler adds them (its sum, bitwise). The row pass then reads the sums. A row weighs its entries plus one
+// (clearing its sum and adding its squares cost about what adding one entry does).
 inline Clip SumRowsForNorm(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, const float* values,
                            int64_t width, int64_t threads, float max_norm, float* sums) {
-  const int32_t* row_of = c.entry.data();
-  std::vector<int32_t> end(static_cast<size_t>(c.size) + 1, 0);  // end[d + 1]: entries of the rows up to d
-  for (int64_t i = 0; i < k; ++i) {
-    if (row_of[i] >= 0) ++end[row_of[i] + 1];
-  }
-  for (int64_t d = 0; d < c.size; ++d) end[d + 1] += end[d];
-  const int64_t entries = end[c.size];
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, entries / 256 + 1));
   std::vector<double> squares(static_cast<size_t>(c.size));
-  ParallelFor(pool, parts, parts, [&](int64_t part_lo, int64_t part_hi) {
-    for (int64_t part = part_lo; part < part_hi; ++part) {
-      // The rows whose entries start in this part's share of the entries.
-      const auto lo = static_cast<int64_t>(
-          std::lower_bound(end.begin(), end.end() - 1, entries * part / parts) - end.begin());
-      const auto hi = part + 1 == parts ? c.size
-                                        : static_cast<int64_t>(std::lower_bound(end.begin(), end.end() - 1,
-                                                                                entries * (part + 1) / parts) -
-                                                               end.begin());
-      float* part_sums = sums + lo * width;
-      std::memset(part_sums, 0, sizeof(float) * static_cast<size_t>((hi - lo) * width));
-      SumEntries(row_of, k, values, width, lo, hi, part_sums);
-      for (int64_t d = lo; d < hi; ++d) squares[d] = RowSquares(sums + d * width, width);
-    }
+  ParallelForRows(pool, c, k, 1, threads, [&](int64_t lo, int64_t hi) {
+    std::memset(sums + lo * width, 0, sizeof(float) * static_cast<size_t>((hi - lo) * width));
+    SumEntries(c.entry.data(), k, values, width, lo, hi, sums + lo * width);
+    for (int64_t d = lo; d < hi; ++d) squares[d] = RowSquares(sums + d * width, width);
   });
   return ClipOfNorm(TotalSquares(squares), max_norm);
 }

@@ -73,6 +73,11 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
+// What reading and writing a row of p (and of m) and its scalars costs, in gradient entries read: the weight of a row
+// beside its entries when the coalesced rows are split over threads (ParallelForRows). Measured on a 1e6 x 64
+// table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from 8 to 24).
+constexpr int64_t kRowWork = 12;
+
 constexpr int kPrefetchDistance = 4;
 
 // The rules' row functions are OSA_ROW_INLINE (rows.h).
@@ -385,8 +390,7 @@ void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_
   if constexpr (!kApply) {  // padding slots of the step
     std::memset(rule.out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
   }
-  // A thread is worth its scheduling past a few dozen rows.
-  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+  ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
     CoalescedRows(rule, o.clip, c, c.entry.data(), k, shard, values, lo, hi);
   });
 }

@@ -64,6 +64,11 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
+// What reading and writing p, m and v (and AMSGrad's v_max) of a row costs, in gradient entries read: the weight of a row
+// beside its entries when the coalesced rows are split over threads (ParallelForRows). Measured on a 1e6 x 64
+// table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from 8 to 24).
+constexpr int64_t kRowWork = 12;
+
 // sparse_amsgrad(catch_up=True)'s idle steps, per entry: a row catches up from the entry that stands for it.
 struct IdleRows {
   static constexpr int64_t kCoefficients = 3;  // C, b1**idle, b2**idle
@@ -197,8 +202,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
   if constexpr (!kApply) {  // padding slots of the step
     std::memset(out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
   }
-  // A thread is worth its scheduling past a few dozen rows.
-  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
+  ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
     CoalescedRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad, kClip>(s, c, shard, values, m, v, vm, out, width, lo,
                                                                         hi, idle);
   });
