@@ -209,14 +209,20 @@ def coalesce_with_squares(leaf: SparseLeaf) -> tuple[SparseLeaf, jax.Array]:
 
 def sum_of_squares(leaf: SparseLeaf) -> jax.Array:
     """:func:`coalesce_with_squares`' sum of squares alone, bitwise, for a leaf of float32 values and one sparse
-    axis: on the CPU the kernel reads the entries without writing their sums."""
-    assert not leaf.distinct and leaf.n_sparse == 1, "a summed leaf of one sparse axis"
+    axis: on the CPU the kernel reads the entries without writing their sums.
+
+    Of a leaf known distinct, the sum of its entries' squares, each entry its own row (padding left out): on the XLA
+    path ``optax.tree.norm`` of its values, padding zeroed; on the CPU's native path the kernel adds them in double
+    without coalescing, as it adds distinct rows (so the two paths may differ by the XLA path's float32 summation
+    error, as for a leaf it sums)."""
+    assert leaf.n_sparse == 1, "a leaf of one sparse axis"
 
     def xla() -> jax.Array:
-        return optax.tree.norm(_coalesce_xla(leaf)[1], squared=True)
+        values = leaf.zero_padding().values if leaf.distinct else _coalesce_xla(leaf)[1]
+        return optax.tree.norm(values, squared=True)
 
     def native() -> jax.Array:
-        return _ffi.sum_squares(leaf.keys[:, 0], leaf.values, leaf.shape[0])
+        return _ffi.sum_squares(leaf.keys[:, 0], leaf.values, leaf.shape[0], unique=_kernel_path.unique_flag(leaf))
 
     return _kernel_path.select(native, xla) if _kernel_path.supports(leaf.shape, 1, leaf.values) else xla()
 

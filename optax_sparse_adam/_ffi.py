@@ -484,10 +484,13 @@ def coalesce_squares(keys: jax.Array, values: jax.Array, num_rows: int) -> tuple
     return new_keys, new_values.reshape(values.shape), squares
 
 
-def sum_squares(keys: jax.Array, values: jax.Array, num_rows: int) -> jax.Array:
-    """:func:`coalesce_squares`' sum of squares alone, bitwise, without writing the summed values."""
+def sum_squares(keys: jax.Array, values: jax.Array, num_rows: int, *, unique: int = 0) -> jax.Array:
+    """:func:`coalesce_squares`' sum of squares alone, bitwise, without writing the summed values; with ``unique``
+    (:func:`._kernel_path.unique_flag`), each in-range entry taken as its own row, without coalescing."""
     out = jax.ShapeDtypeStruct((), jnp.float32)
-    return _ffi_call(PREFIX + "sum_squares", out, vmap_method="sequential")(keys, _rows2d(values), **_attrs(num_rows))
+    return _ffi_call(PREFIX + "sum_squares", out, vmap_method="sequential")(
+        keys, _rows2d(values), **_attrs(num_rows, unique=unique)
+    )
 
 
 def rowwise_adagrad_rows(

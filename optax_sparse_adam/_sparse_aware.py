@@ -185,7 +185,10 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
     (:func:`._coalesce.sum_of_squares`, bitwise the same), so that neither the summed nor the clipped rows are
     written. Where that table is the only leaf the clipping sees, its norm is its entries' alone: the clipping is
     recorded with ``max_norm`` too, and a kernel that takes it computes the norm itself as it sums the rows, bitwise
-    as ``sum_of_squares`` and the ``sqrt`` and comparison here, so that pass drops out as well.
+    as ``sum_of_squares`` and the ``sqrt`` and comparison here, so that pass drops out as well. A table known
+    distinct is not summed: on the native path the squares of its entries as they are (``sum_of_squares``: padding
+    left out, no coalescing, no zeroed copy) and, inside ``update_and_apply``, the fused kernel reads the entries
+    themselves, taking the norm itself where the table is alone.
     """
 
     # Inside update_and_apply, with the native kernels on: a fused Adam kernel may take the table's entries.
@@ -200,8 +203,15 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
         entries = to_sparse_leaf(u, u.shape if p is None else p.shape, path, _WHERE, emits=True)
         if entries.distinct:
             zeroed = entries.zero_padding()
-            entries_of[id(zeroed)] = zeroed
-            return zeroed.values, zeroed, None
+            if not (entries.n_sparse == 1 and _kernel_path.supports(entries.shape, 1, entries.values)):
+                entries_of[id(zeroed)] = zeroed
+                return zeroed.values, zeroed, None
+            # The squares of the entries as they are (no coalescing, no zeroed copy: the kernels leave padding out).
+            # A fused kernel reads the entries themselves, and takes their norm too where this table is alone.
+            entries_of[id(zeroed)] = entries
+            if fusing:
+                from_entries.append(zeroed)
+            return zeroed.values, zeroed, sum_of_squares(entries)
         if fusing and entries.n_sparse == 1 and _kernel_path.supports(entries.shape, 1, entries.values):
             # The summed rows only where the fused step does not take this table (XLA drops them where it does):
             # the squares from the entries, and the kernel sums them again, clipping each as it goes.

@@ -58,9 +58,10 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-// What reading and writing p, m and v of a row, and its idle steps' replay costs, in gradient entries read: the weight of a row
-// beside its entries when the coalesced rows are split over threads (ParallelForRows). Measured on a 1e6 x 64
-// table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from 10 to 24).
+// What reading and writing p, m and v of a row, and its idle steps' replay costs, in gradient entries read: the
+// weight of a row beside its entries when the coalesced rows are split over threads (ParallelForRows).
+// Measured on a 1e6 x 64 table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from
+// 10 to 24).
 constexpr int64_t kRowWork = 16;
 
 constexpr int64_t kTerms = 8;  // _catch_up._TERMS

@@ -17,7 +17,10 @@
 // added in slot order in double (so the result does not depend on the
 // threads), rounded once to float32. `sum_squares` is that sum alone, bitwise,
 // without writing the summed values (where a fused optimizer kernel sums the
-// rows again and clips them as it reads them).
+// rows again and clips them as it reads them); given `unique` (keys the library
+// made distinct, or the user promised are), it takes each entry as its own row
+// without coalescing, as the XLA side takes such a leaf's norm (rows.h's
+// EntrySquares: the same sum, bitwise, where the keys are distinct).
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -100,10 +103,16 @@ ffi::Error CoalesceSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> key
 }
 
 ffi::Error SumSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
-                          ffi::ResultBufferR0<ffi::F32> sum_of_squares, int64_t num_rows, int64_t threads) {
+                          ffi::ResultBufferR0<ffi::F32> sum_of_squares, int64_t num_rows, int64_t unique,
+                          int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   int64_t width = 0;
   if (ffi::Error e = CheckBatch(k, values.dimensions(), num_rows, width); e.failure()) return e;
+  if (unique != 0) {
+    *sum_of_squares->typed_data() = EntrySquares(pool, keys.typed_data(), k, values.typed_data(), width, num_rows,
+                                                 threads);
+    return ffi::Error::Success();
+  }
   Coalesced c;
   Coalesce(keys.typed_data(), k, num_rows, 0, c);
   std::vector<double> squares(static_cast<size_t>(c.size));
@@ -177,6 +186,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamSumSquares, optax_sparse_adam::SumS
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
                                   .Ret<ffi::BufferR0<ffi::F32>>()  // coalesce_squares' sum of squares
                                   .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("unique")  // nonzero: each entry its own row (EntrySquares)
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamDistinct, optax_sparse_adam::DistinctImpl,

@@ -509,6 +509,23 @@ inline Clip SumRowsForNorm(xla::ffi::ThreadPool& pool, const Coalesced& c, int64
   return ClipOfNorm(TotalSquares(squares), max_norm);
 }
 
+// The sum of the squares of a batch whose keys are taken as distinct (the library made them so, or the user
+// promised it), as the XLA side takes the norm of such a leaf: each entry its own row. Each in-range entry's row
+// squared as RowSquares squares it, the rows' sums added in entry order (the order of first occurrence the
+// coalescing kernels add them in, so keys that are distinct get their sum, bitwise), in double, rounded once.
+// Nothing is summed or written: the row pass reads the entries.
+inline float EntrySquares(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, const float* values,
+                          int64_t width, int64_t num_rows, int64_t threads) {
+  std::vector<double> squares(static_cast<size_t>(k), 0.0);
+  // A thread is worth its scheduling past a few dozen rows.
+  ParallelFor(pool, k, std::min<int64_t>(threads, k / 32 + 1), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      if (InRange(keys[i], num_rows)) squares[i] = RowSquares(values + i * width, width);
+    }
+  });
+  return TotalSquares(squares);  // a padding entry's 0.0 adds nothing: the total starts at +0 and never goes below
+}
+
 // ParallelFor over the entries [0, k) of a batch whose keys are distinct, in
 // parts holding about equal numbers of the entries this shard owns rather than
 // of entries: padding and other shards' keys cost nothing to skip, but split by

@@ -338,9 +338,9 @@ OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const Clip& clip, const int3
   }
 }
 
-// An apply handler's step whose clipping takes its norm from the batch itself (Clip::norm): the norm of every
-// row in range (a row shard's call too sums the whole gradient), then the row pass, clipping by it. Keys given
-// as distinct are coalesced too (Python gives this form only keys that may repeat).
+// An apply handler's step whose clipping takes its norm from the batch itself (Clip::norm), its keys possibly
+// repeating: the norm of every row in range (a row shard's call too sums the whole gradient), then the row pass,
+// clipping by it. (Keys taken as distinct take their entries' norm instead: Run.)
 template <class Rule>
 void RunNormClipped(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_t* keys, int64_t k,
                     const Shard& shard, const float* values) {
@@ -361,6 +361,15 @@ template <class Rule>
 void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_t* keys, int64_t k,
          const Shard& shard, const float* values, int32_t* out_keys) {
   if constexpr (Rule::kApply) {
+    if (o.clip.norm && o.unique != 0) {
+      // Keys taken as distinct: their entries' norm, as the sum_squares handler takes it (EntrySquares), then the
+      // step as given the clipping's two scalars (a broken promise's rows are still summed first).
+      Options clipped = o;
+      clipped.clip = ClipOfNorm(EntrySquares(pool, keys, k, values, rule.width, shard.num_rows, o.threads),
+                                o.clip.max_norm);
+      Run(pool, rule, clipped, keys, k, shard, values, out_keys);
+      return;
+    }
     if (o.clip.norm) {
       RunNormClipped(pool, rule, o, keys, k, shard, values);
       return;

@@ -64,9 +64,10 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-// What reading and writing p, m and v (and AMSGrad's v_max) of a row costs, in gradient entries read: the weight of a row
-// beside its entries when the coalesced rows are split over threads (ParallelForRows). Measured on a 1e6 x 64
-// table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from 8 to 24).
+// What reading and writing p, m and v (and AMSGrad's v_max) of a row costs, in gradient entries read: the weight
+// of a row beside its entries when the coalesced rows are split over threads (ParallelForRows).
+// Measured on a 1e6 x 64 table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from
+// 8 to 24).
 constexpr int64_t kRowWork = 12;
 
 // sparse_amsgrad(catch_up=True)'s idle steps, per entry: a row catches up from the entry that stands for it.
@@ -149,9 +150,9 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
   }
 }
 
-// An apply handler's step whose clipping takes its norm from the batch itself (Clip::norm): the norm of every
-// row in range (a row shard's call too sums the whole gradient), then the row pass, clipping by it. Keys given
-// as distinct are coalesced too (Python gives this form only keys that may repeat).
+// An apply handler's step whose clipping takes its norm from the batch itself (Clip::norm), its keys possibly
+// repeating: the norm of every row in range (a row shard's call too sums the whole gradient), then the row pass,
+// clipping by it. (Keys taken as distinct take their entries' norm instead: Run.)
 template <bool kTorch, bool kMaximize, bool kDecay, bool kAmsgrad>
 void RunNormClipped(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k,
                     const Shard& shard, const float* values, float* m, float* v, float* vm, float* out,
@@ -172,6 +173,15 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
          const float* values, float* m, float* v, float* vm, float* out, int32_t* out_keys, int64_t width,
          const IdleRows* idle = nullptr) {
   if constexpr (kApply && kClip) {
+    if (s.clip.norm && o.unique != 0) {
+      // Keys taken as distinct: their entries' norm, as the sum_squares handler takes it (EntrySquares), then the
+      // step as given the clipping's two scalars (a broken promise's rows are still summed first).
+      Scalars clipped = s;
+      clipped.clip = ClipOfNorm(EntrySquares(pool, keys, k, values, width, shard.num_rows, o.threads), s.clip.max_norm);
+      Run<kTorch, kMaximize, kApply, kDecay, kAmsgrad, kClip>(pool, clipped, o, keys, k, shard, values, m, v, vm, out,
+                                                              out_keys, width, idle);
+      return;
+    }
     if (s.clip.norm) {
       RunNormClipped<kTorch, kMaximize, kDecay, kAmsgrad>(pool, s, o, keys, k, shard, values, m, v, vm, out, width,
                                                           idle);
