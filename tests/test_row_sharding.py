@@ -151,23 +151,29 @@ def test_plain_jit_on_a_row_sharded_table_matches_one_device(mesh_kind, use_set_
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["dups", "distinct"])
 @pytest.mark.parametrize(
     ("optimizer", "kernel"), [("sparse_adam", "sparse_adam_apply"), ("sparse_rowwise_adagrad", "rowwise_adagrad_apply")]
 )
-def test_a_row_sharded_table_clipped_alone_takes_the_whole_batchs_norm_in_each_shards_kernel(optimizer, kernel):
+def test_a_row_sharded_table_clipped_alone_takes_the_whole_batchs_norm_in_each_shards_kernel(optimizer, kernel, kind):
     """chain(sparse_aware(clip_by_global_norm), optimizer) under update_and_apply on a table P("x", None) of an
     Auto mesh that is the only leaf the clipping sees: each row shard's kernel takes the norm from the entries
     itself (no sum_squares call), over every row of the batch, not its own: the one-device fused step's numbers
-    bitwise (a shard's norm of its own rows would clip each block apart). (On an Explicit mesh the step runs the
-    XLA rule.)"""
+    bitwise (a shard's norm of its own rows would clip each block apart); ids repeating, or known distinct
+    (``unique_indices``, padding among them). (On an Explicit mesh the step runs the XLA rule.)"""
     mesh = _mesh("auto")
     rng = np.random.default_rng(4)
-    ids = jnp.asarray(rng.integers(-2, N + 2, K), jnp.int32)
+    if kind == "dups":
+        ids = jnp.asarray(rng.integers(-2, N + 2, K), jnp.int32)
+    else:
+        ids = jnp.asarray(np.where(np.arange(K) % 9 == 0, -1, rng.permutation(N)[:K]), jnp.int32)
     values = jnp.asarray(rng.standard_normal((K, D)), jnp.float32)
     tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), getattr(osa, optimizer)(0.1))
 
     def step(p: Any, s: Any, ids: jax.Array, values: jax.Array) -> Any:
-        return osa.update_and_apply(tx, {"emb": osa.IndexedRows(ids, values, N)}, s, p)
+        return osa.update_and_apply(
+            tx, {"emb": osa.IndexedRows(ids, values, N, unique_indices=kind == "distinct")}, s, p
+        )
 
     table = {"emb": jnp.asarray(_params()["emb"])}
     with osa.use_kernels(True):
