@@ -486,7 +486,8 @@ def coalesce_squares(keys: jax.Array, values: jax.Array, num_rows: int) -> tuple
 
 def sum_squares(keys: jax.Array, values: jax.Array, num_rows: int, *, unique: int = 0) -> jax.Array:
     """:func:`coalesce_squares`' sum of squares alone, bitwise, without writing the summed values; with ``unique``
-    (:func:`._kernel_path.unique_flag`), each in-range entry taken as its own row, without coalescing."""
+    (:func:`._kernel_path.unique_flag`), each in-range entry taken as its own row, without coalescing (a user's
+    promise not checked: the XLA path's norm of such a leaf takes its entries as they are)."""
     out = jax.ShapeDtypeStruct((), jnp.float32)
     return _ffi_call(PREFIX + "sum_squares", out, vmap_method="sequential")(
         keys, _rows2d(values), **_attrs(num_rows, unique=unique)

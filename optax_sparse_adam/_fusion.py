@@ -59,12 +59,14 @@ class Clipped(NamedTuple):
     Attributes:
       leaf: The clipped leaf it returned (summed rows, clipped).
       entries: What a fused kernel sums and clips in its place: the
-        :class:`~optax_sparse_adam._sparse_leaf.SparseLeaf` of the entries it was given (their padding zeroed
-        where they are known distinct).
+        :class:`~optax_sparse_adam._sparse_leaf.SparseLeaf` of the entries it was given, as given (the padding
+        of entries promised distinct may hold anything: the kernels skip padding keys, and code reading these
+        values must leave padding out too).
       divisor: ``g_norm``, or 1 where the norm was below ``c``.
       factor: ``c``, or 1 where the norm was below ``c``: each summed row ``g`` became ``(g / divisor) * factor``.
       max_norm: ``c`` as a float32 scalar where this leaf is the only one the clipping saw, its norm the entries'
-        own: a kernel that takes ``c`` alone then computes the norm as it sums the rows, in the same call
+        own: a kernel that takes ``c`` alone then computes the norm as it sums the rows (or, of entries known
+        distinct, from the entries), in the same call
         (:meth:`norm_appended_to`), and the pass that computed ``divisor`` and ``factor`` drops out; else ``None``.
     """
 

@@ -41,7 +41,8 @@ def sparse_aware(
     ``optax.clip_by_global_norm(c)`` itself is recognized (by its update
     function's code) and run as written there, with one difference on the
     CPU's native path: the coalescing kernel adds the squares of the summed
-    rows in double, so the norm may differ from the XLA path's by that path's
+    rows in double (a kernel those of the entries, where the ids are known
+    distinct), so the norm may differ from the XLA path's by that path's
     float32 summation error; under :func:`update_and_apply` the fused optimizer
     kernels clip each row as they read it (see there).
 

@@ -317,3 +317,40 @@ def test_coalescing_with_squares_adds_the_squares_of_the_summed_rows(kind):
             assert ("optax_sparse_adam_v2_coalesce_squares" in text) is kernels
             xla = np.asarray(jax.jit(leaf_squares)(keys, values))
         assert np.abs(xla - want) <= 1e-6 * want + np.spacing(want), (kernels, xla, want)
+
+
+@pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels were not built")
+@pytest.mark.parametrize("width", [16, 67])
+def test_sum_squares_of_entries_taken_as_distinct(width):
+    """sum_squares with ``unique`` (a promise, 1, or ids the library made distinct, 2) takes each in-range entry as
+    its own row without coalescing: on distinct keys, bitwise the coalescing kernel's sum; its squares in double,
+    rounded once (a float64 NumPy sum within an ulp); padding (negative keys, keys past the table, the int32
+    extremes) left out, whatever its values hold (NaN here); over one thread or two alike. A repeated key (a
+    broken promise) adds each entry's squares, as the XLA path's norm of such a leaf does, not those of the sum."""
+    from optax_sparse_adam import _ffi
+
+    rng = np.random.default_rng(8)
+    rows, k = 50_000, 8192
+    keys = rng.permutation(rows)[:k].astype(np.int32)
+    pad = np.arange(k) % 13 == 5
+    keys[pad] = np.resize(np.array([-1, rows, np.iinfo(np.int32).min, np.iinfo(np.int32).max], np.int32), pad.sum())
+    values = (rng.standard_normal((k, width)) * np.float32(1e3)).astype(np.float32)
+    values[pad] = np.nan
+    want = np.float32(np.sum(values[~pad].astype(np.float64) ** 2))
+    got = {}
+    for threads in (1, 2):
+        with osa.use_kernels(True, threads=threads):
+            for unique in (0, 1, 2):
+                got[threads, unique] = np.asarray(
+                    jax.jit(lambda k, v, u=unique: _ffi.sum_squares(k, v, rows, unique=u))(keys, values)
+                )
+    assert len({x.item() for x in got.values()}) == 1, got
+    assert np.abs(got[1, 2] - want) <= np.spacing(want), (got[1, 2], want)
+
+    # A broken promise: every entry's squares, the duplicates' too.
+    twice = np.concatenate([keys[:100], keys[:100]])
+    doubled = np.concatenate([values[:100], values[:100]])
+    with osa.use_kernels(True):
+        broken = np.asarray(jax.jit(lambda k, v: _ffi.sum_squares(k, v, rows, unique=1))(twice, doubled))
+    entries = np.float32(np.sum(np.where(pad[:100, None], 0.0, values[:100].astype(np.float64)) ** 2) * 2)
+    assert np.abs(broken - entries) <= np.spacing(entries), (broken, entries)

@@ -409,8 +409,8 @@ def test_global_norm_clipping_is_taken_by_the_optimizer_kernel(optimizer, kind, 
     and clips each row as it reads the entries (no coalescing call: no summed or clipped copy of them), with the
     two calls' numbers on the kernels (where one call coalesces with the squares): moments bitwise (so each clipped
     row is), whether the norm clips or not, beside a dense leaf the norm includes; a table known distinct
-    (unique_indices) alike, the squares of its entries added by the same kernel without coalescing them (the two
-    calls' too), its entries clipped as the kernel reads them."""
+    (unique_indices) alike, the squares of its entries added by the same kernel without coalescing them, its
+    entries clipped as the kernel reads them."""
     tx = _clip_chain(max_norm, optimizer)
     steps = _steps(kind, 64, n=3, seed=5)
     unique = kind == "distinct"

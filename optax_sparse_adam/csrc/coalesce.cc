@@ -20,7 +20,8 @@
 // rows again and clips them as it reads them); given `unique` (keys the library
 // made distinct, or the user promised are), it takes each entry as its own row
 // without coalescing, as the XLA side takes such a leaf's norm (rows.h's
-// EntrySquares: the same sum, bitwise, where the keys are distinct).
+// EntrySquares: the same sum, bitwise, where the keys are distinct; a promise
+// is not checked here, as the XLA side does not check it for the norm).
 #include <cstdint>
 #include <cstring>
 #include <vector>

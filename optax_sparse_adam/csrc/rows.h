@@ -236,7 +236,8 @@ xla::ffi::Error WithParams(xla::ffi::DataType type, int64_t rounding, const uint
 // the table is the only leaf the clipping sees, its max_norm alone (`norm`):
 // the handler then sums the batch's rows once, their squares as the
 // sum_squares handler adds them, and takes div and mul from that norm
-// (ClipOfNorm) before the row pass, which reads the sums it kept.
+// (ClipOfNorm) before the row pass, which reads the sums it kept (keys taken
+// as distinct: the squares of their entries, EntrySquares, and nothing summed).
 struct Clip {
   bool on = false;
   float div = 1.0f, mul = 1.0f;

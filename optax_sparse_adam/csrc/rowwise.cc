@@ -24,8 +24,9 @@
 // clipped first, g = (g / div) * mul (sparse_aware(clip_by_global_norm)'s rule);
 // or one (3 + 1, 9 + 1), its max_norm, where the table is the only leaf the
 // clipping sees: the handler then takes the norm of the batch's summed rows
-// itself, bitwise as the sum_squares handler, and div and mul from it (rows.h's
-// Clip), in one call.
+// itself (of its entries, where the keys are taken as distinct: rows.h's
+// EntrySquares), bitwise as the sum_squares handler, and div and mul from it
+// (rows.h's Clip), in one call.
 // The apply handlers take p as float32, bfloat16 or float16 (rows.h's
 // parameter policies: a 16-bit row widened, updated in float32, rounded once,
 // to nearest or, with `rounding` 1, stochastically from `seeds`: the leaf's two

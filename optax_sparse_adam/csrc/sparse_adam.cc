@@ -32,7 +32,9 @@
 // leaf the clipping sees, they take one, its max_norm, instead: the handler
 // sums the batch's rows once, takes their norm bitwise as the sum_squares
 // handler does, clip_div and clip_mul from it (rows.h's Clip), and updates the
-// rows from the sums it kept, all in one call.
+// rows from the sums it kept, all in one call; keys taken as distinct (unique)
+// are not summed: their entries' norm (rows.h's EntrySquares, as sum_squares
+// with `unique` takes it), then each row updated from its entry.
 // Tables are aliased to results (input_output_aliases), so under donation
 // nothing table-sized is copied. Keys outside [0, num_rows) are padding.
 //
