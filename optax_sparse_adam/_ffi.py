@@ -484,6 +484,13 @@ def coalesce_squares(keys: jax.Array, values: jax.Array, num_rows: int) -> tuple
     return new_keys, new_values.reshape(values.shape), squares
 
 
+def all_finite(x: jax.Array) -> jax.Array:
+    """Whether every element of the float32 array ``x`` is finite (no infinity, no NaN), a bool scalar."""
+    out = jax.ShapeDtypeStruct((), jnp.int32)
+    flag = _ffi_call(PREFIX + "all_finite", out, vmap_method="sequential")(x, threads=np.int64(threads()))
+    return flag != 0
+
+
 def sum_squares(keys: jax.Array, values: jax.Array, num_rows: int, *, unique: int = 0) -> jax.Array:
     """:func:`coalesce_squares`' sum of squares alone, bitwise, without writing the summed values; with ``unique``
     (:func:`._kernel_path.unique_flag`), each in-range entry taken as its own row, without coalescing (a user's

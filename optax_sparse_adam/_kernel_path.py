@@ -74,6 +74,7 @@ _SYMBOLS = {
     "distinct": "OptaxSparseAdamDistinct",
     "coalesce_squares": "OptaxSparseAdamCoalesceSquares",
     "sum_squares": "OptaxSparseAdamSumSquares",
+    "all_finite": "OptaxSparseAdamAllFinite",
     "gather": "OptaxSparseAdamGather",
     "rowwise_adagrad_rows": "OptaxSparseAdamRowwiseAdagradRows",
     "rowwise_adagrad_apply": "OptaxSparseAdamRowwiseAdagradApply",

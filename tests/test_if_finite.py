@@ -7,6 +7,8 @@ of non-finite steps longer than max_consecutive_errors (whose last step is appli
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,10 +111,12 @@ def test_fused_in_place_under_the_cond():
     assert "sparse_adam_rows" not in report.kernels
 
 
-def test_the_finiteness_check_is_optaxs():
-    """``is_finite`` (a vectorizable ``sum(x * 0)`` per array) decides as optax's ``all(isfinite(x))`` does: on
-    infinities of either sign and NaN anywhere in an array (in a block of gradient rows too), the largest finite
-    floats, negative zeros and subnormals, low-precision and complex arrays, integer arrays and empty ones."""
+def test_the_finiteness_check_is_optaxs(kernel_path):
+    """``is_finite`` (a vectorizable ``sum(x * 0)`` per array; on the CPU's native path a kernel for a large float32
+    array, split over the threads) decides as optax's ``all(isfinite(x))`` does: on infinities of either sign and
+    NaN anywhere in an array (in a block of gradient rows too, and in either thread's part of a larger one), the
+    largest finite floats, negative zeros and subnormals, low-precision and complex arrays, integer arrays and
+    empty ones."""
     from optax_sparse_adam._if_finite import is_finite
 
     f32 = np.finfo(np.float32)
@@ -125,6 +129,7 @@ def test_the_finiteness_check_is_optaxs():
         "ids": np.array([2**31 - 1, -1], np.int32),
         "empty": np.zeros((0, 3), np.float32),
         "rows": np.ones((1024, 64), np.float32),  # a batch's gradient rows: vectorized reductions
+        "more rows": np.full((4100, 64), -3.5, np.float32),  # two threads' parts, blocks and a partial one
     }
     cases = [base]
     for row in (0, 517, 1023):
@@ -132,6 +137,10 @@ def test_the_finiteness_check_is_optaxs():
             x = np.ones((1024, 64), np.float32)
             x[row, row % 64] = bad
             cases.append(dict(base, rows=x))
+    for at in (0, 131_071, 131_072, 200_000, 4100 * 64 - 1):
+        x = np.full(4100 * 64, -3.5, np.float32)
+        x[at] = np.nan if at % 2 else -np.inf
+        cases.append(dict(base, **{"more rows": x.reshape(4100, 64)}))
     for name in ("big", "small", "half", "bf16", "complex"):
         for bad in (np.inf, -np.inf, np.nan, complex(np.inf, 0), complex(0, np.nan)):
             if name != "complex" and isinstance(bad, complex):
@@ -143,3 +152,5 @@ def test_the_finiteness_check_is_optaxs():
     got = [bool(jax.jit(is_finite)(t)) for t in cases]
     assert got == want
     assert want[0] and not any(want[1:])
+    kernels = set(re.findall(r"optax_sparse_adam_v2_(\w+)", jax.jit(is_finite).lower(base).as_text()))
+    assert kernels == ({"all_finite"} if kernel_path == "native-cpu" else set()), kernels  # the two large arrays'
