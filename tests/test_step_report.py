@@ -146,7 +146,8 @@ def test_the_report_says_whether_the_step_runs_fused(name, tx, fused, says):
     assert says in str(report), str(report)
     if fused:
         # The lookup's distinct ids and gather, and the optimizer's one pass (in a cond's branch for
-        # apply_if_finite, which the compiled text lists first).
+        # apply_if_finite, which the compiled text lists first, after its check of the gradient's rows).
         apply = "rowwise_adam_apply" if name == "rowwise adam" else "sparse_adam_apply"
-        assert sorted(report.kernels) == sorted(("distinct", "gather", apply)), report.kernels
+        check = ("all_finite",) if name == "osa.apply_if_finite" else ()
+        assert sorted(report.kernels) == sorted(("distinct", "gather", apply, *check)), report.kernels
     assert len(report.kernels) <= report.kernel_calls
