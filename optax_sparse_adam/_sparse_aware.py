@@ -202,9 +202,11 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
         if not is_sparse(u):
             return u, None, None
         entries = to_sparse_leaf(u, u.shape if p is None else p.shape, path, _WHERE, emits=True)
+        # Whether the kernels take this table's entries on the CPU (one sparse axis, float32 values).
+        native = entries.n_sparse == 1 and _kernel_path.supports(entries.shape, 1, entries.values)
         if entries.distinct:
             zeroed = entries.zero_padding()
-            if not (entries.n_sparse == 1 and _kernel_path.supports(entries.shape, 1, entries.values)):
+            if not native:
                 entries_of[id(zeroed)] = zeroed
                 return zeroed.values, zeroed, None
             # The squares of the entries as they are (no coalescing, no zeroed copy: the kernels leave padding out).
@@ -213,7 +215,7 @@ def _clip_by_global_norm(updates: optax.Updates, params: optax.Params | None, ma
             if fusing:
                 from_entries.append(zeroed)
             return zeroed.values, zeroed, sum_of_squares(entries)
-        if fusing and entries.n_sparse == 1 and _kernel_path.supports(entries.shape, 1, entries.values):
+        if fusing and native:
             # The summed rows only where the fused step does not take this table (XLA drops them where it does):
             # the squares from the entries, and the kernel sums them again, clipping each as it goes.
             summed, squares = coalesce_leaf(entries), sum_of_squares(entries)

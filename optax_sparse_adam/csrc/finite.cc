@@ -2,7 +2,7 @@
 //   optax_sparse_adam_v2_all_finite  (x) -> 1 where every element is finite, else 0
 // (osa.apply_if_finite's check of a gradient, where XLA's reduction of
 // sum(x * 0) read a batch's gradient rows on one thread). An element is not
-// finite where its exponent field is all ones (an infinity or a NaN). The
+// finite where its exponent field is all ones (rows.h's IsFinite). The
 // array is split over the threads; each part ORs its elements' flags without
 // branching (the loop vectorizes), and stops early only between blocks.
 #include <algorithm>
@@ -23,7 +23,7 @@ OSA_TARGET_CLONES bool AnyNonFinite(const float* x, int64_t lo, int64_t hi) {
   for (int64_t b = lo; b < hi; b += kBlock) {
     const int64_t end = std::min(hi, b + kBlock);
     uint32_t bad = 0;
-    for (int64_t i = b; i < end; ++i) bad |= static_cast<uint32_t>((Bits(x[i]) & 0x7F800000u) == 0x7F800000u);
+    for (int64_t i = b; i < end; ++i) bad |= static_cast<uint32_t>(!IsFinite(x[i]));
     if (bad != 0) return true;
   }
   return false;
