@@ -134,8 +134,8 @@ ffi::Error DistinctImpl(ffi::BufferR1<ffi::S32> keys, ffi::ResultBufferR1<ffi::S
   const int32_t* in = keys.typed_data();
   int32_t* out_keys = keys_out->typed_data();
   int32_t* slot = inverse->typed_data();
-  const uint32_t mask = HashMask(k);
-  std::vector<int64_t> table(size_t{mask} + 1, -1);  // (distinct index << 32) | key, or -1 for an empty slot
+  const KeySlots slots(k);
+  std::vector<int64_t> table(slots.count(), -1);  // (distinct index << 32) | key, or -1 for an empty slot
   int32_t size = 0;
   for (int64_t i = 0; i < k; ++i) {
     const int32_t key = in[i];
@@ -143,8 +143,8 @@ ffi::Error DistinctImpl(ffi::BufferR1<ffi::S32> keys, ffi::ResultBufferR1<ffi::S
       slot[i] = static_cast<int32_t>(k - 1);
       continue;
     }
-    uint32_t h = Mix(static_cast<uint32_t>(key)) & mask;
-    while (table[h] >= 0 && static_cast<int32_t>(table[h] & 0xFFFFFFFF) != key) h = (h + 1) & mask;
+    uint32_t h = slots.Home(key);
+    while (table[h] >= 0 && static_cast<int32_t>(table[h] & 0xFFFFFFFF) != key) h = slots.Next(h);
     if (table[h] < 0) {
       table[h] = (int64_t{size} << 32) | static_cast<uint32_t>(key);
       out_keys[size++] = key;
