@@ -701,18 +701,29 @@ def fused_apply(
         far, far_by_key = _far(plan, replayer.lr, last_k, idle > plan.cap, weights)
     long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
     has_table = float(plan.corrections is not None)
-    limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table)])
+    new_log = adamw.new_log if adamw is not None else 0.0
+    limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table, new_log)])
     if clip is not None:
         scalars = clip.append_to(scalars)
     per_key = jnp.concatenate(columns, axis=1)
-    operands = (p, m, v, keys, leaf.values, scalars, window, far, per_key, idle, last_k, limits)
+    # The kernel records the rows it steps (the last step, AdamW's decay mark) in place; the rows it flags keep
+    # their records for the XLA rule below, which reads and writes them.
+    mark = state[3] if adamw is not None else None
+    operands = (p, m, v, last, mark, keys, leaf.values, scalars, window, far, per_key, idle, last_k, limits)
     flags = kernel_flags(hp, leaf)
-    p, m, v, flagged = _ffi.catch_up_adam_apply(
-        *operands, neg_rates, corrections, cap=plan.cap, decay=decay is not None, far_by_key=far_by_key, **flags
+    p, m, v, last, mark, flagged = _ffi.catch_up_adam_apply(
+        *operands,
+        neg_rates,
+        corrections,
+        jnp.asarray(count, jnp.int32),
+        cap=plan.cap,
+        decay=decay is not None,
+        far_by_key=far_by_key,
+        **flags,
     )
-    tables = (m, v, last, *state[3:])
+    tables = (m, v, last) if mark is None else (m, v, last, mark)
 
-    def by_steps() -> tuple[jax.Array, ...]:  # p, m, v, last: AdamW's decay mark is recorded below for every key
+    def by_steps() -> tuple[jax.Array, ...]:  # p and the tables, the flagged rows taken by the XLA rule
         g = leaf._replace(keys=jnp.where(flagged[:, None] > 0, leaf.keys, rows))
         if clip is not None:  # the table's entries, summed here, then clipped
             g = coalesce(g)
@@ -728,14 +739,9 @@ def fused_apply(
             rule, where = adamw.rule(replayer, done, count, lr), _WHERE_ADAMW
         # g is known distinct where the leaf is: the rule does not coalesce it again.
         out, new = apply_rule((), g.to_leaf(), p.shape, tables, (p,), rule, where, whole_rows=True)
-        return apply_updates(p, out), *new[:3]
+        return apply_updates(p, out), *new
 
-    p, m, v, last = jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, m, v, last))
-    out = (p, m, v, record_keys(last, keys, last_k, count))
-    if adamw is None:
-        return out
-    # Every key's mark as the rule writes it, from the marks read: in place, after the read.
-    return (*out, write_keys(state[3], keys, jnp.minimum(mark_k, adamw.new_log)))
+    return jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, *tables))
 
 
 def of_keys(record: jax.Array, keys: jax.Array) -> jax.Array:

@@ -307,6 +307,8 @@ def catch_up_adam_apply(
     p: jax.Array,
     m: jax.Array,
     v: jax.Array,
+    last_step: jax.Array,
+    decay_mark: jax.Array | None,
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
@@ -318,6 +320,7 @@ def catch_up_adam_apply(
     limits: jax.Array,
     neg_rates: jax.Array,
     corrections: jax.Array,
+    count: jax.Array,
     *,
     cap: int,
     torch_eps: bool,
@@ -325,9 +328,9 @@ def catch_up_adam_apply(
     unique: int,
     decay: bool = False,
     far_by_key: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, flags)``; with ``decay``,
-    ``sparse_adamw(catch_up=True)``'s.
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array]:
+    """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, last_step, decay_mark,
+    flags)``; with ``decay``, ``sparse_adamw(catch_up=True)``'s.
 
     A key's row idle ``1 <= idle <= cap`` steps takes the series' eight
     coefficients in ``window[idle - 1]`` (``(max(cap, 1), 8)``); one idle
@@ -336,14 +339,17 @@ def catch_up_adam_apply(
     (one entry per key). ``per_key`` (``(k, 2)``: ``b1**idle`` and
     ``b2**idle``), ``idle`` and ``last`` (the row's last step) are per key, as
     :func:`._catch_up.replay` computes them for the key's row; ``limits`` is
-    ``(binv, ratio, long_neg_lr, has_corrections)``. Elements the series does
+    ``(binv, ratio, long_neg_lr, has_corrections, new_log)``. Elements the series does
     not take replay their first ``min(idle, cap)`` idle steps one by one:
     ``-lr`` from ``neg_rates`` (the last ``cap`` steps, newest first) or
     ``long_neg_lr`` (rows idle longer; NaN for a schedule), bias corrections
     from ``corrections`` (``(n, 2)`` by the step's count, the last row for
     every later count). Rows that need steps not at hand are left as they
-    are, and ``flags`` is 1 in each of their keys. The rows' last steps are
-    the caller's to record.
+    are, and ``flags`` is 1 in each of their keys. The kernel records the
+    rows it steps as the XLA rule does, in place: ``last_step`` (per row)
+    ``max(last_step, count)``, and ``decay_mark`` (AdamW's per-row record, or
+    ``None``) ``minimum(decay_mark, new_log)``; a flagged row's records are
+    left to the caller, with the row.
 
     With ``decay``, ``scalars`` holds AdamW's weight decay after Adam's ten
     (before the clipping's two) and ``per_key`` two more columns, the row's
@@ -357,21 +363,32 @@ def catch_up_adam_apply(
         p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key
     )
 
-    def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
-        table = jax.ShapeDtypeStruct(p.shape, p.dtype)
+    def fn(row_begin: jax.Array, *args: jax.Array):
+        table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
+        records = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[3:5])
         flags = jax.ShapeDtypeStruct(keys.shape, jnp.int32)
         return _ffi_call(
             PREFIX + "catch_up_adam_apply",
-            (table, table, table, flags),
-            input_output_aliases={0: 0, 1: 1, 2: 2},
+            (table, table, table, *records, flags),
+            input_output_aliases={i: i for i in range(5)},
             vmap_method="sequential",
-        )(p, m, v, *rest, row_begin, **attrs)
+        )(*args, row_begin, **attrs)
 
-    rule = "n w, n w, n w, k, k w, s, a j, f j, k c, k, k, l, r, t b -> n w, n w, n w, k"
-    rows = (_rows2d(p), _rows2d(m), _rows2d(v), keys, _rows2d(values))
-    args = (*rows, scalars, window, far, per_key, idle, last, limits, neg_rates, corrections)
-    new_p, new_m, new_v, flags = _by_row_shards(fn, rule, summed=(3,))(*args)
-    return new_p.reshape(p.shape), new_m.reshape(m.shape), new_v.reshape(v.shape), flags
+    # Without AdamW's decay mark, an empty one, replicated (z).
+    mark = "n" if decay_mark is not None else "z"
+    marks = decay_mark if decay_mark is not None else jnp.zeros((0,), jnp.float32)
+    rule = f"n w, n w, n w, n, {mark}, k, k w, s, a j, f j, k c, k, k, l, r, t b, o -> n w, n w, n w, n, {mark}, k"
+    rows = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
+    args = (*rows, scalars, window, far, per_key, idle, last, limits, neg_rates, corrections, count.reshape(1))
+    new_p, new_m, new_v, new_last, new_mark, flags = _by_row_shards(fn, rule, summed=(5,))(*args)
+    return (
+        new_p.reshape(p.shape),
+        new_m.reshape(m.shape),
+        new_v.reshape(v.shape),
+        new_last,
+        new_mark if decay_mark is not None else None,
+        flags,
+    )
 
 
 def catch_up_adam_steps(

@@ -387,7 +387,7 @@ def _record_flags(monkeypatch: pytest.MonkeyPatch) -> list[np.ndarray]:
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         out = call(*args, **kwargs)
-        jax.debug.callback(lambda f: flagged.append(np.asarray(f)), out[3])
+        jax.debug.callback(lambda f: flagged.append(np.asarray(f)), out[-1])
         return out
 
     monkeypatch.setattr(_ffi, "catch_up_adam_apply", recording)

@@ -2,14 +2,17 @@
 // decay sparse_adamw(catch_up=True)) and its application, as an XLA FFI
 // handler for the CPU:
 //   optax_sparse_adam_v2_catch_up_adam_apply
-//     (p, mu, nu, keys, values, scalars, window, far, per_key, idle, last, limits, neg_rates, corrections)
-//       -> (p, mu, nu, flags)
+//     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, idle, last, limits,
+//      neg_rates, corrections, count) -> (p, mu, nu, last_step, decay_mark, flags)
 // (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
 // global-norm clipping's divisor and factor, each summed gradient row then
 // clipped first as sparse_adam.cc does)
 // Each touched row first takes the `idle` steps it sat out as _catch_up.replay
-// takes them, then Adam's step as sparse_adam.cc takes it (the XLA side
-// records the step). Per element, the idle steps' displacement is the closed
+// takes them, then Adam's step as sparse_adam.cc takes it, and its records
+// are written as the XLA rule writes them: last_step max(last_step, count)
+// (the step's count), and where decay_mark is a table (AdamW's state; a
+// zero-size one otherwise) min(decay_mark, limits[4]) (the decay's log after
+// the step), NaN kept as jnp.minimum keeps it. Per element, the idle steps' displacement is the closed
 // form, from the row's C_0..C_{T-1} of the series in z = eps / sqrt(v), which
 // this kernel picks as _catch_up._coefficients does (window[idle - 1] for a
 // row idle at most `cap` steps; for one idle longer, the long-idle table's
@@ -24,8 +27,8 @@
 // step's count, the last entry standing for every later count). A row that
 // needs those steps where they are not at hand (a schedule's rate for a row
 // idle longer than the window: limits[2] is NaN; no table: limits[3] == 0) is
-// left as it is and flagged in every entry it has; the XLA path then takes
-// it. Tables are aliased to results.
+// left as it is, its records too, and flagged in every entry it has; the XLA
+// path then takes it. Tables are aliased to results.
 //
 //   i = 1 / sqrt(v), z = eps i, S = C_{T-1}, S = C_j - z S for j = T-2 .. 0
 //   p = p + (-(m i)) S,  m = m b1**idle,  v = v b2**idle
@@ -46,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -136,7 +140,22 @@ struct CatchUp {
   const int32_t* last;  // (k,)
   float binv, ratio;
   IdleSteps steps;
-  int32_t* flags;  // (k,)
+  int32_t* flags;       // (k,)
+  int32_t* last_step;   // the table's records (local rows)
+  float* decay_mark;    // AdamW's, or nullptr
+  int32_t count;        // the step's count, recorded
+  float new_log;        // the decay's log after the step, recorded in decay_mark
+
+  // The records of a row the kernel stepped (local row r), as the XLA rule writes them (_row_engine.stamp, and
+  // AdamW's jnp.minimum(mark, new_log), NaN in either kept).
+  void Record(int64_t r) const {
+    last_step[r] = std::max(last_step[r], count);
+    if (decay_mark != nullptr) {
+      const float mark = decay_mark[r];
+      decay_mark[r] = std::isnan(mark) || std::isnan(new_log) ? std::numeric_limits<float>::quiet_NaN()
+                                                              : std::min(mark, new_log);
+    }
+  }
 
   // The series' coefficients of entry `slot`'s row (idle > 0), as _catch_up._coefficients picks them; with decay
   // a long-idle row's are the far entry's times the key's weight, written into `scratch` (kTerms floats).
@@ -260,8 +279,10 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
     const int32_t first = c.first[d];
     SumChain(c, d, values, width, g.data());
     if (s.clip.on) ClipRow(s.clip, g.data(), width);
-    if (!Row<kTorch, kMaximize, kDecay>(s, cu, first, g.data(), q + r * width, m + r * width, v + r * width, work.data(),
-                                 width)) {
+    if (Row<kTorch, kMaximize, kDecay>(s, cu, first, g.data(), q + r * width, m + r * width, v + r * width, work.data(),
+                                width)) {
+      cu.Record(r);
+    } else {
       for (int32_t e = first; e >= 0; e = c.next[e]) cu.flags[e] = 1;
     }
   }
@@ -282,7 +303,9 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
     if (!shard.Owns(keys[i])) continue;
     const int64_t r = shard.Local(keys[i]);
     const float* g = ClippedRow(s.clip, values + i * width, clipped.data(), width);
-    if (!Row<kTorch, kMaximize, kDecay>(s, cu, i, g, q + r * width, m + r * width, v + r * width, work.data(), width)) {
+    if (Row<kTorch, kMaximize, kDecay>(s, cu, i, g, q + r * width, m + r * width, v + r * width, work.data(), width)) {
+      cu.Record(r);
+    } else {
       cu.flags[i] = 1;
     }
   }
@@ -305,13 +328,16 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchU
 }
 
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                     ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
                      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
                      ffi::BufferR2<ffi::F32> window, ffi::BufferR2<ffi::F32> far,
                      ffi::BufferR2<ffi::F32> per_key, ffi::BufferR1<ffi::S32> idle,
                      ffi::BufferR1<ffi::S32> last, ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
-                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR0<ffi::S32> row_begin,
-                     ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
-                     ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
+                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR1<ffi::S32> count,
+                     ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
+                     ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                     ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
+                     ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
                      int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
                      int64_t far_by_key, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
@@ -323,6 +349,12 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   const int64_t width = RowWidth(dims);
   if (mu.element_count() != p.element_count() || nu.element_count() != p.element_count())
     return ffi::Error::InvalidArgument("mu and nu must have the parameter's shape");
+  const bool marks = decay_mark.element_count() != 0;
+  if (static_cast<int64_t>(last_step.element_count()) != shard.local_rows ||
+      (marks && static_cast<int64_t>(decay_mark.element_count()) != shard.local_rows) ||
+      last_step_out->element_count() != last_step.element_count() ||
+      decay_mark_out->element_count() != decay_mark.element_count())
+    return ffi::Error::InvalidArgument("last_step (and decay_mark unless empty) must have one entry per row");
   if (static_cast<int64_t>(values.element_count()) != k * width)
     return ffi::Error::InvalidArgument("values must have one row per key");
   const int64_t num_scalars = kNumScalars + (decay != 0);  // AdamW's weight decay the eleventh
@@ -341,7 +373,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
     return ffi::Error::InvalidArgument("window must hold 8 coefficients for each idle count up to cap");
   if (far_dims[1] != kTerms || far_dims[0] < 1 || (far_by_key != 0 && far_dims[0] != k))
     return ffi::Error::InvalidArgument("far must hold 8 coefficients per last step (or per key with far_by_key)");
-  if (limits.element_count() != 4) return ffi::Error::InvalidArgument("limits must hold 4 values");
+  if (limits.element_count() != 5) return ffi::Error::InvalidArgument("limits must hold 5 values");
+  if (count.element_count() != 1) return ffi::Error::InvalidArgument("count must hold the step's count");
   if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
   const auto table = corrections.dimensions();
   float* q = p_out->typed_data();
@@ -350,6 +383,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   CopyIfNotAliased(q, p.typed_data(), p.element_count());
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
+  CopyIfNotAliased(last_step_out->typed_data(), last_step.typed_data(), last_step.element_count());
+  CopyIfNotAliased(decay_mark_out->typed_data(), decay_mark.typed_data(), decay_mark.element_count());
   std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(k));
   const float* limit = limits.typed_data();
   Scalars s = ReadScalars(scalars);
@@ -359,7 +394,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                         cap, corrections.typed_data(), table[0]};
   const CatchUp cu{window.typed_data(),  far.typed_data(), far_dims[0],       far_by_key != 0,
                    per_key.typed_data(), stride,           idle.typed_data(), last.typed_data(),
-                   limit[0],             limit[1],         steps,             flags->typed_data()};
+                   limit[0],             limit[1],         steps,             flags->typed_data(),
+                   last_step_out->typed_data(), marks ? decay_mark_out->typed_data() : nullptr,
+                   *count.typed_data(),  limit[4]};
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   auto run = [&](auto torch_eps, auto maximize, auto decays) {
     Run<decltype(torch_eps)::value, decltype(maximize)::value, decltype(decays)::value>(
@@ -455,6 +492,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Arg<ffi::Buffer<ffi::F32>>()     // p
                                   .Arg<ffi::Buffer<ffi::F32>>()     // mu
                                   .Arg<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last_step: per row, the step recorded
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // decay_mark: per row (AdamW), or empty
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()     // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
@@ -463,13 +502,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // per_key: b1**idle, b2**idle[, W, weight]
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // last: per key, the row's last step
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // limits: binv, ratio, long_neg_lr, has table
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // limits: binv, ratio, long_neg_lr, has table,
+                                                                    // the decay's log after the step
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // neg_rates: the window's -lr, by offset
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // corrections: (c1, c2) by the step's count
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // count: (1,), the step's, recorded
                                   .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
                                   .Ret<ffi::Buffer<ffi::F32>>()     // p
                                   .Ret<ffi::Buffer<ffi::F32>>()     // mu
                                   .Ret<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
+                                  .Ret<ffi::BufferR1<ffi::F32>>()   // decay_mark
                                   .Ret<ffi::BufferR1<ffi::S32>>()  // flags: per key
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("cap")
