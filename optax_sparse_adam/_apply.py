@@ -54,7 +54,10 @@ def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
         return for_each_chunk(coalesce_unless_known(leaf), add, p)
     if not _kernel_path.supports(p.shape, leaf.n_sparse, p, leaf.values):
         return leaf.add_to(p)
-    return _kernel_path.select(lambda: _ffi.scatter_add(p, leaf.keys[:, 0], leaf.values), lambda: leaf.add_to(p))
+    unique = _kernel_path.unique_flag(leaf)
+    return _kernel_path.select(
+        lambda: _ffi.scatter_add(p, leaf.keys[:, 0], leaf.values, unique), lambda: leaf.add_to(p)
+    )
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:

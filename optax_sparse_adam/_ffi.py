@@ -424,9 +424,9 @@ def catch_up_adam_steps(
     return new_p.reshape(p.shape), flags
 
 
-def _write_rows(target: str, table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
+def _write_rows(target: str, table: jax.Array, keys: jax.Array, values: jax.Array, **extra: int) -> jax.Array:
     """A kernel that writes ``values[i]`` into row ``keys[i]`` of ``table``, in place, on each row shard."""
-    attrs = _attrs(table.shape[0])
+    attrs = _attrs(table.shape[0], **extra)
 
     def fn(row_begin: jax.Array, table: jax.Array, keys: jax.Array, values: jax.Array):
         return (
@@ -442,9 +442,12 @@ def _write_rows(target: str, table: jax.Array, keys: jax.Array, values: jax.Arra
     return out.reshape(table.shape)
 
 
-def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
-    """``table`` with ``values[i]`` added to row ``keys[i]`` in entry order, in place; padding dropped."""
-    return _write_rows("scatter_add", table, keys, values)
+def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array, unique: int = 0) -> jax.Array:
+    """``table`` with ``values[i]`` added to row ``keys[i]`` in entry order, in place; padding dropped.
+    ``unique`` (:func:`._kernel_path.unique_flag`): 2 where the library made the keys distinct, 1 where the user
+    promised it (checked: keys that repeat are added as without it), 0 otherwise; distinct keys are split over
+    the threads by position, where repeating ones are split by key."""
+    return _write_rows("scatter_add", table, keys, values, unique=unique)
 
 
 def set_rows(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:

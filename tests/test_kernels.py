@@ -566,6 +566,34 @@ def test_apply_updates_sums_duplicates_in_entry_order_on_any_thread_count():
     assert_trees_equal(out["four"], out["xla"])
 
 
+@needs_kernels
+def test_apply_updates_of_distinct_keys_splits_them_by_position_and_a_broken_promise_is_summed():
+    """Keys known distinct (the user's unique_indices, checked; the updates of tx.update, trusted) are split over
+    the threads by position: the table equals XLA's on one thread and four, padding and out-of-range keys
+    dropped; keys that repeat under a unique_indices promise are summed as without it, in entry order. (The
+    trusted updates of tx.update: test_native_equals_xla's two calls.)"""
+    rng = np.random.default_rng(8)
+    k = 8192
+    table = jnp.asarray(rng.standard_normal((NUM_ROWS, WIDTH)), jnp.float32)
+    distinct = rng.permutation(NUM_ROWS + 6).astype(np.int32) - 3  # -3 .. NUM_ROWS + 2: some padding
+    repeated = rng.integers(0, NUM_ROWS, k).astype(np.int32)
+    values = rng.standard_normal((k, WIDTH)) * 1e3
+    out = {}
+    for kind, ids, unique in [("distinct", distinct, True), ("broken", repeated, True), ("plain", repeated, False)]:
+        rows = jnp.asarray(values[: len(ids)], jnp.float32)
+        if kind == "distinct":  # padding rows zero, as unique_indices promises
+            rows = jnp.where((jnp.asarray(ids) >= 0)[:, None], rows, 0.0)
+        g = osa.IndexedRows(jnp.asarray(ids), rows, NUM_ROWS, unique_indices=unique)
+        for name, enabled, threads in [("xla", False, 1), ("one", True, 1), ("four", True, 4)]:
+            with osa.use_kernels(enabled, threads=threads):
+                out[kind, name] = jax.jit(osa.apply_updates)(table, g)
+    for kind in ("distinct", "plain"):
+        assert_trees_equal(out[kind, "one"], out[kind, "xla"])
+        assert_trees_equal(out[kind, "four"], out[kind, "xla"])
+    assert_trees_equal(out["broken", "one"], out["plain", "xla"])
+    assert_trees_equal(out["broken", "four"], out["plain", "xla"])
+
+
 @pytest.mark.parametrize("threads", [0, 17, 1.5, True])
 def test_threads_out_of_range_raise(threads):
     with pytest.raises(ValueError, match="threads"), osa.use_kernels(True, threads=threads):

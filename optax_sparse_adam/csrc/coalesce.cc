@@ -81,10 +81,11 @@ ffi::Error CoalesceInto(ffi::ThreadPool& pool, ffi::BufferR1<ffi::S32> keys, ffi
   const auto pad = static_cast<int32_t>(num_rows);
   for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
   float* out = values_out->typed_data();
-  std::memset(out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
+  if (c.size == 0) ZeroPadding(out, width, 0, k, 0, 0);  // no part runs
   std::vector<double> squares(sum_of_squares != nullptr ? static_cast<size_t>(c.size) : 0);
   // A row weighs its entries plus two (writing its sum; rows.h's ParallelForRows).
   ParallelForRows(pool, c, k, 2, threads, [&](int64_t lo, int64_t hi) {
+    ZeroPadding(out, width, c.size, k, lo, hi);  // the padding slots
     SumRows(c, values.typed_data(), out, sum_of_squares != nullptr ? squares.data() : nullptr, width, lo, hi);
   });
   if (sum_of_squares != nullptr) *sum_of_squares = TotalSquares(squares);

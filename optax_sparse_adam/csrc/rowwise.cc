@@ -397,10 +397,11 @@ void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_
   if (out_keys != nullptr) {
     for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
   }
-  if constexpr (!kApply) {  // padding slots of the step
-    std::memset(rule.out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
+  if constexpr (!kApply) {
+    if (c.size == 0) ZeroPadding(rule.out, width, 0, k, 0, 0);  // no part runs
   }
   ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
+    if constexpr (!kApply) ZeroPadding(rule.out, width, c.size, k, lo, hi);  // the padding slots of the step
     CoalescedRows(rule, o.clip, c, c.entry.data(), k, shard, values, lo, hi);
   });
 }

@@ -3,6 +3,11 @@
 // table[keys[i]] += values[i] in entry order (the order of XLA's scatter-add,
 // so the sums are bitwise the same); keys outside [0, num_rows) are padding,
 // and only the rows [row_begin, row_begin + table rows) are held (a row shard).
+// Attribute `unique`: 2 for keys the library made distinct, 1 for keys the
+// user promised distinct (checked: keys that repeat take the split by key),
+// 0 otherwise. Distinct keys are split over the threads by position, into
+// parts of about equal numbers of held rows (ParallelForOwned), with nothing
+// hashed; others by key (ForEachKeyPart), so that each row is one thread's.
 #include <cstdint>
 
 #include "rows.h"
@@ -27,9 +32,22 @@ OSA_TARGET_CLONES void AddRows(const int32_t* entries, int64_t count, const int3
   }
 }
 
-ffi::Error ScatterAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
-                          ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> table_out,
-                          int64_t num_rows, int64_t threads) {
+// The entries [lo, hi) of a batch whose keys are distinct, those of rows this shard holds.
+OSA_TARGET_CLONES void AddRange(const int32_t* keys, const Shard& shard, const float* values, float* table,
+                                int64_t width, int64_t lo, int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) {
+    if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance]))
+      PrefetchRow(table + shard.Local(keys[i + kPrefetchDistance]) * width, width);
+    if (!shard.Owns(keys[i])) continue;
+    float* __restrict row = table + shard.Local(keys[i]) * width;
+    const float* __restrict u = values + i * width;
+    for (int64_t j = 0; j < width; ++j) row[j] = row[j] + u[j];
+  }
+}
+
+ffi::Error ScatterAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::BufferR1<ffi::S32> keys,
+                          ffi::Buffer<ffi::F32> values, ffi::BufferR0<ffi::S32> row_begin,
+                          ffi::ResultBuffer<ffi::F32> table_out, int64_t num_rows, int64_t unique, int64_t threads) {
   auto dims = table.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("the table must have at least one dimension");
   const Shard shard{num_rows, *row_begin.typed_data(), dims[0]};
@@ -41,6 +59,12 @@ ffi::Error ScatterAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi
   float* out = table_out->typed_data();
   CopyIfNotAliased(out, table.typed_data(), table.element_count());
   const int32_t* key = keys.typed_data();
+  if (unique == 2 || (unique == 1 && !HasDuplicate(key, k, num_rows))) {
+    ParallelForOwned(pool, key, k, shard, threads, [&](int64_t lo, int64_t hi) {
+      AddRange(key, shard, values.typed_data(), out, width, lo, hi);
+    });
+    return ffi::Error::Success();
+  }
   ForEachKeyPart(pool, key, k, shard, threads, [&](const int32_t* entries, int64_t count) {
     AddRows(entries, count, key, shard, values.typed_data(), out, width);
   });
@@ -59,5 +83,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamScatterAdd, optax_sparse_adam::Scat
                                   .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
                                   .Ret<ffi::Buffer<ffi::F32>>()     // table
                                   .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 

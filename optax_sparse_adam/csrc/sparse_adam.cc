@@ -211,10 +211,11 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
   if (out_keys != nullptr) {
     for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
   }
-  if constexpr (!kApply) {  // padding slots of the step
-    std::memset(out + c.size * width, 0, sizeof(float) * static_cast<size_t>((k - c.size) * width));
+  if constexpr (!kApply) {
+    if (c.size == 0) ZeroPadding(out, width, 0, k, 0, 0);  // no part runs
   }
   ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
+    if constexpr (!kApply) ZeroPadding(out, width, c.size, k, lo, hi);  // the padding slots of the step
     CoalescedRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad, kClip>(s, c, shard, values, m, v, vm, out, width, lo,
                                                                         hi, idle);
   });
