@@ -668,11 +668,11 @@ def fused_apply(
     and long-idle table (:func:`_window`, :func:`_far`), from which the kernel picks each row's coefficients as
     :func:`_coefficients` does; the kernel replays and steps each touched row in one pass, taking the idle steps
     one by one for the elements the series does not take (from the window's learning rates and the plan's bias
-    corrections). Rows it flags (such
-    steps of a row idle longer than the window under a schedule, or with AdamW's decay; no table of corrections)
-    then take the XLA rule on those rows alone. With a global-norm ``clip``, ``leaf`` is the table's entries, which
-    the kernel sums and clips row by row (its two scalars after Adam's), and which are summed and clipped alike for
-    the flagged rows.
+    corrections), and records it in place (its last step; AdamW's decay mark). Rows it flags (such steps of a row
+    idle longer than the window under a schedule, or with AdamW's decay; no table of corrections) keep their
+    records and take the XLA rule on those rows alone, which reads and writes them. With a global-norm ``clip``,
+    ``leaf`` is the table's entries, which the kernel sums and clips row by row (its two scalars after Adam's), and
+    which are summed and clipped alike for the flagged rows.
     """
     m, v, last = state[:3]
     hp = replayer.hp

@@ -185,13 +185,25 @@ def test_nnx_optimizer_takes_row_gradients() -> None:
         return loss
 
     for i, (users, items, y) in enumerate(make_batches(10)):
+        # Each step from the same parameters and state (copies: the fast step donates them), so that the
+        # comparison is of one step, not of ten steps' drift.
+        held = (nnx.state(model, nnx.Param), nnx.as_pure(optimizer.opt_state))
+        leaves = [jnp.copy(x) for x in jax.tree.leaves(held)]
+        assert len(leaves) == jax.tree.structure((params, opt_state)).num_leaves
+        params, opt_state = jax.tree.unflatten(jax.tree.structure((params, opt_state)), leaves)
         before = nnx_tables(nnx.state(model, nnx.Param))
         loss = train_step(model, optimizer, users, items, y)
         params, opt_state, fast_loss = fast_step(params, opt_state, users, items, y)
         np.testing.assert_array_equal(loss, fast_loss)
         if i == 0:
             check_untouched(before, nnx_tables(nnx.state(model, nnx.Param)), users, items)
-    assert_trees_equal(nnx.state(model, nnx.Param), params)
+        # The two calls against update_and_apply: the same updates, each parameter within one rounding of it and
+        # two ulps of an update (at most LR in size). XLA:CPU may contract a dense layer's p + u into its update in
+        # one program and not the other (on the XLA path; on the kernels the two are bitwise equal).
+        got = nnx.state(model, nnx.Param)
+        assert jax.tree.structure(got) == jax.tree.structure(params)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2**-23, atol=LR * 2**-22)
 
 
 def test_nnx_fast_path_with_padding_ids() -> None:
