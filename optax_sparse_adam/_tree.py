@@ -32,7 +32,10 @@ def describe(x: Any) -> str:
     if is_sparse(x):
         return f"a {type(x).__name__} of shape {tuple(x.shape)}"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+        # A container with an array's attributes (flax's nnx.Param, a ShapeDtypeStruct) is named by its type:
+        # beside a bare array, the type is the difference.
+        kind = "an array" if isinstance(x, jax.Array | np.ndarray | np.generic) else f"a {type(x).__name__}"
+        return f"{kind} of shape {tuple(x.shape)} and dtype {x.dtype}"
     if isinstance(x, dict):
         return f"a dict with keys {sorted(map(str, x))}"
     if isinstance(x, list | tuple):

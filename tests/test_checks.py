@@ -191,6 +191,22 @@ def test_tree_mismatch_names_the_first_differing_path_without_printing_arrays():
     assert "a dict with keys" in str(err.value) and "a list of length 18" in str(err.value)
 
 
+def test_tree_mismatch_names_a_container_that_looks_like_an_array_by_its_type():
+    """A gradient whose leaves are flax's nnx.Param (the model's state, not its pure arrays) beside a state of bare
+    arrays: the error names the Param, where both sides read "an array of shape (16,)" before."""
+    from flax import nnx
+
+    params = {"hidden": {"bias": jnp.zeros(16, jnp.float32)}}
+    tx = osa.sparse_adam(0.1)
+    grads = {"hidden": {"bias": nnx.Param(jnp.ones(16, jnp.float32))}}
+    msg = (
+        r"differ at \['hidden'\]\['bias'\]: the optimizer state's mu hold an array of shape \(16,\) and dtype "
+        r"float32 there, the gradient holds a Param of shape \(16,\) and dtype float32"
+    )
+    with pytest.raises(ValueError, match=msg):
+        tx.update(grads, tx.init(params), params)
+
+
 def test_state_built_for_other_parameters_is_blamed_on_the_state():
     tx = osa.sparse_adam(0.1)
     state = tx.init({"emb": jnp.zeros((10, D), jnp.float32)})
