@@ -17,10 +17,11 @@ simulated devices sharing the machine's cores: a sanity check, not a speed
 figure.
 
 Many tables (``run_tables``): DLRM's 26 Criteo tables on the all-to-all route,
-the collectives a step runs and the bytes received per device against the
-ids and rows a device must exchange (no padding), at the default capacity
-and at ``suggest_capacity``'s, and the steps of fresh Zipf batches that took
-a second round or the all-gather route.
+as 26 separate tables and as one ``EmbeddingCollection(..., shards=8)``
+stack, the collectives a step runs and the bytes received per device against
+the ids and rows a device must exchange (no padding), at the default
+capacity and at ``suggest_capacity``'s, and the steps of fresh Zipf batches
+that took a second round or the all-gather route.
 
 Usage: ``python benchmarks/sharding.py [--rows 1e6 1e8] [--steps 20] [--json out.json]``
 (``--tables-only`` for the many-tables measurement alone).
@@ -257,32 +258,51 @@ def ideal_bytes(ids: dict[str, np.ndarray], rows: list[int], n: int, width: int)
 
 
 def run_tables(max_rows: int, width: int, batch: int, steps: int, record: int) -> dict[str, Any]:
-    """DLRM's 26 tables (capped at ``max_rows``) on the all-to-all route, one id per example and table: the
-    compiled step's collectives and bytes received per device (the common path), against :func:`ideal_bytes` over
-    fresh batches, at the default capacity and at :meth:`RowSharding.suggest_capacity` learned from ``record``
-    other batches; and over ``steps`` fresh batches, the steps that overflowed into a second round or fell back to
-    the all-gather route."""
+    """DLRM's 26 tables (capped at ``max_rows``) on the all-to-all route, one id per example and table, laid out
+    two ways: 26 separate tables (each its own buckets) and an :class:`EmbeddingCollection` with ``shards=8`` (one
+    stack, each device a share of every table, one bucket per owner for all). For each, the compiled step's
+    collectives and bytes received per device (the common path), against :func:`ideal_bytes` over fresh batches, at
+    the default capacity and at :meth:`RowSharding.suggest_capacity` learned from ``record`` other batches; and over
+    ``steps`` fresh batches, the steps that overflowed into a second round or fell back to the all-gather route."""
     n = 8
     mesh = jax.make_mesh((n,), ("x",))
     rows = [-(-min(c, max_rows) // n) * n for c in CARDINALITIES]  # capped, padded to a multiple of 8 rows
     rng = np.random.default_rng(0)
     perms = [rng.permutation(r).astype(np.int32) for r in rows]
     names = [f"t{t}" for t in range(len(rows))]
-    init = {
-        "tables": {
-            k: rng.standard_normal((r, width)).astype(np.float32) * 0.01 for k, r in zip(names, rows, strict=True)
-        },
-        "w": np.ones(width, np.float32),
-    }
+    tables = {k: rng.standard_normal((r, width)).astype(np.float32) * 0.01 for k, r in zip(names, rows, strict=True)}
+    w = np.ones(width, np.float32)
+    coll = osa.EmbeddingCollection({k: osa.TableSpec(r, width) for k, r in zip(names, rows, strict=True)}, shards=n)
+    stacked = {k: np.array(v) for k, v in coll.init(jax.random.key(0)).items()}
+    (stack_name,) = stacked
+    for k in names:  # the same rows as the separate tables, in the stack's layout
+        stacked[stack_name][np.asarray(coll.stack_ids(k, np.arange(tables[k].shape[0])))] = tables[k]
+    bags = jax.jit(coll.bags)
 
     def loss(p: Any, ids: Any, y: jax.Array) -> jax.Array:
         pooled = sum(p["tables"][k][ids[k]] for k in names)
         return jnp.mean((pooled @ p["w"] - y) ** 2)
 
+    def loss_stacked(p: Any, bags: Any, y: jax.Array) -> jax.Array:
+        pooled = sum(coll.pool(p["emb"], bags).values())
+        return jnp.mean((pooled @ p["w"] - y) ** 2)
+
+    layouts = {
+        "26 tables": (
+            {"tables": tables, "w": w},
+            osa.RowSharding(mesh, "x", lambda p: p["tables"], batch_axis="x", routing="all_to_all"),
+            loss,
+            lambda ids: ids,
+        ),
+        "collection, shards=8": (
+            {"emb": stacked, "w": w},
+            osa.RowSharding(mesh, "x", lambda p: p["emb"], batch_axis="x", routing="all_to_all"),
+            loss_stacked,
+            lambda ids: bags(ids),
+        ),
+    }
     tx = osa.sparse_adam(1e-3)
-    base = osa.RowSharding(mesh, "x", lambda p: p["tables"], batch_axis="x", routing="all_to_all")
     recorded = [_table_batch(rng, rows, perms, batch) for _ in range(record)]
-    suggested = base.suggest_capacity(init, recorded)
     batches = [
         (_table_batch(rng, rows, perms, batch), rng.standard_normal(batch).astype(np.float32)) for _ in range(steps)
     ]
@@ -293,47 +313,54 @@ def run_tables(max_rows: int, width: int, batch: int, steps: int, record: int) -
         "width": width,
         "batch": batch,
         "ideal_recv_bytes": ideal,
-        "suggested_capacity": suggested,
         "recorded_batches": record,
         "runs": [],
     }
     batch_sh = NamedSharding(mesh, P("x"))
-    for label, capacity in (("default", None), ("suggested", suggested)):
-        rs = dataclasses.replace(base, capacity=capacity)
+    for layout, (init, base, fn, as_ids) in layouts.items():
+        suggested = base.suggest_capacity(init, [as_ids(ids) for ids in recorded])
+        for label, capacity in (("default", None), ("suggested", suggested)):
+            rs = dataclasses.replace(base, capacity=capacity)
 
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(p: Any, s: Any, ids: Any, y: jax.Array, rs: osa.RowSharding = rs) -> Any:
-            _, g, info = rs.value_and_row_grad(loss)(p, ids, y)
-            u, s = rs.update(tx, g, s, p)
-            return rs.apply_updates(p, u), s, info
+            @functools.partial(jax.jit, donate_argnums=(0, 1))
+            def step(p: Any, s: Any, ids: Any, y: jax.Array, rs: osa.RowSharding = rs, fn: Any = fn) -> Any:
+                _, g, info = rs.value_and_row_grad(fn)(p, ids, y)
+                u, s = rs.update(tx, g, s, p)
+                return rs.apply_updates(p, u), s, info
 
-        params = rs.shard(init)
-        state = tx.init(params)
-        first_ids, first_y = batches[0]
-        compiled = step.lower(params, state, jax.device_put(first_ids, batch_sh), jax.device_put(first_y, batch_sh))
-        hlo = compiled.compile().as_text()
-        comm = collective_bytes(hlo, n)
-        second = fallback = overflow = 0
-        for ids, y in batches:
-            params, state, info = step(params, state, jax.device_put(ids, batch_sh), jax.device_put(y, batch_sh))
-            second += int(info.second_round)
-            fallback += int(info.fallback)
-            overflow += int(info.overflow)
-        run = {
-            "capacity": label,
-            "capacity_value": capacity,
-            "recv_bytes": comm["path"],
-            "recv_fallback_bytes": comm["fallback"],
-            "vs_ideal": comm["path"] / ideal,
-            "collectives_on_path": comm["path_counts"],
-            "steps": len(batches),
-            "second_round_steps": second,
-            "fallback_steps": fallback,
-            "overflowed_ids": overflow,
-        }
-        out["runs"].append(run)
-        print(json.dumps(run), flush=True)
-        del params, state
+            params = rs.shard(init)
+            state = tx.init(params)
+            put = [(jax.device_put(as_ids(ids), batch_sh), jax.device_put(y, batch_sh)) for ids, y in batches]
+            hlo = step.lower(params, state, *put[0]).compile().as_text()
+            comm = collective_bytes(hlo, n)
+            second = fallback = overflow = 0
+            times = []
+            for i, (ids, y) in enumerate(put):
+                t0 = time.perf_counter()
+                params, state, info = step(params, state, ids, y)
+                jax.block_until_ready(params)
+                if i:
+                    times.append(time.perf_counter() - t0)
+                second += int(info.second_round)
+                fallback += int(info.fallback)
+                overflow += int(info.overflow)
+            run = {
+                "layout": layout,
+                "capacity": label,
+                "capacity_value": capacity,
+                "recv_bytes": comm["path"],
+                "recv_fallback_bytes": comm["fallback"],
+                "vs_ideal": comm["path"] / ideal,
+                "collectives_on_path": comm["path_counts"],
+                "steps": len(batches),
+                "second_round_steps": second,
+                "fallback_steps": fallback,
+                "overflowed_ids": overflow,
+                "step_ms": 1e3 * float(np.median(times)) if times else None,
+            }
+            out["runs"].append(run)
+            print(json.dumps(run), flush=True)
+            del params, state
     return out
 
 

@@ -239,25 +239,29 @@ def tables_section(t: dict[str, Any]) -> list[str]:
         f"The 26 Criteo tables capped at {max(t['rows']):,} rows (padded to a multiple of 8), width {t['width']}, "
         f"float32, one id per example and table, {t['batch']:,} examples a step split over 8 devices, Zipf(1.15) ids "
         'scattered over each table; `RowSharding(..., routing="all_to_all")` with `sparse_adam`, one step = '
-        "`value_and_row_grad`, the update and `apply_updates`. The ideal is the bytes a device must receive, "
-        "averaged over the devices and the measured steps: each distinct id another device asks of it (4 bytes) "
-        "with its gradient row, and the row of each of its own distinct ids another device owns. The suggested "
-        f"capacity is `suggest_capacity` over {t['recorded_batches']} other batches; the steps are "
-        "fresh batches of the same distribution.",
+        "`value_and_row_grad`, the update and `apply_updates`. Two layouts of the same rows: 26 separate tables "
+        "(each its own buckets), and one stack of an `EmbeddingCollection(..., shards=8)` (each device a share of "
+        "every table; one bucket per owner for all of them; the features pooled from `coll.bags`). The ideal is the "
+        "bytes a device must receive, averaged over the devices and the measured steps: each distinct id another "
+        "device asks of it (4 bytes) with its gradient row, and the row of each of its own distinct ids another "
+        f"device owns. The suggested capacity is `suggest_capacity` over {t['recorded_batches']} other batches; the "
+        "steps are fresh batches of the same distribution. Step times (median) are of 8 simulated devices sharing "
+        "the machine's cores: a sanity check, not a speed figure.",
         "",
         f"Ideal: {_mb(t['ideal_recv_bytes'])} MB received per device per step.",
         "",
-        "| capacity | received per device (MB) | vs ideal | collectives a step runs (no overflow) | "
-        "in the overflow branches (MB) | steps with a second round | steps on the all-gather route |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| layout | capacity | received per device (MB) | vs ideal | collectives a step runs (no overflow) | "
+        "in the overflow branches (MB) | steps with a second round | steps on the all-gather route | step (ms) |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in t["runs"]:
         label = "default" if r["capacity_value"] is None else f"suggested ({r['capacity_value']})"
         kinds = ", ".join(f"{v} {k}" for k, v in sorted(r["collectives_on_path"].items()))
+        ms = "" if r.get("step_ms") is None else f"{r['step_ms']:.1f}"
         lines.append(
-            f"| {label} | {_mb(r['recv_bytes'])} | {r['vs_ideal']:.2f}x | {kinds} | "
+            f"| {r.get('layout', '26 tables')} | {label} | {_mb(r['recv_bytes'])} | {r['vs_ideal']:.2f}x | {kinds} | "
             f"{_mb(r['recv_fallback_bytes'])} | {r['second_round_steps']} of {r['steps']} | "
-            f"{r['fallback_steps']} of {r['steps']} |"
+            f"{r['fallback_steps']} of {r['steps']} | {ms} |"
         )
     return lines
 

@@ -108,14 +108,28 @@ class EmbeddingCollection:
       >>> int(jnp.sum(jnp.any(g.todense() != 0, axis=1)))  # rows touched: 3, 7 of user; 1, 2, 4, 9 of item
       6
 
+    Split over devices by :class:`RowSharding`, a stack is cut into equal
+    blocks of rows, one a device. With ``shards`` set to that number of
+    devices, each block holds an even share of every table (table ``t``'s
+    row ``i`` is in block ``i // ceil(rows_t / shards)``), so every device
+    owns a share of every table, not whole tables, and the ids of all the
+    stack's tables share one bucket per owner on the all-to-all route; and
+    :meth:`bags` lays each stack's entries out in one part per device
+    (:attr:`Bags.parts`), so that a data-parallel step (``batch_axis``)
+    splits the bags by examples. A table's rows are then padded to a
+    multiple of ``shards``; the padding rows are never read.
+
     Attributes:
       tables: Name to :class:`TableSpec`.
       features: Name to :class:`FeatureSpec`; by default one ``"sum"``
         feature per table, of the table's name.
+      shards: The number of devices the stacks will be split over by rows
+        (1: not split, the tables one after another).
     """
 
     tables: Mapping[str, TableSpec]
     features: Mapping[str, FeatureSpec] | None = None
+    shards: int = 1
 
     def __post_init__(self) -> None:
         tables = dict(self.tables)
@@ -131,26 +145,30 @@ class EmbeddingCollection:
                     f"EmbeddingCollection: feature {name!r} reads table {f.table!r}, which is not among the "
                     f"tables {sorted(tables)}"
                 )
+        shards = self.shards
+        if isinstance(shards, bool) or not isinstance(shards, int | np.integer) or shards < 1:
+            raise ValueError(f"EmbeddingCollection: shards must be a positive int, got {shards!r}")
         stacks: dict[str, list[str]] = {}
         for name, t in tables.items():
             stacks.setdefault(f"{jnp.dtype(t.dtype).name}_{t.width}", []).append(name)
-        offsets, rows = {}, {}
+        offsets, blocks = {}, {}
         for key, names in stacks.items():
-            start = 0
+            start = 0  # each table's first row in a block of the stack, and the block's rows
             for n in names:
                 offsets[n] = start
-                start += tables[n].num_rows
-            if start >= 2**31:
+                start += -(-tables[n].num_rows // shards)
+            if start * shards >= 2**31:
                 raise ValueError(
-                    f"EmbeddingCollection: the tables of stack {key} ({', '.join(names)}) hold {start} rows; "
-                    "a stack holds at most 2**31 - 1: split the tables over two collections"
+                    f"EmbeddingCollection: the tables of stack {key} ({', '.join(names)}) hold {start * shards} "
+                    "rows; a stack holds at most 2**31 - 1: split the tables over two collections"
                 )
-            rows[key] = start
+            blocks[key] = start
         object.__setattr__(self, "tables", tables)
         object.__setattr__(self, "features", features)
+        object.__setattr__(self, "shards", int(shards))
         object.__setattr__(self, "_stacks", stacks)
         object.__setattr__(self, "_offsets", offsets)
-        object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_blocks", blocks)
 
     def _stack_of(self, table: str) -> str:
         t = self.tables[table]
@@ -171,23 +189,45 @@ class EmbeddingCollection:
         specs = tuple((self.tables[n].num_rows, self.tables[n].width, jnp.dtype(self.tables[n].dtype)) for n in default)
         made = dict(zip(default, _default_tables(tuple(keys[n] for n in default), specs), strict=True))
         out = {}
+        s = self.shards
         for stack, names in self.stacks.items():
             parts = []
             for n in names:
                 t = self.tables[n]
                 if t.initializer is None:
-                    parts.append(made[n])
+                    x = made[n]
                 else:
-                    parts.append(jnp.asarray(t.initializer(keys[n], (t.num_rows, t.width), t.dtype), t.dtype))
-            out[stack] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+                    x = jnp.asarray(t.initializer(keys[n], (t.num_rows, t.width), t.dtype), t.dtype)
+                share = -(-t.num_rows // s)  # the table's rows in each block, padded with zeros
+                x = jnp.concatenate([x, jnp.zeros((share * s - t.num_rows, t.width), t.dtype)]) if s > 1 else x
+                parts.append(x.reshape(s, share, t.width))
+            stacked = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+            out[stack] = stacked.reshape(-1, stacked.shape[-1])
         return out
 
+    def stack_ids(self, name: str, ids: jax.typing.ArrayLike) -> jax.Array:
+        """Table ``name``'s ids as rows of its stack (ids outside the table: the stack's rows, padding)."""
+        if name not in self.tables:
+            raise KeyError(f"EmbeddingCollection.stack_ids: no table {name!r} among {sorted(self.tables)}")
+        ids = jnp.asarray(ids)
+        rows, share = self.tables[name].num_rows, -(-self.tables[name].num_rows // self.shards)
+        block, start = self._blocks[self._stack_of(name)], self._offsets[name]  # type: ignore[attr-defined]
+        valid = (ids >= 0) & (ids < rows)
+        safe = jnp.where(valid, ids, 0).astype(jnp.int32)
+        return jnp.where(valid, safe // share * block + start + safe % share, block * self.shards).astype(jnp.int32)
+
     def table(self, params: Mapping[str, jax.Array], name: str) -> jax.Array:
-        """Table ``name``'s rows in ``params`` (a slice of its stack), for evaluation or export."""
+        """Table ``name``'s rows in ``params`` (a block of its stack, or a share of each block), for evaluation or
+        export."""
         if name not in self.tables:
             raise KeyError(f"EmbeddingCollection.table: no table {name!r} among {sorted(self.tables)}")
-        start = self._offsets[name]  # type: ignore[attr-defined]
-        return params[self._stack_of(name)][start : start + self.tables[name].num_rows]
+        start, t = self._offsets[name], self.tables[name]  # type: ignore[attr-defined]
+        stack = params[self._stack_of(name)]
+        if self.shards == 1:
+            return stack[start : start + t.num_rows]
+        share = -(-t.num_rows // self.shards)
+        blocks = stack.reshape(self.shards, -1, *stack.shape[1:])
+        return blocks[:, start : start + share].reshape(-1, *stack.shape[1:])[: t.num_rows]
 
     def bags(
         self,
@@ -242,15 +282,23 @@ class EmbeddingCollection:
                 + ", ".join(f"{n}: {b.num_bags}" for n, b in per_feature.items())
             )
         batch = sizes.pop() if sizes else 0
+        s = self.shards
+        if s > 1:
+            for n, b in per_feature.items():
+                why = dataclasses.replace(b, parts=1).splits_into(s)
+                if why:
+                    raise ValueError(
+                        f"EmbeddingCollection.bags: feature {n!r} cannot be laid out for the {s} devices of "
+                        f"`shards`: {why}; give it as padded (batch, max_len) ids, batch a multiple of {s}"
+                    )
         out = {}
         for stack in self.stacks:
             names = [n for n, f in features.items() if self._stack_of(f.table) == stack]
-            total, n_bags = self._rows[stack], len(names) * batch  # type: ignore[attr-defined]
+            total, n_bags = self._blocks[stack] * s, len(names) * batch  # type: ignore[attr-defined]
             ids, bag, w = [], [], []
             for j, n in enumerate(names):
-                b, start = per_feature[n], self._offsets[features[n].table]  # type: ignore[attr-defined]
-                valid = b.ids < b.num_rows
-                ids.append(jnp.where(valid, b.ids + start, total))
+                b = per_feature[n]
+                ids.append(self.stack_ids(features[n].table, b.ids))  # padding: the stack's rows
                 bag.append(jnp.where(b.bag < b.num_bags, b.bag + j * batch, n_bags))
                 w.append(b.weights)
             if not names:  # tables no feature reads: nothing to look up
@@ -260,7 +308,15 @@ class EmbeddingCollection:
                 fb = per_feature[n].blocks
                 blocks = None if fb is None or blocks is None else blocks + fb
             merged = blocks or None
-            out[stack] = Bags(jnp.concatenate(ids), jnp.concatenate(bag), jnp.concatenate(w), n_bags, total, merged)
+
+            parts = s if names else 1
+
+            def joined(xs: list[jax.Array], parts: int = parts) -> jax.Array:  # a part a device: its every feature
+                if parts == 1:
+                    return jnp.concatenate(xs)
+                return jnp.concatenate([x.reshape(parts, -1) for x in xs], axis=1).reshape(-1)
+
+            out[stack] = Bags(joined(ids), joined(bag), joined(w), n_bags, total, merged, parts)
         return out
 
     def pool(self, params: Mapping[str, jax.Array], bags: Mapping[str, Bags]) -> dict[str, jax.Array]:

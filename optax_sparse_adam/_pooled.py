@@ -44,6 +44,12 @@ class Bags:
         bags of one size each, laid out bag after bag (the padded and
         one-id forms), so that pooling is a reshape and a sum, not a
         scatter; ``None`` for ragged bags.
+      parts: Static number of equal parts the entries are laid out in, one
+        per device of a data-parallel step (:class:`RowSharding` with a
+        ``batch_axis`` of that many devices): part ``d`` holds, block by
+        block, the ``d``-th ``1/parts`` of each block's bags. Bags in one
+        block are in that order for any number of parts that divides them;
+        :meth:`EmbeddingCollection.bags` lays several features out so.
     """
 
     ids: jax.Array
@@ -52,10 +58,41 @@ class Bags:
     num_bags: int
     num_rows: int
     blocks: tuple[tuple[int, int], ...] | None = None
+    parts: int = 1
+
+    def splits_into(self, n: int) -> str:
+        """Why these bags cannot be split over ``n`` devices by examples, each device pooling its own (``""``: they
+        can)."""
+        if n == 1:
+            return ""
+        if self.blocks is None:
+            return "their bags are ragged (offsets or lengths), and a device's share of the entries would cut bags"
+        if self.parts != n and not (self.parts == 1 and len(self.blocks) == 1):
+            return (
+                f"their entries are laid out in {self.parts} part(s), not one per device of the {n}; build them "
+                f"for {n} (EmbeddingCollection(..., shards={n}))"
+            )
+        if any(nb % n for nb, _ in self.blocks):
+            return f"their bags ({', '.join(str(nb) for nb, _ in self.blocks)} a block) do not split over {n} devices"
+        return ""
+
+    def part(self, n: int, ids: jax.Array, bag: jax.Array, weights: jax.Array) -> Bags:
+        """One device's part (``ids``, ``bag``, ``weights``, split by :meth:`splits_into`'s ``n``) as bags of its
+        own: its share of each block's bags, numbered from zero."""
+        assert self.blocks is not None and not self.splits_into(n)
+        blocks = tuple((nb // n, size) for nb, size in self.blocks)
+        num_bags = sum(nb for nb, _ in blocks)
+        starts = np.cumsum([0] + [nb for nb, _ in blocks])[:-1]
+        local = np.concatenate(
+            [np.repeat(np.arange(nb, dtype=np.int32), size) + s for (nb, size), s in zip(blocks, starts, strict=True)]
+            or [np.zeros(0, np.int32)]
+        )
+        bag = jnp.where(bag < self.num_bags, local, num_bags).astype(jnp.int32)
+        return Bags(ids, bag, weights, num_bags, self.num_rows, blocks)
 
 
 jax.tree_util.register_dataclass(
-    Bags, data_fields=["ids", "bag", "weights"], meta_fields=["num_bags", "num_rows", "blocks"]
+    Bags, data_fields=["ids", "bag", "weights"], meta_fields=["num_bags", "num_rows", "blocks", "parts"]
 )
 
 
@@ -202,11 +239,13 @@ def pool(table: jax.Array, bags: Bags) -> jax.Array:
         return jax.ops.segment_sum(weighted, bags.bag, num_segments=bags.num_bags).astype(table.dtype)
     # Bags of one size, bag after bag: a sum over each block's second axis (its gradient a broadcast, not a
     # gather). The blocks are cut by one split, whose gradient is one concatenation (a slice's is a pad to the
-    # whole: one per block).
-    ends = np.cumsum([n * size for n, size in bags.blocks])[:-1].tolist()
-    blocks = jnp.split(weighted, ends) if ends else [weighted]
+    # whole: one per block). Bags in several parts: each part's share of each block, the parts in order.
+    s = bags.parts
+    ends = np.cumsum([n // s * size for n, size in bags.blocks])[:-1].tolist()
+    split = weighted.reshape(s, -1, *weighted.shape[1:]) if s > 1 else weighted
+    blocks = jnp.split(split, ends, axis=int(s > 1)) if ends else [split]
     parts = [
-        b.reshape(n, size, *b.shape[1:]).sum(1) if size != 1 else b
+        (b.reshape(n, size, *b.shape[(s > 1) + 1 :]).sum(1) if size != 1 else b.reshape(n, *b.shape[(s > 1) + 1 :]))
         for b, (n, size) in zip(blocks, bags.blocks, strict=True)
     ]
     return (jnp.concatenate(parts) if len(parts) != 1 else parts[0]).astype(table.dtype)

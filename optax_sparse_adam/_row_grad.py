@@ -648,14 +648,20 @@ class Ids(NamedTuple):
     bags: list[Bags | None]  # the Bags each came from, if any
     treedef: Any  # of the ids tree, a Bags as one leaf
 
-    def with_positions(self, positions: list[Any], rest: list[Any] | None = None) -> Any:
+    def with_positions(self, positions: list[Any], rest: list[Any] | None = None, parts: int = 1) -> Any:
         """The ids tree with each array of ids replaced by its positions (a Bags keeps its weights).
 
-        ``rest`` replaces the Bags' other fields (``(bag, weights)`` per Bags), as :meth:`rest` lists them.
+        ``rest`` replaces the Bags' other fields (``(bag, weights)`` per Bags), as :meth:`rest` lists them. With
+        ``parts`` (one device's share of a batch split over that many), each Bags becomes the device's own bags
+        (:meth:`Bags.part`).
         """
         rest = self.rest() if rest is None else rest
         out = [
-            p if b is None else dataclasses.replace(b, ids=p, bag=r[0], weights=r[1])
+            p
+            if b is None
+            else dataclasses.replace(b, ids=p, bag=r[0], weights=r[1])
+            if parts == 1
+            else b.part(parts, p, r[0], r[1])
             for p, b, r in zip(positions, self.bags, rest, strict=True)
         ]
         return self.treedef.unflatten(out)
@@ -665,11 +671,8 @@ class Ids(NamedTuple):
         return [None if b is None else (b.bag, b.weights) for b in self.bags]
 
 
-def check_ids(ids: Any, selection: Selection, where: str, *, no_bags: str = "") -> Ids:
-    """``ids``'s leaves, one integer array (or :class:`Bags`) per selected table.
-
-    ``no_bags``: why a :class:`Bags` cannot be taken here, if it cannot.
-    """
+def check_ids(ids: Any, selection: Selection, where: str) -> Ids:
+    """``ids``'s leaves, one integer array (or :class:`Bags`) per selected table."""
     id_treedef: Any
     id_leaves, id_treedef = jax.tree.flatten(ids, is_leaf=lambda x: isinstance(x, Bags))
     chosen, paths = selection.chosen, selection.paths
@@ -685,8 +688,6 @@ def check_ids(ids: Any, selection: Selection, where: str, *, no_bags: str = "") 
             arrays.append(as_index_array(x))
             _check_ids_dtype(where, f"table {paths[i]}", arrays[-1].dtype)
             continue
-        if no_bags:
-            raise TypeError(f"{where}: the ids for table {paths[i]} are Bags, which {no_bags}")
         rows = int(jnp.shape(selection.leaves[i])[0])
         if b.num_rows != rows:
             raise ValueError(

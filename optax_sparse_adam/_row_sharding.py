@@ -170,7 +170,7 @@ class RowSharding:
         if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
             raise ValueError(f"RowSharding: capacity must be a positive int or None, got {self.capacity!r}")
 
-    def suggest_capacity(self, params: Any, batches: Iterable[Any], *, margin: float = 1.25) -> int:
+    def suggest_capacity(self, params: Any, batches: Iterable[Any], *, margin: float = 1.0) -> int:
         """A ``capacity`` for the ``"all_to_all"`` route, learned from recorded batches of ids.
 
         For each batch, each device's share of each table's ids (split over
@@ -180,11 +180,17 @@ class RowSharding:
         hundred batches of the real id stream (or of the same distribution):
         ids concentrated on a few owners need far more than the default.
 
+        Every step receives the capacity's bytes, so the default takes the
+        largest bucket as it is: a later batch that crowds a bucket past it
+        runs a second round in that step (:class:`RoutingInfo`), and only one
+        past twice it takes the all-gather route. A ``margin`` over 1 trades
+        bytes in every step for fewer second rounds.
+
         Args:
           params: The parameters (or ``jax.ShapeDtypeStruct`` placeholders),
             for the tables' sizes.
           batches: Trees of ids, each as :meth:`value_and_row_grad` takes them
-            (NumPy or jax arrays; their global form).
+            (NumPy or jax arrays, or :class:`Bags`; their global form).
           margin: Headroom over the largest bucket seen (at least 1).
 
         Returns:
@@ -470,20 +476,21 @@ class RowSharding:
         def wrapped(params: Any, ids: Any, *args: Any) -> tuple[Any, Any, RoutingInfo]:
             sel = self._selected(params, where)
             leaves, paths, chosen, treedef = sel
-            no_bags = (
-                "a data-parallel step (batch_axis) does not take: its devices would split bags; give each "
-                "device's ids as arrays and pool by hand, or replicate the ids (batch_axis=None)"
-                if self.batch_axis is not None
-                else ""
-            )
-            given = check_ids(ids, sel, where, no_bags=no_bags)
+            given = check_ids(ids, sel, where)
             id_leaves = ids = given.leaves  # NumPy ids too wide for JAX made padding, not wrapped
-            rest = given.rest()  # a Bags' bags and weights: replicated, like its ids
+            rest = given.rest()  # a Bags' bags and weights: split like its ids
             tables = sorted(set(chosen))
             by_table = {i: [j for j, c in enumerate(chosen) if c == i] for i in tables}
             shapes = {i: tuple(jnp.shape(leaves[i])) for i in tables}
             axis, n, route = self.axis, self.num_shards, self._route
             n_batch = 1 if self.batch_axis is None else n
+            for j, b in enumerate(given.bags):  # a data-parallel step splits bags by examples: each device its own
+                why = "" if b is None else b.splits_into(n_batch)
+                if why:
+                    raise ValueError(
+                        f"{where}: the Bags for table {paths[chosen[j]]} cannot be split over the {n} devices of "
+                        f"batch_axis {self.batch_axis!r}: {why}; or replicate the ids (batch_axis=None)"
+                    )
 
             # What `fun` sees on one device, as placeholders: the guard traces it and computes nothing.
             def per_device(x: Any) -> tuple[int, ...]:
@@ -493,10 +500,10 @@ class RowSharding:
             id_shapes = [per_device(x) for x in id_leaves]
             k = {i: sum(math.prod(id_shapes[j]) for j in by_table[i]) for i in tables}
             check_reads_rows_only(
-                lambda d, pos, a: fun(treedef.unflatten(d), given.with_positions(pos, a[1]), *a[0]),
+                lambda d, pos, a: fun(treedef.unflatten(d), given.with_positions(pos, a[1], n_batch), *a[0]),
                 [_abstract(x, (k[i], *shapes[i][1:]) if i in tables else None) for i, x in enumerate(leaves)],
                 [jax.ShapeDtypeStruct(s, jnp.int32) for s in id_shapes],
-                (jax.tree.map(lambda x: _abstract(x, per_device(x)), args), jax.tree.map(_abstract, rest)),
+                tuple(jax.tree.map(lambda x: _abstract(x, per_device(x)), t) for t in (args, rest)),
                 {i: paths[i] for i in tables},
                 axis_env=list(self.mesh.shape.items()),
                 selection=sel,
@@ -539,7 +546,7 @@ class RowSharding:
                         positions[j] = pos[start : start + x.size].reshape(jnp.shape(x))
                         start += x.size
                 rows = {i: take_rows(local[i], wanted[i]) for i in tables}
-                pos_tree = given.with_positions(positions, rest)
+                pos_tree = given.with_positions(positions, rest, n_batch)
 
                 def inner(diff: list[Any]) -> Any:
                     read = dict(zip(tables, exchange([diff[i] for i in tables]), strict=True))
@@ -573,7 +580,7 @@ class RowSharding:
                 return value, treedef.unflatten(out), info
 
             out_specs = (value_spec, g_specs, _ROUTING_INFO_SPECS)
-            rest_specs = jax.tree.map(lambda _: _P(), rest)
+            rest_specs = jax.tree.map(lambda _: batch, rest)
             return self._map(body, (p_specs, id_specs, arg_specs, rest_specs), out_specs, params, ids, args, rest)
 
         return wrapped

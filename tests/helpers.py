@@ -15,6 +15,13 @@ import numpy as np
 ON_CPU = jax.default_backend() == "cpu"
 
 
+def spread(names: list[str], combos: list[tuple[Any, ...]], per: int = 1) -> list[tuple[Any, ...]]:
+    """Each of ``names`` with ``per`` consecutive ``combos``, the start rotating from name to name: every combo
+    meets some names, and every name ``per`` combos (order ``combos`` so that neighbours differ in every option),
+    in a fraction of the full product's cases."""
+    return [(name, *combos[(i * per + j) % len(combos)]) for i, name in enumerate(names) for j in range(per)]
+
+
 def assert_trees_equal(actual: Any, desired: Any, *, rtol: float = 0.0, atol: float = 0.0) -> None:
     """The same tree structure, and leaf by leaf the same dtype, shape and values.
 

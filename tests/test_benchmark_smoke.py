@@ -87,10 +87,14 @@ def test_sharding_benchmark_many_tables_smoke(tmp_path: pathlib.Path) -> None:
     doc = json.loads(out.read_text())
     tables = doc["tables"]
     assert tables["tables"] == 26 and tables["ideal_recv_bytes"] > 0
+    runs = {(r["layout"], r["capacity"]): r for r in tables["runs"]}
+    assert set(runs) == {(a, b) for a in ("26 tables", "collection, shards=8") for b in ("default", "suggested")}
     for run in tables["runs"]:
         assert run["collectives_on_path"].get("all-to-all") == 3, run  # ids, rows, gradients: shared by all tables
         assert run["vs_ideal"] >= 1.0, run
-    assert tables["runs"][1]["fallback_steps"] == 0
+        assert run["fallback_steps"] == 0 or run["capacity"] == "default", run
+    # One bucket per owner for all the tables receives less than a bucket per table and owner.
+    assert runs["collection, shards=8", "suggested"]["recv_bytes"] < runs["26 tables", "suggested"]["recv_bytes"]
     sys.path.insert(0, str(ROOT / "docs"))
     try:
         import generate

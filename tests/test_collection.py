@@ -29,8 +29,8 @@ FEATURES = {
 BATCH = 6
 
 
-def _collection() -> osa.EmbeddingCollection:
-    return osa.EmbeddingCollection(TABLES, FEATURES)
+def _collection(shards: int = 1) -> osa.EmbeddingCollection:
+    return osa.EmbeddingCollection(TABLES, FEATURES, shards)
 
 
 def _inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -80,6 +80,44 @@ def test_stacks_by_width_and_dtype_and_tables_are_blocks_of_them():
     assert 0.3 < std < 0.7  # variance scaling over the width: 1/sqrt(4)
 
 
+def test_laid_out_for_devices_each_block_holds_a_share_of_every_table():
+    """With ``shards=3`` a table's row ``i`` is in block ``i // ceil(rows / 3)`` of its stack, the tables one after
+    another in each block (padded with zero rows); ``table`` reads each table back as ``init`` drew it, and
+    ``stack_ids`` finds its rows."""
+    flat, split = _collection().init(jax.random.key(0)), _collection(3).init(jax.random.key(0))
+    coll = _collection(3)
+    assert {k: v.shape for k, v in split.items()} == {
+        "float32_4": (3 * (17 + 10), 4),
+        "float32_2": (3 * 7, 2),
+        "bfloat16_4": (3 * 4, 4),
+    }
+    for name, spec in TABLES.items():
+        assert_trees_equal(coll.table(split, name), _collection().table(flat, name))
+        stack = np.asarray(split[coll._stack_of(name)], np.float32)
+        share = -(-spec.num_rows // 3)
+        block = stack.shape[0] // 3
+        start = {"user": 0, "item": 17}.get(name, 0)
+        for i in (0, share - 1, share, spec.num_rows - 1):
+            want = stack[i // share * block + start + i % share]
+            assert int(coll.stack_ids(name, i)) == i // share * block + start + i % share
+            np.testing.assert_array_equal(want, np.asarray(coll.table(split, name)[i], np.float32))
+        pad = [b * block + start + j for b in range(3) for j in range(share) if b * share + j >= spec.num_rows]
+        np.testing.assert_array_equal(stack[pad], 0.0)
+        assert int(coll.stack_ids(name, -1)) == int(coll.stack_ids(name, spec.num_rows)) == stack.shape[0]
+
+
+def test_bags_laid_out_for_devices_refuse_a_ragged_feature_and_an_uneven_batch():
+    coll = _collection(3)
+    inputs = _inputs(np.random.default_rng(0))
+    ragged = osa.bags(np.arange(8, dtype=np.int32), 30, lengths=np.array([2, 0, 5, 1, 0, 0], np.int32))
+    with pytest.raises(ValueError, match=r"feature 'history' cannot be laid out for the 3 devices.*ragged"):
+        coll.bags({**inputs, "history": ragged})
+    with pytest.raises(ValueError, match=r"feature 'user' cannot be laid out .* do not split over 4 devices"):
+        _collection(4).bags(inputs)
+    with pytest.raises(ValueError, match="shards must be a positive int"):
+        osa.EmbeddingCollection(TABLES, FEATURES, 0)
+
+
 def test_each_table_is_its_initializer_applied_to_its_own_key():
     """``init`` draws the tables left to the default initializer in one program, and runs a table's own initializer
     as given: each table is bitwise its initializer applied to its key, eagerly and one table at a time."""
@@ -93,11 +131,13 @@ def test_each_table_is_its_initializer_applied_to_its_own_key():
 
 
 @functools.cache
-def _example(weighted: bool) -> tuple[dict[str, np.ndarray], np.ndarray, dict, dict, dict[str, osa.Bags]]:
+def _example(
+    weighted: bool, shards: int = 1
+) -> tuple[dict[str, np.ndarray], np.ndarray, dict, dict, dict[str, osa.Bags]]:
     """The tables (on the host), the head's weights, the inputs, their weights and bags: built once, each in one
     program, for both kernel paths (op by op, each operation would compile again under each kernel path)."""
     rng = np.random.default_rng(weighted)
-    coll = _collection()
+    coll = _collection(shards)
     emb = jax.device_get(jax.jit(coll.init)(jax.random.key(1)))
     w = rng.standard_normal((12, 1)).astype(np.float32)
     inputs = _inputs(rng)
@@ -105,10 +145,13 @@ def _example(weighted: bool) -> tuple[dict[str, np.ndarray], np.ndarray, dict, d
     return emb, w, inputs, weights, jax.jit(coll.bags)(inputs, weights)
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-def test_pool_and_row_gradients_equal_one_array_per_table(weighted, kernel_path):
-    coll = _collection()
-    emb, w, inputs, weights, batch = _example(weighted)
+@pytest.mark.parametrize(("weighted", "shards"), [(False, 1), (True, 1), (True, 3)])
+def test_pool_and_row_gradients_equal_one_array_per_table(weighted, shards, kernel_path):
+    """The stacks pool each feature and take its row gradients as one array per table does; laid out for 3
+    devices (each block a share of every table, the bags one part a device), alike."""
+    coll = _collection(shards)
+    emb, w, inputs, weights, batch = _example(weighted, shards)
+    assert all(b.parts == shards for b in batch.values())
     params = {"emb": jax.tree.map(lambda x: jnp.asarray(np.array(x)), emb), "w": jnp.asarray(w)}  # donated: copies
     tables = {name: jnp.asarray(coll.table(emb, name)) for name in TABLES}
 

@@ -16,7 +16,7 @@ import pytest
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _kernel_path
-from tests.helpers import assert_trees_equal, jit_once
+from tests.helpers import assert_trees_equal, jit_once, spread
 
 NUM_ROWS, WIDTH = 97, 5
 # The optimizers on the Adam kernels: plain lazy Adam, lazy AdamW (the decay of each touched row fused in) and
@@ -400,9 +400,12 @@ def _clip_chain(max_norm: float, optimizer: str):
 
 
 @needs_kernels
-@pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clips", "does not clip"])
-@pytest.mark.parametrize("kind", ["dups", "distinct"])
-@pytest.mark.parametrize("optimizer", sorted(_CLIPPED))
+@pytest.mark.parametrize(
+    ("optimizer", "kind", "max_norm"),
+    # Every optimizer clipping and not, on repeated keys and distinct ones; each pairing across the optimizers.
+    spread(sorted(_CLIPPED), [("dups", 0.5), ("distinct", 1e6), ("distinct", 0.5), ("dups", 1e6)], per=2),
+    ids=lambda x: {0.5: "clips", 1e6: "does not clip"}.get(x) if isinstance(x, float) else None,
+)
 def test_global_norm_clipping_is_taken_by_the_optimizer_kernel(optimizer, kind, max_norm):
     """chain(sparse_aware(clip_by_global_norm(c)), optimizer) under update_and_apply: a table whose entries repeat
     keys has the squares of its summed rows added by a kernel that writes no sums, and the optimizer's kernel sums

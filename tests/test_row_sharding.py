@@ -411,7 +411,7 @@ def test_suggested_capacity_is_the_largest_bucket_and_stops_zipf_overflow():
     mesh = _mesh()
     rs = osa.RowSharding(mesh, "x", lambda p: p["emb"], batch_axis="x", routing="all_to_all")
     recorded = [ids for ids, _ in _batches(20, seed=11, zipf=True)]
-    exact = rs.suggest_capacity(_params(), recorded, margin=1.0)
+    exact = rs.suggest_capacity(_params(), recorded)
     # The largest bucket, by a loop over devices and owners.
     largest = 0
     for ids in recorded:
@@ -419,7 +419,7 @@ def test_suggested_capacity_is_the_largest_bucket_and_stops_zipf_overflow():
             u = np.unique(share[(share >= 0) & (share < N)])
             largest = max(largest, max(np.sum(u // (N // 8) == o) for o in range(8)))
     assert exact == largest
-    assert rs.suggest_capacity(_params(), recorded) == int(np.ceil(1.25 * largest))
+    assert rs.suggest_capacity(_params(), recorded, margin=1.25) == int(np.ceil(1.25 * largest))
 
     def overflow(rs: osa.RowSharding, ids: np.ndarray, y: np.ndarray) -> int:
         batch = NamedSharding(mesh, P("x"))
@@ -430,7 +430,7 @@ def test_suggested_capacity_is_the_largest_bucket_and_stops_zipf_overflow():
 
     fresh = _batches(5, seed=12, zipf=True)
     assert max(overflow(rs, ids, y) for ids, y in fresh) > 0  # the default capacity assumes spread ids
-    tuned = dataclasses.replace(rs, capacity=rs.suggest_capacity(_params(), recorded))
+    tuned = dataclasses.replace(rs, capacity=rs.suggest_capacity(_params(), recorded, margin=1.25))
     assert all(overflow(tuned, ids, y) == 0 for ids, y in fresh)
     with pytest.raises(ValueError, match="margin"):
         rs.suggest_capacity(_params(), recorded, margin=0.5)
@@ -850,8 +850,74 @@ def test_a_collection_with_pooled_bags_matches_one_device(routing):
     stack = "float32_4"
     np.testing.assert_allclose(g["emb"][stack].todense(), ref_g["emb"][stack].todense(), rtol=1e-5, atol=1e-8)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p, ref_p)
-    with pytest.raises(TypeError, match="data-parallel step"):
+    with pytest.raises(ValueError, match=r"Bags for table \['emb'\]\['float32_4'\] cannot be split over the 8 devices"):
         osa.RowSharding(_mesh(), "x", tables, batch_axis="x").value_and_row_grad(loss)(params, bags, y)
+
+
+@pytest.mark.parametrize(
+    ("routing", "capacity", "mesh_kind"),
+    [("all_to_all", None, "auto"), ("all_to_all", 3, "explicit"), ("all_gather", None, "auto")],
+)
+def test_a_collection_laid_out_for_the_devices_takes_a_data_parallel_step_as_one_device(routing, capacity, mesh_kind):
+    """``EmbeddingCollection(..., shards=8)`` on a data-parallel step (``batch_axis``): each device pools its share
+    of the examples' bags (sum, weighted mean, sqrt-n; padding, empty bags, a table of rows no multiple of 8) and the
+    step equals the one-device step of the same collection, loss, gradients and parameters, on every route (at
+    capacity 3, the all-gather one). On an Auto mesh the step builds the bags from the split ids; on an Explicit mesh
+    (where building them from split ids would need every reshape's output sharding) they are built, then split."""
+    coll = osa.EmbeddingCollection(
+        {"user": osa.TableSpec(N, D), "item": osa.TableSpec(2 * N, D), "tag": osa.TableSpec(37, D)},
+        {
+            "user": osa.FeatureSpec("user"),
+            "hist": osa.FeatureSpec("item", "mean"),
+            "cand": osa.FeatureSpec("item"),
+            "tags": osa.FeatureSpec("tag", "sqrtn"),
+        },
+        shards=8,
+    )
+    rng = np.random.default_rng(7)
+    init = {"emb": coll.init(jax.random.key(0)), "w": jnp.asarray(rng.standard_normal(D), jnp.float32)}
+    batch = 32
+    hist = rng.integers(-1, 2 * N, (batch, 7)).astype(np.int32)
+    hist[3] = -1  # an empty bag
+    ids = {
+        "user": rng.integers(-1, N, batch).astype(np.int32),
+        "hist": hist,
+        "cand": rng.integers(0, 2 * N, batch).astype(np.int32),
+        "tags": rng.integers(-1, 40, (batch, 3)).astype(np.int32),
+    }
+    weights = {"hist": rng.uniform(0.5, 2.0, (batch, 7)).astype(np.float32)}
+    y = jnp.asarray(rng.standard_normal(batch), jnp.float32)
+
+    def loss(p: Any, bags: Any, y: jax.Array) -> jax.Array:
+        f = coll.pool(p["emb"], bags)
+        return jnp.mean(((f["user"] + f["hist"] + f["tags"]) * f["cand"] @ p["w"] - y) ** 2)
+
+    tables = lambda p: p["emb"]  # noqa: E731
+    tx = osa.sparse_adam(0.05)
+    bags = jax.jit(coll.bags)(ids, weights)
+    ref_value, ref_g = osa.value_and_row_grad(loss, tables)(init, bags, y)
+    ref_p, _ = osa.update_and_apply(tx, ref_g, tx.init(init), init)
+    mesh = _mesh(mesh_kind)
+    rs = osa.RowSharding(mesh, "x", tables, batch_axis="x", routing=routing, capacity=capacity)
+    params = rs.shard(init)
+    split = NamedSharding(mesh, P("x"))
+
+    @jax.jit
+    def step(p: Any, s: Any, bags: Any, y: jax.Array) -> Any:
+        if mesh_kind == "auto":
+            bags = coll.bags(*bags)
+        value, g, info = rs.value_and_row_grad(loss)(p, bags, y)
+        return (value, g, info, *rs.update_and_apply(tx, g, s, p))
+
+    given = (ids, weights) if mesh_kind == "auto" else bags
+    value, g, info, p, _ = step(params, tx.init(params), *jax.device_put((given, y), split))
+    if capacity:
+        assert _route_taken(info) == "all-gather"  # some device asks one owner for more than 2 * 3 rows
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    stack = "float32_4"
+    np.testing.assert_allclose(g["emb"][stack].todense(), ref_g["emb"][stack].todense(), rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(g["w"], ref_g["w"], rtol=1e-5, atol=1e-7)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p, ref_p)
 
 
 def test_a_table_two_rounds_always_fit_keeps_its_second_round_in_a_step_another_sends_down_the_all_gather():
