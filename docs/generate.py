@@ -149,6 +149,30 @@ def dlrm_page(dlrm: Any, doc: dict[str, Any], out: pathlib.Path) -> str:
     )
 
 
+def dlrm_train_page(dlrm_train: Any, doc: dict[str, Any]) -> str:
+    """The whole DLRM train step against PyTorch: ``dlrm_train.markdown`` of ``dlrm_train.json``."""
+    return "\n".join(
+        [
+            "# Benchmark: the whole DLRM train step against PyTorch",
+            "",
+            "`benchmarks/dlrm_train.py` times the whole training step of `examples/dlrm.py`'s DLRM (bottom MLP, the "
+            "26 pooled embeddings, the dot products of the 27 vectors' pairs, top MLP, binary cross-entropy; "
+            "forward, backward and both optimizers) on the batches of the [embedding benchmark](dlrm.md): the "
+            "library (one stacked collection; lazy Adam or row-wise Adagrad on the tables and Adam on the MLPs, "
+            "through `partition_tables` and `update_and_apply`), the same model in PyTorch (26 "
+            "`EmbeddingBag(sparse=True)` with `SparseAdam`, `Adam(fused=True)` on the MLPs), and dense `optax.adam` "
+            "on every parameter. Every contender starts from the same parameters and takes the same batches, the "
+            "contenders taking turns in one process.",
+            "",
+            "This page is generated at build time from `benchmarks/results/dlrm_train.json` by "
+            "`benchmarks/dlrm_train.py`'s own `markdown`.",
+            "",
+            dlrm_train.markdown(doc).replace("\n### ", "\n## "),
+            "",
+        ]
+    )
+
+
 _ROUTES = {
     "plain jit": "plain `jit`",
     "replicated ids": "`batch_axis=None`",
@@ -512,9 +536,10 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
     their renderers changed."""
     names = ("results.json", "dlrm.json", "dlrm_catch_up.json", "sharding.json", "variants.json", "variants_gpu.json")
-    names += ("rowwise_fbgemm.json",)
+    names += ("rowwise_fbgemm.json", "dlrm_train.json")
     inputs = [RESULTS / n for n in (*names, "gpu.json")]
     inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py", "gpu.py", "rowwise_fbgemm.py")]
+    inputs += [BENCHMARKS / "dlrm_train.py"]
     inputs += [pathlib.Path(__file__)]
     stamp = pages / ".inputs"
     digest = _digest(inputs)
@@ -532,6 +557,10 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
 
         doc = json.loads((RESULTS / "rowwise_fbgemm.json").read_text())
         write_if_changed(pages / "rowwise_fbgemm.md", rowwise_fbgemm_page(rowwise_fbgemm, doc))
+        import dlrm_train  # benchmarks/dlrm_train.py
+
+        doc = json.loads((RESULTS / "dlrm_train.json").read_text())
+        write_if_changed(pages / "dlrm_train.md", dlrm_train_page(dlrm_train, doc))
     write_if_changed(out / "costs.md", costs_page(results))
     sharding = json.loads((RESULTS / "sharding.json").read_text())
     write_if_changed(pages / "sharding.md", sharding_page(sharding))

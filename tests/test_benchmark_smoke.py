@@ -102,3 +102,27 @@ def test_sharding_benchmark_many_tables_smoke(tmp_path: pathlib.Path) -> None:
         sys.path.pop(0)
     page = generate.sharding_page(doc)
     assert "## Many tables: DLRM's 26" in page
+
+
+def test_dlrm_train_benchmark_smoke_agrees_with_pytorch_and_renders(tmp_path: pathlib.Path) -> None:
+    """benchmarks/dlrm_train.py at tiny sizes: the library's whole DLRM step and the same model's in PyTorch agree
+    over five steps from the same parameters (losses and tables, to float32 rounding), both are timed, and the
+    page renders."""
+    args = ("--quick", "--configs", "dlrmv2", "--contenders", "osa_adam", "torch", "--pool", "4")
+    _run_script("dlrm_train.py", *args, "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "dlrm_train_quick.json").read_text())
+    agreement = doc["agreement"]
+    assert agreement["steps"] == 5
+    assert agreement["max_rel_loss_diff"] < 1e-4 and agreement["max_abs_table_diff"] < 1e-4, agreement
+    (record,) = doc["configs"]
+    assert set(record["results"]) == {"osa_adam", "torch"}
+    sys.path.insert(0, str(ROOT / "docs"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import dlrm_train
+        import generate
+    finally:
+        sys.path.pop(0)
+        sys.path.pop(0)
+    page = generate.dlrm_train_page(dlrm_train, doc)
+    assert "## dlrmv2: 256 examples" in page and "| PyTorch EmbeddingBag + SparseAdam" in page
