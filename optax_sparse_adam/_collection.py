@@ -115,7 +115,7 @@ class EmbeddingCollection:
     owns a share of every table, not whole tables, and the ids of all the
     stack's tables share one bucket per owner on the all-to-all route; and
     :meth:`bags` lays each stack's entries out in one part per device
-    (:attr:`Bags.parts`), so that a data-parallel step (``batch_axis``)
+    (``Bags.parts``), so that a data-parallel step (``batch_axis``)
     splits the bags by examples. A table's rows are then padded to a
     multiple of ``shards``; the padding rows are never read.
 
