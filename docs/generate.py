@@ -121,10 +121,16 @@ def step_page(report: Any, doc: dict[str, Any], out: pathlib.Path) -> str:
     return f"{title}\n\n{head}\n{rest}"
 
 
-def dlrm_page(dlrm: Any, doc: dict[str, Any], out: pathlib.Path) -> str:
-    """The DLRM embedding benchmark: ``dlrm.results_markdown`` of ``dlrm.json``, with ``dlrm.plot``."""
+def dlrm_page(dlrm: Any, doc: dict[str, Any], out: pathlib.Path, wide: dict[str, Any] | None = None) -> str:
+    """The DLRM embedding benchmark: ``dlrm.results_markdown`` of ``dlrm.json``, with ``dlrm.plot``; and of
+    ``dlrm_w64.json`` (the same at width 64) where given."""
     dlrm.plot(doc, out / "dlrm.png")
     block = dlrm.results_markdown(doc).replace("\n#### ", "\n## ")
+    if wide is not None:
+        dlrm.plot(wide, out / "dlrm_w64.png")
+        block += "\n\n## Width 64\n\n`python benchmarks/dlrm.py --width 64` (`benchmarks/results/dlrm_w64.json`): "
+        block += dlrm.results_markdown(wide).replace("\n#### ", "\n### ")
+        block += "\n\n![DLRM embedding step, width 64](dlrm_w64.png)"
     return "\n".join(
         [
             "# Benchmark: the embedding part of a DLRM step",
@@ -528,7 +534,7 @@ def _digest(paths: list[pathlib.Path]) -> str:
     h = hashlib.sha256()
     for p in paths:
         h.update(p.name.encode())
-        h.update(p.read_bytes())
+        h.update(p.read_bytes() if p.exists() else b"")
     return h.hexdigest()
 
 
@@ -536,7 +542,7 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
     their renderers changed."""
     names = ("results.json", "dlrm.json", "dlrm_catch_up.json", "sharding.json", "variants.json", "variants_gpu.json")
-    names += ("rowwise_fbgemm.json", "dlrm_train.json")
+    names += ("rowwise_fbgemm.json", "dlrm_train.json", "dlrm_w64.json")
     inputs = [RESULTS / n for n in (*names, "gpu.json")]
     inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py", "gpu.py", "rowwise_fbgemm.py")]
     inputs += [BENCHMARKS / "dlrm_train.py"]
@@ -549,7 +555,9 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     with _benchmark_modules() as (report, dlrm):
         write_if_changed(pages / "step.md", step_page(report, results, pages))
         dlrm_doc = json.loads((RESULTS / "dlrm.json").read_text())
-        write_if_changed(pages / "dlrm.md", dlrm_page(dlrm, dlrm_doc, pages))
+        wide_path = RESULTS / "dlrm_w64.json"
+        wide = json.loads(wide_path.read_text()) if wide_path.exists() else None
+        write_if_changed(pages / "dlrm.md", dlrm_page(dlrm, dlrm_doc, pages, wide))
         import gpu  # benchmarks/gpu.py, on the path here
 
         write_if_changed(pages / "gpu.md", gpu.render(json.loads((RESULTS / "gpu.json").read_text())))
