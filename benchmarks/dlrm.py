@@ -695,7 +695,9 @@ def results_markdown(doc: dict[str, Any]) -> str:
         f"{' (modified tree)' if osa_info.get('modified') else ''} on {m.get('cores')} cores ({m.get('cpu')}), "
         f"{m.get('date_utc')}, load average {', '.join(f'{x:.2f}' for x in m.get('load_average_start', []))} at "
         f"the start; torch and FBGEMM on {doc['settings']['threads']} threads, OMP_WAIT_POLICY="
-        f"{doc['settings'].get('omp_wait_policy')}. `python benchmarks/dlrm.py` rewrites the results file."
+        f"{doc['settings'].get('omp_wait_policy')}"
+        + ("; `osa.tune_malloc()` called first" if doc["settings"].get("tune_malloc") else "")
+        + ". `python benchmarks/dlrm.py` rewrites the results file."
     )
     parts = [head] + [markdown(record).replace("### ", "#### ", 1) for record in doc["configs"]]
     return "\n\n".join(parts)
@@ -751,6 +753,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the library Adam profile")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--tune-malloc", action="store_true", help="osa.tune_malloc() first (results in dlrm*_malloc.json)"
+    )
+    parser.add_argument(
         "--out",
         type=pathlib.Path,
         default=pathlib.Path(__file__).resolve().parent / "results",
@@ -761,6 +766,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.tune_malloc and not osa.tune_malloc():
+        raise SystemExit("--tune-malloc: this process's C library is not glibc")
     torch.set_num_threads(args.threads)
     with osa.use_kernels(True, threads=min(args.threads, 16)):
         run(args)
@@ -811,6 +818,7 @@ def run(args: argparse.Namespace) -> None:
             "adagrad_lr": ADAGRAD_LR,
             "adagrad_eps": ADAGRAD_EPS,
             "kernel_path": osa.kernel_path(),
+            "tune_malloc": args.tune_malloc,
             "wall_s": time.perf_counter() - started,
         },
         "agreement": agree,
@@ -822,6 +830,7 @@ def run(args: argparse.Namespace) -> None:
     suffix = "_quick" if args.quick else ""
     suffix += "" if args.width == 16 else f"_w{args.width}"
     suffix += "" if args.threads == 2 else f"_t{args.threads}"
+    suffix += "_malloc" if args.tune_malloc else ""
     json_path, png_path = args.out / f"dlrm{suffix}.json", args.out / f"dlrm{suffix}.png"
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
     plot(doc, png_path)

@@ -121,9 +121,15 @@ def step_page(report: Any, doc: dict[str, Any], out: pathlib.Path) -> str:
     return f"{title}\n\n{head}\n{rest}"
 
 
-def dlrm_page(dlrm: Any, doc: dict[str, Any], out: pathlib.Path, wide: dict[str, Any] | None = None) -> str:
+def dlrm_page(
+    dlrm: Any,
+    doc: dict[str, Any],
+    out: pathlib.Path,
+    wide: dict[str, Any] | None = None,
+    tuned: dict[str, Any] | None = None,
+) -> str:
     """The DLRM embedding benchmark: ``dlrm.results_markdown`` of ``dlrm.json``, with ``dlrm.plot``; and of
-    ``dlrm_w64.json`` (the same at width 64) where given."""
+    ``dlrm_w64.json`` (the same at width 64) and ``dlrm_w64_malloc.json`` (with ``tune_malloc``) where given."""
     dlrm.plot(doc, out / "dlrm.png")
     block = dlrm.results_markdown(doc).replace("\n#### ", "\n## ")
     if wide is not None:
@@ -131,6 +137,18 @@ def dlrm_page(dlrm: Any, doc: dict[str, Any], out: pathlib.Path, wide: dict[str,
         block += "\n\n## Width 64\n\n`python benchmarks/dlrm.py --width 64` (`benchmarks/results/dlrm_w64.json`): "
         block += dlrm.results_markdown(wide).replace("\n#### ", "\n### ")
         block += "\n\n![DLRM embedding step, width 64](dlrm_w64.png)"
+    if tuned is not None:
+        dlrm.plot(tuned, out / "dlrm_w64_malloc.png")
+        block += (
+            "\n\n## Width 64, `osa.tune_malloc()` first\n\nAt width 64 the library's steps build about 40 MiB of "
+            "batch-sized temporaries, over glibc's 32 MiB mmap limit: XLA:CPU allocates them as one block a call, "
+            "which glibc maps afresh, a page fault every 4 KiB of it, every step (`osa.step_report` says so). "
+            "`osa.tune_malloc()`, called first, keeps the block in the heap. The same run with it, "
+            "`python benchmarks/dlrm.py --width 64 --tune-malloc` (`benchmarks/results/dlrm_w64_malloc.json`; the "
+            "call is process-wide, so every contender runs with it): "
+        )
+        block += dlrm.results_markdown(tuned).replace("\n#### ", "\n### ")
+        block += "\n\n![DLRM embedding step, width 64, tune_malloc](dlrm_w64_malloc.png)"
     return "\n".join(
         [
             "# Benchmark: the embedding part of a DLRM step",
@@ -542,7 +560,7 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
     their renderers changed."""
     names = ("results.json", "dlrm.json", "dlrm_catch_up.json", "sharding.json", "variants.json", "variants_gpu.json")
-    names += ("rowwise_fbgemm.json", "dlrm_train.json", "dlrm_w64.json")
+    names += ("rowwise_fbgemm.json", "dlrm_train.json", "dlrm_w64.json", "dlrm_w64_malloc.json")
     inputs = [RESULTS / n for n in (*names, "gpu.json")]
     inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py", "gpu.py", "rowwise_fbgemm.py")]
     inputs += [BENCHMARKS / "dlrm_train.py"]
@@ -555,9 +573,11 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     with _benchmark_modules() as (report, dlrm):
         write_if_changed(pages / "step.md", step_page(report, results, pages))
         dlrm_doc = json.loads((RESULTS / "dlrm.json").read_text())
-        wide_path = RESULTS / "dlrm_w64.json"
-        wide = json.loads(wide_path.read_text()) if wide_path.exists() else None
-        write_if_changed(pages / "dlrm.md", dlrm_page(dlrm, dlrm_doc, pages, wide))
+        wide, tuned = (
+            json.loads((RESULTS / n).read_text()) if (RESULTS / n).exists() else None
+            for n in ("dlrm_w64.json", "dlrm_w64_malloc.json")
+        )
+        write_if_changed(pages / "dlrm.md", dlrm_page(dlrm, dlrm_doc, pages, wide, tuned))
         import gpu  # benchmarks/gpu.py, on the path here
 
         write_if_changed(pages / "gpu.md", gpu.render(json.loads((RESULTS / "gpu.json").read_text())))

@@ -14,6 +14,7 @@ from optax_sparse_adam._fused import update_and_apply
 from optax_sparse_adam._if_finite import apply_if_finite
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._kernel_path import kernel_path, use_kernels
+from optax_sparse_adam._malloc import tune_malloc
 from optax_sparse_adam._partition import partition_tables
 from optax_sparse_adam._pooled import Bags, bags, pool
 from optax_sparse_adam._routing import RoutingInfo, all_gather_rows
@@ -84,6 +85,7 @@ __all__ = [
     "sparse_sgd",
     "step_report",
     "stochastic_round",
+    "tune_malloc",
     "update_and_apply",
     "use_kernels",
     "value_and_row_grad",

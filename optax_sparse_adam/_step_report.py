@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from optax_sparse_adam._kernel_path import kernel_path
+from optax_sparse_adam._malloc import GLIBC_MMAP_LIMIT, malloc_tuned
 
 __all__ = ["StepReport", "step_report"]
 
@@ -44,6 +45,7 @@ class StepReport:
       copies: ``(hlo name, bytes)`` of each table-sized copy in the compiled step.
       kernels: The library's native kernels the compiled step calls, by name (``"sparse_adam_apply"``: a fused
         step; ``"sparse_adam_rows"`` and ``"scatter_add"``: the two calls), each once, in the order they appear.
+      platform: The platform the step was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
     """
 
     kernel_path: str
@@ -54,6 +56,15 @@ class StepReport:
     not_donated: tuple[tuple[str, int], ...]
     copies: tuple[tuple[str, int], ...]
     kernels: tuple[str, ...] = ()
+    platform: str = ""
+
+    @property
+    def temporaries_mapped(self) -> bool:
+        """Whether the step's temporaries are mapped afresh on every call: on the CPU, over glibc's 32 MiB mmap
+        limit, unless :func:`tune_malloc` raised it above them (see there)."""
+        tuned = malloc_tuned()
+        limit = GLIBC_MMAP_LIMIT if tuned is None else tuned
+        return self.platform == "cpu" and self.temp_bytes > limit
 
     @property
     def fused(self) -> bool:
@@ -105,6 +116,12 @@ class StepReport:
             )
         if self.temp_bytes >= self.threshold_bytes and not self.copies:
             lines.append("table-sized temporaries: a dense array of a table's size is built (a dense gradient?)")
+        if self.temporaries_mapped:
+            lines.append(
+                f"temporaries over glibc's {_mb(GLIBC_MMAP_LIMIT)} mmap limit: XLA:CPU allocates them as one block a "
+                "call, which glibc maps afresh (a page fault every 4 KiB, every step); osa.tune_malloc() keeps it "
+                "in the heap"
+            )
         if self.in_place:
             lines.append("in place: every table-sized argument is donated and none is copied")
         return "\n".join(lines)
@@ -177,7 +194,17 @@ def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = No
         not_donated=not_donated,
         copies=tuple(copies),
         kernels=tuple(dict.fromkeys(_KERNEL_NAME.findall(hlo))),
+        platform=_platform(compiled),
     )
+
+
+def _platform(compiled: Any) -> str:
+    """The platform of the devices a compiled step runs on (the default backend's where it does not say)."""
+    try:
+        devices = compiled.input_shardings[0][0].device_set if compiled.input_shardings[0] else ()
+    except (AttributeError, IndexError, TypeError):
+        devices = ()
+    return next(iter(devices)).platform if devices else jax.default_backend()
 
 
 def _itemsize(dtype: Any) -> int:
