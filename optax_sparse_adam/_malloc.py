@@ -24,7 +24,7 @@ _INT_MAX = 2**31 - 1
 _tuned: int | None = None  # the mmap threshold tune_malloc set, if it did
 
 
-def tune_malloc(threshold: int = 2**30) -> bool:
+def tune_malloc(threshold: int = 2**26) -> bool:
     """Keeps blocks of up to ``threshold`` bytes in glibc's heap, for reuse, rather than mapping each afresh.
 
     XLA:CPU allocates a compiled step's temporaries as one block on every
@@ -34,9 +34,9 @@ def tune_malloc(threshold: int = 2**30) -> bool:
     10,000 faults and more than half of a DLRM embedding step at width 64 on
     the benchmarks' 2-core CPU (:func:`step_report` says when a step's
     temporaries are over the limit). This sets glibc's mmap threshold to
-    ``threshold``, its trim threshold to the largest it takes, and its number
-    of arenas to one (``mallopt``), so that the block stays in the heap and is
-    reused.
+    ``threshold`` (64 MiB by default), its trim threshold to the largest it
+    takes, and its number of arenas to one (``mallopt``), so that the block
+    stays in the heap and is reused.
 
     Call it first thing in a training script, before the first computation:
     XLA's threads then allocate from the one heap, which holds a block of any
@@ -44,13 +44,19 @@ def tune_malloc(threshold: int = 2**30) -> bool:
     block too large for it is still mapped afresh.
 
     It is process-wide and lasts: from then on, a freed block under
-    ``threshold`` stays with the process for the next allocation rather than
-    going back to the operating system, as it would under jemalloc or
-    tcmalloc (which PyTorch and TensorFlow deployments often preload for the
-    same reason); and the process's threads share one arena, so that many
-    threads allocating small blocks at once wait on each other more. Blocks
-    over ``threshold`` (the tables themselves, past a GiB) are still mapped and
-    unmapped.
+    ``threshold`` stays with the process for the next allocation (up to
+    ``threshold`` of free memory at the top of the heap, and whatever lies
+    between blocks in use) rather than going back to the operating system,
+    as it would under jemalloc or tcmalloc (which PyTorch and TensorFlow
+    deployments often preload for the same reason); and the process's threads
+    share one arena, so that many threads allocating small blocks at once
+    wait on each other more. Blocks over ``threshold`` (tables and their
+    moments, as a rule) are still mapped and unmapped. The process can so
+    hold more memory at its peak: the DLRM benchmark at width 64, which keeps
+    every contender's 1.4 GB tables alive at once (21 GB of the machine's 24
+    without it), ran out of memory with a threshold of 256 MiB, which also
+    kept its tables' 244 MiB initial parts in the heap. Raise ``threshold``
+    only as far as a step's temporaries need (:attr:`StepReport.temp_bytes`).
 
     Args:
       threshold: The largest block kept in the heap, in bytes (at most
