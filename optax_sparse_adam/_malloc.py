@@ -56,7 +56,7 @@ def tune_malloc(threshold: int = 2**26) -> bool:
     every contender's 1.4 GB tables alive at once (21 GB of the machine's 24
     without it), ran out of memory with a threshold of 256 MiB, which also
     kept its tables' 244 MiB initial parts in the heap. Raise ``threshold``
-    only as far as a step's temporaries need (:attr:`StepReport.temp_bytes`).
+    only as far as a step's temporaries need (``StepReport.temp_bytes``).
 
     Args:
       threshold: The largest block kept in the heap, in bytes (at most

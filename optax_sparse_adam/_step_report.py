@@ -60,8 +60,8 @@ class StepReport:
 
     @property
     def temporaries_mapped(self) -> bool:
-        """Whether the step's temporaries are mapped afresh on every call: on the CPU, over glibc's 32 MiB mmap
-        limit, unless :func:`tune_malloc` raised it above them (see there)."""
+        """Whether the step's temporaries are mapped afresh on every call (on the CPU, over glibc's 32 MiB mmap
+        limit, unless :func:`tune_malloc` raised it above them; see there)."""
         tuned = malloc_tuned()
         limit = GLIBC_MMAP_LIMIT if tuned is None else tuned
         return self.platform == "cpu" and self.temp_bytes > limit
