@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_sparse_adam._indexed_rows import as_index_array, normalise_keys
 from optax_sparse_adam._pooled import Bags, Combiner, bags, pool
 
 __all__ = ["EmbeddingCollection", "FeatureSpec", "TableSpec"]
@@ -81,8 +82,9 @@ class EmbeddingCollection:
     """Tables and the features that read them, stacked by width and dtype.
 
     The parameters are a dict with one ``(rows, width)`` array per stack,
-    named ``f"{dtype}_{width}"`` (``"float32_16"``); a table is a block of its
-    stack's rows (:meth:`table`). A step builds the batch's bags with
+    named ``f"{dtype}_{width}"`` (``"float32_16"``; ``"float32_16_shards8"``
+    laid out for 8 devices, see below); a table is a block of its stack's
+    rows (:meth:`table`), and :meth:`stack` lays tables out as stacks. A step builds the batch's bags with
     :meth:`bags` and pools them with :meth:`pool`, inside a loss given to
     :func:`value_and_row_grad` with the stacks as its tables and the bags as
     their ids:
@@ -116,8 +118,12 @@ class EmbeddingCollection:
     stack's tables share one bucket per owner on the all-to-all route; and
     :meth:`bags` lays each stack's entries out in one part per device
     (``Bags.parts``), so that a data-parallel step (``batch_axis``)
-    splits the bags by examples. A table's rows are then padded to a
-    multiple of ``shards``; the padding rows are never read.
+    splits the bags by examples (where every feature splits: a ragged
+    feature or a batch that does not divide gives bags in one part, which
+    pool anywhere but on such a step). A table's rows are then padded to a
+    multiple of ``shards``; the padding rows are never read. Parameters of
+    one layout do not pass for another's (the stacks' names differ):
+    ``new.stack({n: old.table(params, n) for n in old.tables})`` moves them.
 
     Attributes:
       tables: Name to :class:`TableSpec`.
@@ -150,7 +156,7 @@ class EmbeddingCollection:
             raise ValueError(f"EmbeddingCollection: shards must be a positive int, got {shards!r}")
         stacks: dict[str, list[str]] = {}
         for name, t in tables.items():
-            stacks.setdefault(f"{jnp.dtype(t.dtype).name}_{t.width}", []).append(name)
+            stacks.setdefault(self._stack_key(t, shards), []).append(name)
         offsets, blocks = {}, {}
         for key, names in stacks.items():
             start = 0  # each table's first row in a block of the stack, and the block's rows
@@ -170,9 +176,15 @@ class EmbeddingCollection:
         object.__setattr__(self, "_offsets", offsets)
         object.__setattr__(self, "_blocks", blocks)
 
+    @staticmethod
+    def _stack_key(t: TableSpec, shards: int) -> str:
+        """A stack's name: its dtype and width, and the layout where it is laid out for devices (so that a
+        checkpoint of one layout does not restore into another)."""
+        name = f"{jnp.dtype(t.dtype).name}_{t.width}"
+        return name if shards == 1 else f"{name}_shards{shards}"
+
     def _stack_of(self, table: str) -> str:
-        t = self.tables[table]
-        return f"{jnp.dtype(t.dtype).name}_{t.width}"
+        return self._stack_key(self.tables[table], self.shards)
 
     @property
     def stacks(self) -> dict[str, tuple[str, ...]]:
@@ -188,16 +200,35 @@ class EmbeddingCollection:
         default = [n for n, t in self.tables.items() if t.initializer is None]
         specs = tuple((self.tables[n].num_rows, self.tables[n].width, jnp.dtype(self.tables[n].dtype)) for n in default)
         made = dict(zip(default, _default_tables(tuple(keys[n] for n in default), specs), strict=True))
-        out = {}
+        for n, t in self.tables.items():
+            if t.initializer is not None:
+                made[n] = jnp.asarray(t.initializer(keys[n], (t.num_rows, t.width), t.dtype), t.dtype)
+        return self.stack(made)
+
+    def stack(self, tables: Mapping[str, jax.typing.ArrayLike]) -> dict[str, jax.Array]:
+        """The stacks holding these tables (name to its ``(num_rows, width)`` rows), in this collection's layout.
+
+        With :meth:`table` it moves parameters between layouts, say from a collection of ``shards=8`` to one of
+        ``shards=4``: ``new.stack({n: old.table(params, n) for n in old.tables})``; and it loads tables trained
+        elsewhere.
+        """
+        missing, extra = set(self.tables) - set(tables), set(tables) - set(self.tables)
+        if missing or extra:
+            raise ValueError(
+                f"EmbeddingCollection.stack: give every table once; missing {sorted(missing)}, unknown {sorted(extra)}"
+            )
         s = self.shards
-        for stack, names in self.stacks.items():
+        out = {}
+        for stack, names in self._stacks.items():  # type: ignore[attr-defined]
             parts = []
             for n in names:
                 t = self.tables[n]
-                if t.initializer is None:
-                    x = made[n]
-                else:
-                    x = jnp.asarray(t.initializer(keys[n], (t.num_rows, t.width), t.dtype), t.dtype)
+                x = jnp.asarray(tables[n])
+                if x.shape != (t.num_rows, t.width) or x.dtype != jnp.dtype(t.dtype):
+                    raise ValueError(
+                        f"EmbeddingCollection.stack: table {n!r} must be {jnp.dtype(t.dtype).name}"
+                        f"[{t.num_rows}, {t.width}], got {x.dtype}{list(x.shape)}"
+                    )
                 share = -(-t.num_rows // s)  # the table's rows in each block, padded with zeros
                 x = jnp.concatenate([x, jnp.zeros((share * s - t.num_rows, t.width), t.dtype)]) if s > 1 else x
                 parts.append(x.reshape(s, share, t.width))
@@ -209,11 +240,15 @@ class EmbeddingCollection:
         """Table ``name``'s ids as rows of its stack (ids outside the table: the stack's rows, padding)."""
         if name not in self.tables:
             raise KeyError(f"EmbeddingCollection.stack_ids: no table {name!r} among {sorted(self.tables)}")
-        ids = jnp.asarray(ids)
+        ids = as_index_array(ids)
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"EmbeddingCollection.stack_ids: ids must be integers, got dtype {ids.dtype}")
         rows, share = self.tables[name].num_rows, -(-self.tables[name].num_rows // self.shards)
         block, start = self._blocks[self._stack_of(name)], self._offsets[name]  # type: ignore[attr-defined]
-        valid = (ids >= 0) & (ids < rows)
-        safe = jnp.where(valid, ids, 0).astype(jnp.int32)
+        # Any id outside the table (negative, too large, or past int32) becomes `rows`, as osa.bags reads ids.
+        keys = normalise_keys(ids.reshape(-1, 1), (rows,))[:, 0].reshape(ids.shape)
+        valid = keys < rows
+        safe = jnp.where(valid, keys, 0).astype(jnp.int32)
         return jnp.where(valid, safe // share * block + start + safe % share, block * self.shards).astype(jnp.int32)
 
     def table(self, params: Mapping[str, jax.Array], name: str) -> jax.Array:
@@ -222,7 +257,20 @@ class EmbeddingCollection:
         if name not in self.tables:
             raise KeyError(f"EmbeddingCollection.table: no table {name!r} among {sorted(self.tables)}")
         start, t = self._offsets[name], self.tables[name]  # type: ignore[attr-defined]
-        stack = params[self._stack_of(name)]
+        key = self._stack_of(name)
+        if key not in params:
+            raise KeyError(
+                f"EmbeddingCollection.table: no stack {key!r} in the parameters (stacks {sorted(params)}): they are "
+                f"another collection's, or laid out for another number of shards (this one's: {self.shards}); "
+                "move them with EmbeddingCollection.stack"
+            )
+        stack = params[key]
+        rows = self._blocks[key] * self.shards  # type: ignore[attr-defined]
+        if tuple(stack.shape) != (rows, t.width):
+            raise ValueError(
+                f"EmbeddingCollection.table: stack {key!r} is {list(stack.shape)}; this collection's is "
+                f"[{rows}, {t.width}]: the parameters are another collection's"
+            )
         if self.shards == 1:
             return stack[start : start + t.num_rows]
         share = -(-t.num_rows // self.shards)
@@ -282,28 +330,24 @@ class EmbeddingCollection:
                 + ", ".join(f"{n}: {b.num_bags}" for n, b in per_feature.items())
             )
         batch = sizes.pop() if sizes else 0
+        # One part a device where every feature splits by examples; else (a ragged feature, an evaluation batch
+        # that does not divide) one part, which pools anywhere and which a data-parallel step refuses, saying why.
         s = self.shards
-        if s > 1:
-            for n, b in per_feature.items():
-                why = dataclasses.replace(b, parts=1).splits_into(s)
-                if why:
-                    raise ValueError(
-                        f"EmbeddingCollection.bags: feature {n!r} cannot be laid out for the {s} devices of "
-                        f"`shards`: {why}; give it as padded (batch, max_len) ids, batch a multiple of {s}"
-                    )
+        if s > 1 and any(dataclasses.replace(b, parts=1).splits_into(s) for b in per_feature.values()):
+            s = 1
         out = {}
         for stack in self.stacks:
             names = [n for n, f in features.items() if self._stack_of(f.table) == stack]
-            total, n_bags = self._blocks[stack] * s, len(names) * batch  # type: ignore[attr-defined]
+            total, n_bags = self._blocks[stack] * self.shards, len(names) * batch  # type: ignore[attr-defined]
             ids, bag, w = [], [], []
             for j, n in enumerate(names):
                 b = per_feature[n]
                 ids.append(self.stack_ids(features[n].table, b.ids))  # padding: the stack's rows
                 bag.append(jnp.where(b.bag < b.num_bags, b.bag + j * batch, n_bags))
                 w.append(b.weights)
-            if not names:  # tables no feature reads: nothing to look up
+            if not names:  # tables no feature reads: nothing to look up, one empty block
                 ids, bag, w = [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,))]
-            blocks: tuple[tuple[int, int], ...] | None = ()
+            blocks: tuple[tuple[int, int], ...] | None = () if names else ((0, 0),)
             for n in names:  # regular blocks stay regular; one ragged feature makes the stack ragged
                 fb = per_feature[n].blocks
                 blocks = None if fb is None or blocks is None else blocks + fb

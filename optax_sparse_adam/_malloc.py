@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import operator
 import sys
 
 __all__ = ["GLIBC_MMAP_LIMIT", "malloc_tuned", "tune_malloc"]
@@ -59,16 +60,23 @@ def tune_malloc(threshold: int = 2**26) -> bool:
     only as far as a step's temporaries need (``StepReport.temp_bytes``).
 
     Args:
-      threshold: The largest block kept in the heap, in bytes (at most
-        ``2**31 - 1``).
+      threshold: The largest block kept in the heap, in bytes: from 32 MiB
+        (below it, a fixed threshold is worse than glibc's own, which rises
+        to 32 MiB as blocks are freed) to ``2**31 - 1``.
 
     Returns:
       ``True`` where glibc took the thresholds; ``False`` where the process's C
       library is not glibc (macOS, Windows, musl), which is left as it was.
     """
     global _tuned
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or not 0 < threshold <= _INT_MAX:
-        raise ValueError(f"tune_malloc: threshold must be an int in (0, 2**31 - 1], got {threshold!r}")
+    try:
+        value = operator.index(threshold) if not isinstance(threshold, bool) else -1
+    except TypeError:
+        value = -1
+    if not GLIBC_MMAP_LIMIT <= value <= _INT_MAX:
+        # Below glibc's own limit a fixed threshold is worse than none: it stops glibc raising it as blocks are freed.
+        raise ValueError(f"tune_malloc: threshold must be an int in [32 MiB, 2**31 - 1], got {threshold!r}")
+    threshold = value
     mallopt = _glibc_mallopt()
     if mallopt is None:
         return False

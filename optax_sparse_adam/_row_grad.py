@@ -18,6 +18,7 @@ the same losses.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -98,9 +99,10 @@ def rows_read(rows: jax.Array) -> jax.Array:
     the rows has a gradient that does not depend on them otherwise, and XLA
     copied the whole donated table to keep the read and the write apart.
     """
-    flat = rows.reshape(rows.shape[0], -1)
-    if flat.shape[1] == 0:
+    width = math.prod(rows.shape[1:])
+    if width == 0 or rows.shape[0] == 0:  # nothing to read (and reshape(0, -1) has no answer)
         return jnp.ones(rows.shape[0], bool)
+    flat = rows.reshape(rows.shape[0], width)
     first = flat[:, 0]
     if jnp.iscomplexobj(first):
         first = jnp.real(first)

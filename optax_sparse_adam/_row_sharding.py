@@ -231,7 +231,9 @@ class RowSharding:
             if rows % self.num_shards:
                 raise ValueError(
                     f"{where}: table {sel.paths[i]} has {rows} rows, not a multiple of the "
-                    f"{self.num_shards} devices of axis {self.axis!r}; pad the table to a multiple"
+                    f"{self.num_shards} devices of axis {self.axis!r}; pad the table to a multiple (an "
+                    f"EmbeddingCollection's stack: EmbeddingCollection(..., shards={self.num_shards}) lays it out "
+                    "for them)"
                 )
         return sel
 

@@ -87,9 +87,9 @@ def test_laid_out_for_devices_each_block_holds_a_share_of_every_table():
     flat, split = _collection().init(jax.random.key(0)), _collection(3).init(jax.random.key(0))
     coll = _collection(3)
     assert {k: v.shape for k, v in split.items()} == {
-        "float32_4": (3 * (17 + 10), 4),
-        "float32_2": (3 * 7, 2),
-        "bfloat16_4": (3 * 4, 4),
+        "float32_4_shards3": (3 * (17 + 10), 4),
+        "float32_2_shards3": (3 * 7, 2),
+        "bfloat16_4_shards3": (3 * 4, 4),
     }
     for name, spec in TABLES.items():
         assert_trees_equal(coll.table(split, name), _collection().table(flat, name))
@@ -106,16 +106,63 @@ def test_laid_out_for_devices_each_block_holds_a_share_of_every_table():
         assert int(coll.stack_ids(name, -1)) == int(coll.stack_ids(name, spec.num_rows)) == stack.shape[0]
 
 
-def test_bags_laid_out_for_devices_refuse_a_ragged_feature_and_an_uneven_batch():
-    coll = _collection(3)
+def test_bags_that_cannot_split_by_examples_are_laid_out_in_one_part_and_pool_alike():
+    """A ragged feature, or a batch that does not divide by ``shards`` (an evaluation batch): the stack's bags are
+    one part (pooling anywhere, and refused by a data-parallel step), and they pool as the collection without
+    shards does."""
     inputs = _inputs(np.random.default_rng(0))
     ragged = osa.bags(np.arange(8, dtype=np.int32), 30, lengths=np.array([2, 0, 5, 1, 0, 0], np.int32))
-    with pytest.raises(ValueError, match=r"feature 'history' cannot be laid out for the 3 devices.*ragged"):
-        coll.bags({**inputs, "history": ragged})
-    with pytest.raises(ValueError, match=r"feature 'user' cannot be laid out .* do not split over 4 devices"):
-        _collection(4).bags(inputs)
+    for shards, given in ((3, {**inputs, "history": ragged}), (4, inputs)):
+        coll, flat = _collection(shards), _collection()
+        params = coll.init(jax.random.key(2))
+        batch = coll.bags(given)
+        assert {b.parts for b in batch.values()} == {1}, shards
+        got, want = coll.pool(params, batch), flat.pool(flat.init(jax.random.key(2)), flat.bags(given))
+        for name in FEATURES:
+            assert_trees_equal(got[name], want[name], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="shards must be a positive int"):
         osa.EmbeddingCollection(TABLES, FEATURES, 0)
+
+
+def test_parameters_of_another_layout_are_refused_and_stack_moves_them():
+    """A stack's name says its layout, so parameters of ``shards=3`` do not pass for ``shards=1``'s (whose rows are
+    elsewhere); ``stack`` lays tables out for a collection, which moves parameters between layouts."""
+    three, one = _collection(3), _collection()
+    params = three.init(jax.random.key(3))
+    with pytest.raises(KeyError, match=r"no stack 'float32_4'.*move them with EmbeddingCollection.stack"):
+        one.table(params, "user")
+    moved = one.stack({n: three.table(params, n) for n in TABLES})
+    for name in TABLES:
+        assert_trees_equal(one.table(moved, name), three.table(params, name))
+    assert_trees_equal(three.stack({n: one.table(moved, n) for n in TABLES}), params)
+    other = osa.EmbeddingCollection({"user": osa.TableSpec(60, 4)})
+    with pytest.raises(ValueError, match=r"stack 'float32_4' is \[60, 4\]; this collection's is \[80, 4\]"):
+        one.table(other.init(jax.random.key(0)), "user")
+    with pytest.raises(ValueError, match=r"table 'user' must be float32\[50, 4\], got float32\[49, 4\]"):
+        one.stack({**{n: one.table(moved, n) for n in TABLES}, "user": jnp.zeros((49, 4))})
+
+
+def test_stack_ids_make_padding_of_any_id_outside_the_table():
+    coll = _collection(3)
+    ids = np.array([2**32 + 3, -(2**32) + 5, -1, 50, 3], np.int64)
+    padding = int(coll.stack_ids("user", 50))
+    np.testing.assert_array_equal(np.asarray(coll.stack_ids("user", ids))[:4], padding)
+    assert int(coll.stack_ids("user", ids)[4]) == int(coll.stack_ids("user", 3))
+    with pytest.raises(TypeError, match="ids must be integers"):
+        coll.stack_ids("user", np.array([1.7]))
+
+
+def test_a_stack_no_feature_reads_takes_a_step():
+    """A table no feature reads: its stack's bags are empty, and the step gives it an empty row gradient."""
+    coll = osa.EmbeddingCollection(TABLES, {"user": osa.FeatureSpec("user")})
+    params = coll.init(jax.random.key(4))
+    batch = coll.bags({"user": np.arange(6, dtype=np.int32)})
+    value, grads = osa.value_and_row_grad(lambda p, b: jnp.sum(coll.pool(p, b)["user"] ** 2), lambda p: p)(
+        params, batch
+    )
+    assert not np.any(np.asarray(grads["float32_2"].todense()))
+    want = jnp.sum(coll.table(params, "user")[:6] ** 2)
+    np.testing.assert_allclose(value, want, rtol=1e-6)
 
 
 def test_each_table_is_its_initializer_applied_to_its_own_key():

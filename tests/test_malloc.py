@@ -80,7 +80,10 @@ def test_tuned_malloc_keeps_a_steps_temporaries_in_the_heap():
     assert not tuned["mapped"] and not tuned["said"], tuned
 
 
-@pytest.mark.parametrize("threshold", [0, -1, 2**31, 1.5, True])
-def test_tune_malloc_refuses_a_threshold_glibc_cannot_take(threshold):
-    with pytest.raises(ValueError, match="threshold must be an int"):
+@pytest.mark.parametrize("threshold", [0, -1, 2**20, 2**25 - 1, 2**31, 1.5, True, "64"])
+def test_tune_malloc_refuses_a_threshold_glibc_cannot_take_or_that_would_hurt(threshold):
+    """Past int, or under glibc's own 32 MiB limit (a fixed threshold there stops glibc raising it: a 9.8 MiB
+    temporary faulted every page every call at 1 MiB), refused before anything changes."""
+    with pytest.raises(ValueError, match=r"threshold must be an int in \[32 MiB"):
         osa.tune_malloc(threshold)
+    assert osa._malloc.malloc_tuned() is None

@@ -914,7 +914,7 @@ def test_a_collection_laid_out_for_the_devices_takes_a_data_parallel_step_as_one
     if capacity:
         assert _route_taken(info) == "all-gather"  # some device asks one owner for more than 2 * 3 rows
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
-    stack = "float32_4"
+    stack = "float32_4_shards8"
     np.testing.assert_allclose(g["emb"][stack].todense(), ref_g["emb"][stack].todense(), rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(g["w"], ref_g["w"], rtol=1e-5, atol=1e-7)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p, ref_p)
