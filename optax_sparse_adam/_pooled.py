@@ -159,6 +159,14 @@ def bags(
     ids = as_index_array(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"bags: ids must be integers, got dtype {ids.dtype}")
+    split = _explicit_axes(ids) or (_explicit_axes(weights) if weights is not None else ())
+    if split:
+        raise ValueError(
+            f"bags: the ids are split over the Explicit mesh axes {split}, where laying them out in bags would need "
+            "each reshape's output sharding; build the bags before splitting them "
+            "(jax.device_put(coll.bags(ids), NamedSharding(mesh, P(axis)))), or use an Auto mesh (see 'Sharded "
+            "tables and many processes' in the docs)"
+        )
     if offsets is not None and lengths is not None:
         raise ValueError("bags: give offsets or lengths, not both")
     w = None
@@ -204,6 +212,21 @@ def bags(
         w = jnp.where(total != 0, w / jnp.where(total != 0, total, 1.0), 0.0)
     ids, bag = jnp.where(valid, keys, num_rows), jnp.where(valid, bag, num_bags).astype(jnp.int32)
     return Bags(ids, bag, w, num_bags, num_rows, blocks)
+
+
+def _explicit_axes(x: Any) -> tuple[str, ...]:
+    """The Explicit mesh axes ``x`` is split over (inside ``jit``, by its type), if any."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None:
+        return ()
+    explicit = {
+        name
+        for name, kind in zip(mesh.axis_names, getattr(mesh, "axis_types", ()), strict=False)
+        if kind == jax.sharding.AxisType.Explicit
+    }
+    named = [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
+    return tuple(a for a in named if a in explicit)
 
 
 def _integers(name: str, x: Any) -> jax.Array:

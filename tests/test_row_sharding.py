@@ -911,6 +911,9 @@ def test_a_collection_laid_out_for_the_devices_takes_a_data_parallel_step_as_one
 
     given = (ids, weights) if mesh_kind == "auto" else bags
     value, g, info, p, _ = step(params, tx.init(params), *jax.device_put((given, y), split))
+    if mesh_kind == "explicit":  # bags built from the split ids: refused, saying how to build them
+        with pytest.raises(ValueError, match=r"split over the Explicit mesh axes \('x',\).*before splitting them"):
+            jax.jit(coll.bags)(*jax.device_put((ids, weights), split))
     if capacity:
         assert _route_taken(info) == "all-gather"  # some device asks one owner for more than 2 * 3 rows
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
