@@ -116,6 +116,14 @@ class DlrmConfig:
         )
 
 
+def standard_configs(cap: int, width: int) -> dict[str, DlrmConfig]:
+    """The two configurations: one-hot Kaggle-style features on 2,048 examples, and DLRMv2's bags on 256."""
+    return {
+        "kaggle": DlrmConfig("kaggle", 2048, (1,) * len(FEATURES), cap, width),
+        "dlrmv2": DlrmConfig("dlrmv2", 256, DLRMV2_BAGS, cap, width),
+    }
+
+
 @dataclasses.dataclass
 class Data:
     """The batches of one configuration, in every contender's form, and the fixed upstream gradient.
@@ -782,10 +790,7 @@ def run(args: argparse.Namespace) -> None:
     else:
         plan = TimingPlan(warmup=5, timed=80, min_timed=10, budget_s=3.0, rounds=16)
         dense_plan = TimingPlan(warmup=3, timed=10, min_timed=5, budget_s=6.0, rounds=1)
-    configs = {
-        "kaggle": DlrmConfig("kaggle", 2048, (1,) * len(FEATURES), cap, args.width),
-        "dlrmv2": DlrmConfig("dlrmv2", 256, DLRMV2_BAGS, cap, args.width),
-    }
+    configs = standard_configs(cap, args.width)
     machine = report.machine_info(args.threads)
     agree = agreement(args.seed)
     print(

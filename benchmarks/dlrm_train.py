@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -56,7 +57,7 @@ from contenders import JaxStepper, Stepper, TimingPlan, release, time_steppers
 import optax_sparse_adam as osa
 
 FEATURES = dlrm.FEATURES
-NUM_DENSE, HIDDEN = 13, 64
+HIDDEN = 64  # the example's MLPs' hidden width
 MLP_LR = 1e-3
 PAIRS = np.triu_indices(len(FEATURES) + 1, k=1)
 
@@ -90,30 +91,28 @@ def make_batches(cfg: dlrm.DlrmConfig, pool: int, seed: int) -> Batches:
 # The model, in JAX.
 
 
+def _example() -> Any:
+    """``examples/dlrm.py``, whose model this is (its MLPs' initializer and layers)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "dlrm.py"
+    spec = importlib.util.spec_from_file_location("dlrm_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXAMPLE = _example()
+NUM_DENSE, _mlp = EXAMPLE.NUM_DENSE, EXAMPLE.mlp
+
+
 def init_params(cfg: dlrm.DlrmConfig, seed: int) -> dict[str, Any]:
     """The stacked tables and the MLPs (He-normal weights, zero biases), as ``examples/dlrm.py`` draws them."""
     k_emb, k_bot, k_top = jax.random.split(jax.random.key(seed), 3)
-
-    def mlp_init(key: jax.Array, sizes: list[int]) -> list[dict[str, jax.Array]]:
-        keys = jax.random.split(key, len(sizes) - 1)
-        return [
-            {"w": jax.random.normal(k, (a, b), jnp.float32) * np.sqrt(2.0 / a), "b": jnp.zeros((b,), jnp.float32)}
-            for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
-        ]
-
     return {
         "emb": dlrm.collection(cfg).init(k_emb),
-        "bottom": mlp_init(k_bot, [NUM_DENSE, HIDDEN, cfg.width]),
-        "top": mlp_init(k_top, [cfg.width + PAIRS[0].size, HIDDEN, 1]),
+        "bottom": EXAMPLE.mlp_init(k_bot, [NUM_DENSE, HIDDEN, cfg.width]),
+        "top": EXAMPLE.mlp_init(k_top, [cfg.width + PAIRS[0].size, HIDDEN, 1]),
     }
-
-
-def _mlp(layers: list[dict[str, jax.Array]], x: jax.Array, final_relu: bool) -> jax.Array:
-    for i, layer in enumerate(layers):
-        x = x @ layer["w"] + layer["b"]
-        if i < len(layers) - 1 or final_relu:
-            x = jax.nn.relu(x)
-    return x
 
 
 def loss_fn(coll: osa.EmbeddingCollection) -> Callable[..., jax.Array]:
@@ -396,10 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         plan = TimingPlan(warmup=5, timed=60, min_timed=10, budget_s=4.0, rounds=12)
         dense_plan = TimingPlan(warmup=3, timed=10, min_timed=5, budget_s=6.0, rounds=1)
-    configs = {
-        "kaggle": dlrm.DlrmConfig("kaggle", 2048, (1,) * len(FEATURES), cap, args.width),
-        "dlrmv2": dlrm.DlrmConfig("dlrmv2", 256, dlrm.DLRMV2_BAGS, cap, args.width),
-    }
+    configs = dlrm.standard_configs(cap, args.width)
     machine = report.machine_info(args.threads)
     with osa.use_kernels(True, threads=min(args.threads, 16)):
         agree = agreement(args.seed)

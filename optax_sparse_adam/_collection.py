@@ -84,7 +84,8 @@ class EmbeddingCollection:
     The parameters are a dict with one ``(rows, width)`` array per stack,
     named ``f"{dtype}_{width}"`` (``"float32_16"``; ``"float32_16_shards8"``
     laid out for 8 devices, see below); a table is a block of its stack's
-    rows (:meth:`table`), and :meth:`stack` lays tables out as stacks. A step builds the batch's bags with
+    rows (:meth:`table`), and :meth:`stack` lays tables out as stacks. A
+    step builds the batch's bags with
     :meth:`bags` and pools them with :meth:`pool`, inside a loss given to
     :func:`value_and_row_grad` with the stacks as its tables and the bags as
     their ids:
@@ -158,11 +159,12 @@ class EmbeddingCollection:
         for name, t in tables.items():
             stacks.setdefault(self._stack_key(t, shards), []).append(name)
         offsets, blocks = {}, {}
+        shares = {n: -(-t.num_rows // shards) for n, t in tables.items()}  # each table's rows in a block
         for key, names in stacks.items():
             start = 0  # each table's first row in a block of the stack, and the block's rows
             for n in names:
                 offsets[n] = start
-                start += -(-tables[n].num_rows // shards)
+                start += shares[n]
             if start * shards >= 2**31:
                 raise ValueError(
                     f"EmbeddingCollection: the tables of stack {key} ({', '.join(names)}) hold {start * shards} "
@@ -174,6 +176,7 @@ class EmbeddingCollection:
         object.__setattr__(self, "shards", int(shards))
         object.__setattr__(self, "_stacks", stacks)
         object.__setattr__(self, "_offsets", offsets)
+        object.__setattr__(self, "_shares", shares)
         object.__setattr__(self, "_blocks", blocks)
 
     @staticmethod
@@ -229,7 +232,7 @@ class EmbeddingCollection:
                         f"EmbeddingCollection.stack: table {n!r} must be {jnp.dtype(t.dtype).name}"
                         f"[{t.num_rows}, {t.width}], got {x.dtype}{list(x.shape)}"
                     )
-                share = -(-t.num_rows // s)  # the table's rows in each block, padded with zeros
+                share = self._shares[n]  # type: ignore[attr-defined]  # padded with zeros to it in each block
                 x = jnp.concatenate([x, jnp.zeros((share * s - t.num_rows, t.width), t.dtype)]) if s > 1 else x
                 parts.append(x.reshape(s, share, t.width))
             stacked = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
@@ -243,13 +246,11 @@ class EmbeddingCollection:
         ids = as_index_array(ids)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"EmbeddingCollection.stack_ids: ids must be integers, got dtype {ids.dtype}")
-        rows, share = self.tables[name].num_rows, -(-self.tables[name].num_rows // self.shards)
+        rows, share = self.tables[name].num_rows, self._shares[name]  # type: ignore[attr-defined]
         block, start = self._blocks[self._stack_of(name)], self._offsets[name]  # type: ignore[attr-defined]
         # Any id outside the table (negative, too large, or past int32) becomes `rows`, as osa.bags reads ids.
-        keys = normalise_keys(ids.reshape(-1, 1), (rows,))[:, 0].reshape(ids.shape)
-        valid = keys < rows
-        safe = jnp.where(valid, keys, 0).astype(jnp.int32)
-        return jnp.where(valid, safe // share * block + start + safe % share, block * self.shards).astype(jnp.int32)
+        keys = normalise_keys(ids.reshape(-1, 1), (rows,))[:, 0].reshape(ids.shape).astype(jnp.int32)
+        return jnp.where(keys < rows, keys // share * block + start + keys % share, block * self.shards)
 
     def table(self, params: Mapping[str, jax.Array], name: str) -> jax.Array:
         """Table ``name``'s rows in ``params`` (a block of its stack, or a share of each block), for evaluation or
@@ -273,7 +274,7 @@ class EmbeddingCollection:
             )
         if self.shards == 1:
             return stack[start : start + t.num_rows]
-        share = -(-t.num_rows // self.shards)
+        share = self._shares[name]  # type: ignore[attr-defined]
         blocks = stack.reshape(self.shards, -1, *stack.shape[1:])
         return blocks[:, start : start + share].reshape(-1, *stack.shape[1:])[: t.num_rows]
 

@@ -263,12 +263,12 @@ def pool(table: jax.Array, bags: Bags) -> jax.Array:
     # Bags of one size, bag after bag: a sum over each block's second axis (its gradient a broadcast, not a
     # gather). The blocks are cut by one split, whose gradient is one concatenation (a slice's is a pad to the
     # whole: one per block). Bags in several parts: each part's share of each block, the parts in order.
-    s = bags.parts
+    s, row = bags.parts, weighted.shape[1:]
     ends = np.cumsum([n // s * size for n, size in bags.blocks])[:-1].tolist()
-    split = weighted.reshape(s, -1, *weighted.shape[1:]) if s > 1 else weighted
-    blocks = jnp.split(split, ends, axis=int(s > 1)) if ends else [split]
+    split = weighted.reshape(s, -1, *row)  # (parts, a part's entries, ...)
+    blocks = jnp.split(split, ends, axis=1) if ends else [split]
     parts = [
-        (b.reshape(n, size, *b.shape[(s > 1) + 1 :]).sum(1) if size != 1 else b.reshape(n, *b.shape[(s > 1) + 1 :]))
+        b.reshape(n, size, *row).sum(1) if size != 1 else b.reshape(n, *row)
         for b, (n, size) in zip(blocks, bags.blocks, strict=True)
     ]
     return (jnp.concatenate(parts) if len(parts) != 1 else parts[0]).astype(table.dtype)

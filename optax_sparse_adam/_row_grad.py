@@ -658,15 +658,13 @@ class Ids(NamedTuple):
         (:meth:`Bags.part`).
         """
         rest = self.rest() if rest is None else rest
-        out = [
-            p
-            if b is None
-            else dataclasses.replace(b, ids=p, bag=r[0], weights=r[1])
-            if parts == 1
-            else b.part(parts, p, r[0], r[1])
-            for p, b, r in zip(positions, self.bags, rest, strict=True)
-        ]
-        return self.treedef.unflatten(out)
+
+        def one(p: Any, b: Bags | None, r: Any) -> Any:
+            if b is None:
+                return p
+            return dataclasses.replace(b, ids=p, bag=r[0], weights=r[1]) if parts == 1 else b.part(parts, p, *r)
+
+        return self.treedef.unflatten([one(*x) for x in zip(positions, self.bags, rest, strict=True)])
 
     def rest(self) -> list[Any]:
         """Each Bags' fields other than its ids (``None`` for plain ids), as :meth:`with_positions` takes them."""

@@ -62,9 +62,7 @@ class StepReport:
     def temporaries_mapped(self) -> bool:
         """Whether the step's temporaries are mapped afresh on every call (on the CPU, over glibc's 32 MiB mmap
         limit, unless :func:`tune_malloc` raised it above them; see there)."""
-        tuned = malloc_tuned()
-        limit = GLIBC_MMAP_LIMIT if tuned is None else tuned
-        return self.platform == "cpu" and self.temp_bytes > limit
+        return self.platform == "cpu" and self.temp_bytes > _mmap_limit()
 
     @property
     def fused(self) -> bool:
@@ -118,13 +116,19 @@ class StepReport:
             lines.append("table-sized temporaries: a dense array of a table's size is built (a dense gradient?)")
         if self.temporaries_mapped:
             lines.append(
-                f"temporaries over glibc's {_mb(GLIBC_MMAP_LIMIT)} mmap limit: XLA:CPU allocates them as one block a "
+                f"temporaries over glibc's {_mb(_mmap_limit())} mmap limit: XLA:CPU allocates them as one block a "
                 "call, which glibc maps afresh (a page fault every 4 KiB, every step); osa.tune_malloc() keeps it "
-                "in the heap"
+                "in the heap (its threshold above them)"
             )
         if self.in_place:
             lines.append("in place: every table-sized argument is donated and none is copied")
         return "\n".join(lines)
+
+
+def _mmap_limit() -> int:
+    """The largest block glibc keeps in its heap: its own 32 MiB, or what :func:`tune_malloc` set."""
+    tuned = malloc_tuned()
+    return GLIBC_MMAP_LIMIT if tuned is None else tuned
 
 
 def _mb(n: int) -> str:
