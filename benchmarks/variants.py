@@ -32,6 +32,7 @@ other), that column is left out.
     python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants.json
     python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants_gpu.json  # on a GPU
     python benchmarks/variants.py --rows 10000 --steps 5 --warmup 2   # smoke
+    python benchmarks/variants.py --only "adamw" --steps 100 --warmup 100   # the plain step and the AdamW variants
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--block", type=int, default=10, help="consecutive steps of one variant, timed after the first")
     parser.add_argument("--json", type=pathlib.Path, help="write the run here (benchmarks/results/variants.json)")
+    parser.add_argument("--only", help="run the variants whose names match this regular expression (and the plain one)")
     args = parser.parse_args()
     machine = machine_info(threads=0) | {"jax_device": jax.devices()[0].device_kind}
 
@@ -177,6 +180,7 @@ def main() -> None:
             make(), args.rows, args.width, jnp.bfloat16 if name in BFLOAT16 else jnp.float32, name in STOCHASTIC
         )
         for name, make in VARIANTS.items()
+        if args.only is None or name == "sparse_adam (plain)" or re.search(args.only, name)
     }
     sizes = {name: state_bytes(held[1]) for name, (_, held) in steppers.items()}
     # p's width in floats: a bfloat16 row moves half the bytes of a float32 one.

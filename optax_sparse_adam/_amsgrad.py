@@ -312,9 +312,8 @@ def _catch_up_amsgrad(
         ``C`` the sum over them of ``lr_t b1**k / (1 - b1**t)`` (the ``k``-th idle step, of count ``t``), capped
         at :func:`idle_cap` steps. The native kernel reads these per id, so both paths compute them here."""
         idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
-        rest = idle.astype(jnp.float32)
         coefficient = _catch_up._coefficients(plan, lr_at, last, idle, done)[:, 0]
-        return idle, jnp.stack([coefficient, _catch_up._power(b1, rest), _catch_up._power(b2, rest)], axis=1)
+        return idle, jnp.stack([coefficient, _catch_up._power(b1, idle), _catch_up._power(b2, idle)], axis=1)
 
     def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
         """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (mu, nu, nu_max))``."""

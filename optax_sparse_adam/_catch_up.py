@@ -145,9 +145,10 @@ class Decay:
         return jnp.where(tau >= 1, jnp.log1p(-rate), 0.0)
 
     def far(self, idle: jax.Array) -> jax.Array:
-        """The product of ``gamma`` over each row's ``idle`` steps, for rows idle longer than the window."""
+        """The product of ``gamma`` over each row's ``idle`` steps (int32), for rows idle longer than the window:
+        with a constant learning rate ``gamma ** idle`` (:func:`table_power`), else from the state's record."""
         if self.log_gamma is not None:
-            return jnp.exp(idle.astype(jnp.float32) * jnp.float32(self.log_gamma))
+            return table_power(power_table(self.log_gamma), idle)
         assert self.far_log is not None, "a schedule's decay needs the state's record"
         return jnp.exp(self.far_log)
 
@@ -220,8 +221,8 @@ def replay(
     p_steps = _stepped(p, m, v, last, jnp.where(rows_by_steps, idle, 0), done, replayer, plan, decay)
     scaled = p if weights is None else broadcast_rows(weights.rows, p.ndim) * p
     p_new = jnp.where(by_steps, p_steps, (scaled + shift).astype(p.dtype))
-    rest = broadcast_rows(idle.astype(jnp.float32), m.ndim)
-    return p_new, (m * _power(hp.b1, rest)).astype(m.dtype), (v * _power(hp.b2, rest)).astype(v.dtype)
+    decay1, decay2 = (broadcast_rows(_power(b, idle), m.ndim) for b in (hp.b1, hp.b2))
+    return p_new, (m * decay1).astype(m.dtype), (v * decay2).astype(v.dtype)
 
 
 def _stepped(
@@ -437,16 +438,19 @@ def _correction_table(rates: _AdamRates, beta: float) -> np.ndarray | None:
 class _DecayWeights:
     """AdamW's weights of the idle steps, for :func:`_coefficients` and :func:`replay`: over the window of the last
     ``K`` steps, ``after[o]``, the product of ``gamma`` over the ``o`` steps after step ``done - o`` (the weight of
-    that step's displacement); per row, ``rows``, the product over all its idle steps (the scale of the row)."""
+    that step's displacement), and ``through[o]``, the product over steps ``done - o .. done``; per row of
+    ``idle`` (where given), ``rows``, the product over all its idle steps (the scale of the row), and ``far``,
+    that of a row idle longer than the window (:meth:`Decay.far`)."""
 
-    def __init__(self, decay: Decay, replayer: Replayer, idle: jax.Array, done: jax.Array, cap: int) -> None:
+    def __init__(self, decay: Decay, replayer: Replayer, idle: jax.Array | None, done: jax.Array, cap: int) -> None:
         self.decay, self.replayer = decay, replayer
         logs = jnp.cumsum(decay.log(replayer, done - jnp.arange(max(cap, 1), dtype=jnp.int32)))
-        through = jnp.exp(logs)  # through[o]: the product over steps done - o .. done
+        self.through = jnp.exp(logs)
         self.after = jnp.exp(jnp.concatenate([jnp.zeros(1, jnp.float32), logs[:-1]]))
-        self.far = decay.far(idle)
-        recent = through[jnp.clip(idle - 1, 0, through.shape[0] - 1)]
-        self.rows = jnp.where(idle > cap, self.far, jnp.where(idle > 0, recent, 1.0))
+        if idle is not None:
+            self.far = decay.far(idle)
+            recent = self.through[jnp.clip(idle - 1, 0, self.through.shape[0] - 1)]
+            self.rows = jnp.where(idle > cap, self.far, jnp.where(idle > 0, recent, 1.0))
 
 
 def _coefficients(
@@ -474,11 +478,16 @@ def _coefficients(
 
 
 def _window(
-    plan: _SeriesPlan, lr: Callable[[jax.Array], jax.Array], done: jax.Array, weights: _DecayWeights | None = None
+    plan: _SeriesPlan,
+    lr: Callable[[jax.Array], jax.Array],
+    done: jax.Array,
+    weights: _DecayWeights | None = None,
+    gathered: bool = True,
 ) -> jax.Array:
     """``C_j`` of rows idle ``d <= K`` steps, in row ``d - 1``, shape ``(K, terms)`` (``K >= 1``): ``C_j(d) =
     sum_{o < d} h_j(done - o) rho_j^(d - o)``, as the recurrence ``C(d) = rho (h(done - d + 1) + C(d - 1))``, one
-    associative scan over the last ``K`` steps."""
+    associative scan over the last ``K`` steps; ``gathered``: whether rows' reads gather from it in XLA (rather than
+    a kernel reading it as an operand)."""
     rho = jnp.asarray(plan.rho, jnp.float32)
     tau = done - jnp.arange(plan.cap, dtype=jnp.int32)
     h = jnp.where((tau >= 1)[:, None], plan.rates(tau, lr(jnp.maximum(tau, 1) - 1), jnp), 0.0)
@@ -492,10 +501,13 @@ def _window(
     def scan() -> jax.Array:
         return jax.lax.associative_scan(combine, (a, a * h))[1]  # window[d - 1] = C(d)
 
+    if not gathered:  # a kernel's operand, a buffer already
+        return scan()
     # The window is computed once, into a buffer the rows' reads read: left to fusion, XLA:CPU recomputes the
     # scan's last level inside a gather for each row's read (a fifth of sparse_adam(catch_up=True)'s fused step at
-    # 8,192 Zipf ids; jax.lax.optimization_barrier does not stop it, XLA:CPU expands barriers before fusing). A
-    # conditional's result is a buffer fusion does not reach into; its predicate always holds.
+    # 8,192 Zipf ids when it gathered them; jax.lax.optimization_barrier does not stop it, XLA:CPU expands barriers
+    # before fusing). A conditional's result is a buffer fusion does not reach into; its predicate always holds.
+    # (Where a kernel reads the window, the conditional would only cost its step some 30 microseconds on the CPU.)
     return jax.lax.cond(done >= 0, scan, lambda: jnp.zeros_like(h))
 
 
@@ -588,23 +600,54 @@ def _replay_steps(
     if decay is not None:  # the idle steps past the first K decay the row, and move it by less than 2**-24
         rest_decay = jnp.where(idle > n, decay.far(idle) * jnp.exp(-through), 1.0)
         p = (broadcast_rows(rest_decay, p.ndim) * p).astype(p.dtype)
-    rest = broadcast_rows((idle - n).astype(jnp.float32), m.ndim)
-    m = (m * _power(hp.b1, rest)).astype(m.dtype)
-    v = (v * _power(hp.b2, rest)).astype(v.dtype)
+    m = (m * broadcast_rows(_power(hp.b1, idle - n), m.ndim)).astype(m.dtype)
+    v = (v * broadcast_rows(_power(hp.b2, idle - n), v.ndim)).astype(v.dtype)
     return p, m, v
 
 
 def _power(b: Any, n: jax.Array) -> jax.Array:
-    """``b ** n`` for a float32 ``n >= 0`` (1 where ``n == 0``, also for ``b == 0``).
+    """``b ** n`` in float32 for an int32 ``n`` (1 where ``n <= 0``, also for ``b == 0``).
 
-    For a number ``0 < b < 1``, ``exp(n log b)`` with ``log b`` in double: four times faster than XLA's ``pow`` on
-    the CPU (80 against 21 microseconds for 16,384 elements), and within an ulp or so of ``b ** n`` plus
-    ``|n log b| 2**-24`` relative: the size of the roundings of the ``n`` multiplications by ``b`` that dense Adam's
-    idle steps take. The kernel path reads the same values (they are its operands), so both paths agree bitwise."""
+    For a number ``0 <= b < 1``, :func:`table_power` of its :func:`power_table`: within two ulps or so of
+    ``b ** n`` for any ``n`` (``exp(n log b)`` in float32 is off by ``|n log b| 2**-24`` relative, 60 ulps at
+    ``b = 0.999`` and ``n = 10**6``), and what the native kernels compute themselves from the same table."""
     beta = _concrete(b)
-    if beta is not None and 0.0 < beta < 1.0:
-        return jnp.where(n > 0, jnp.exp(n * jnp.float32(math.log(beta))), 1.0)
-    return jnp.where(n > 0, jnp.power(jnp.asarray(b, jnp.float32), n), 1.0)
+    if beta is not None and 0.0 <= beta < 1.0:
+        return table_power(_base_table(beta), n)
+    return jnp.where(n > 0, jnp.power(jnp.asarray(b, jnp.float32), n.astype(jnp.float32)), 1.0)
+
+
+def _base_table(b: float) -> np.ndarray:
+    """:func:`power_table` of a number ``0 <= b < 1``."""
+    return power_table(math.log(b) if b > 0.0 else -math.inf)
+
+
+@functools.lru_cache(maxsize=64)
+def power_table(log_b: float) -> np.ndarray:
+    """``(4, 256)`` float32: entry ``[i, j]`` is ``b ** (j * 256**i)``, ``exp(j 256**i log b)`` in double rounded
+    to float32 (and 0 below float32's smallest normal number), for ``log_b = log(b)`` (``-inf`` for ``b = 0``)."""
+    exponents = np.arange(256, dtype=np.float64)[None, :] * 256.0 ** np.arange(4, dtype=np.float64)[:, None]
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        table = np.exp(exponents * log_b)
+    table[:, 0] = 1.0  # b ** 0, also where log_b is -inf
+    table = table.astype(np.float32)
+    table[table < np.finfo(np.float32).tiny] = 0.0
+    table.flags.writeable = False
+    return table
+
+
+def table_power(table: np.ndarray, n: jax.Array) -> jax.Array:
+    """``b ** n`` for an int32 ``n`` (1 where ``n <= 0``) from ``b``'s :func:`power_table`: the product of the
+    entries of ``n``'s four base-256 digits, lowest first, each product below float32's smallest normal number
+    taken as 0 (the same whether or not denormals are flushed). Rounded three times from correctly rounded
+    entries: within two ulps or so of ``b ** n``. catch_up_adam.cc's ``TablePower`` computes it alike, bitwise."""
+    t = jnp.asarray(table)
+    k = jnp.maximum(n, 0)
+    out = t[0, k & 255]
+    for i in (1, 2, 3):
+        out = out * t[i, (k >> (8 * i)) & 255]
+        out = jnp.where(out < np.finfo(np.float32).tiny, jnp.float32(0.0), out)
+    return out
 
 
 def _corrections(hp: AdamHyperparams, tau: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -663,10 +706,12 @@ def fused_apply(
     ``state`` with the decay mark last. The touched rows are replayed up to step ``done`` (the state's count before
     the step) and take step ``count`` (after it).
 
-    What the XLA path computes per row to replay it is computed here per key (the moments' decays, and with
-    AdamW's decay the row's decay over its idle steps and the long-idle terms' weight), with the series' window
-    and long-idle table (:func:`_window`, :func:`_far`), from which the kernel picks each row's coefficients as
-    :func:`_coefficients` does; the kernel replays and steps each touched row in one pass, taking the idle steps
+    What the XLA path computes per row to replay it the kernel computes per touched row from its record, as the
+    XLA path does: its idle steps, the moments' decays (:func:`_power`, from the same tables), and with AdamW's
+    decay the row's decay over its idle steps and the long-idle terms' weight (from gamma's table and the
+    window's products; under a schedule those two are computed here per key, from the state's log). Its series
+    coefficients it picks from the window and the long-idle table (:func:`_window`, :func:`_far`; under a
+    schedule, computed here per key) as :func:`_coefficients` does. The kernel replays and steps each touched row in one pass, taking the idle steps
     one by one for the elements the series does not take (from the window's learning rates and the plan's bias
     corrections), and records it in place (its last step; AdamW's decay mark). Rows it flags (such steps of a row
     idle longer than the window under a schedule, or with AdamW's decay; no table of corrections) keep their
@@ -677,45 +722,54 @@ def fused_apply(
     m, v, last = state[:3]
     hp = replayer.hp
     keys, rows = leaf.keys[:, 0], p.shape[0]
-    last_k = of_keys(last, keys)
-    decay = None
-    if adamw is not None:
-        mark_k = of_keys(state[3], keys)
-        decay = adamw.decay.of(adamw.flag, adamw.old_log - mark_k)
+    decay = None if adamw is None else adamw.decay.of(adamw.flag, None)
     plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=decay)
     assert plan is not None, "fusable() checks the plan"
-    # With decay a row decays through its idle steps from step 0 on, moved or not.
-    idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
+    # The kernel reads each row's record and computes its idle steps, the moments' decays (from tables of b1's and
+    # b2's powers) and AdamW's decay (from gamma's, and the window's products), as the XLA path does per row, and
+    # picks its series coefficients from the window or the long-idle table (:func:`_coefficients`). Computed here
+    # per key, only what the kernel has no table for: long-idle coefficients that no table holds (a schedule, or
+    # bias corrections that take too long to reach 1), and AdamW's decay under a schedule (from the state's log).
+    far_by_key = plan.cap > 0 and plan.table is None
+    schedule_decay = adamw is not None and decay is not None and decay.log_gamma is None
+    last_k = of_keys(last, keys) if far_by_key or schedule_decay else None
+    if adamw is not None and schedule_decay:
+        decay = adamw.decay.of(adamw.flag, adamw.old_log - of_keys(state[3], keys))
+    idle = None
+    if last_k is not None:  # with decay a row decays through its idle steps from step 0 on, moved or not
+        idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
     weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
-    rest = idle.astype(jnp.float32)[:, None]
-    columns = [_power(hp.b1, rest), _power(hp.b2, rest)]
-    if weights is not None:
-        columns += [weights.rows[:, None], weights.far[:, None]]
-    # The kernel reads each row's series coefficients from the window or the long-idle table, where the XLA path
-    # gathers them (:func:`_coefficients`): per key, only what depends on the key's row.
+    per_key = jnp.stack([weights.rows, weights.far], axis=1) if weights is not None and schedule_decay else None
+    bases = [_base_table(b) for b in (_concrete(hp.b1), _concrete(hp.b2)) if b is not None]
+    if decay is not None and decay.log_gamma is not None:
+        bases.append(power_table(decay.log_gamma))
+    powers = jnp.asarray(np.concatenate(bases))
+    through = weights.through if weights is not None else jnp.ones(1, jnp.float32)
     if plan.cap == 0:  # b1 == 0: no idle step moves a row, every coefficient 0
         window = far = jnp.zeros((1, _TERMS), jnp.float32)
-        far_by_key = False
+    elif last_k is not None and idle is not None and far_by_key:
+        window = _window(plan, replayer.lr, done, weights, gathered=False)
+        far = _long_idle_loop(plan, replayer.lr, last_k, idle > plan.cap, weights)
     else:
-        window = _window(plan, replayer.lr, done, weights)
-        far, far_by_key = _far(plan, replayer.lr, last_k, idle > plan.cap, weights)
+        window, far = _window(plan, replayer.lr, done, weights, gathered=False), jnp.asarray(plan.table)
     long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
     has_table = float(plan.corrections is not None)
     new_log = adamw.new_log if adamw is not None else 0.0
     limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table, new_log)])
     if clip is not None:
         scalars = clip.append_to(scalars)
-    per_key = jnp.concatenate(columns, axis=1)
     # The kernel records the rows it steps (the last step, AdamW's decay mark) in place; the rows it flags keep
     # their records for the XLA rule below, which reads and writes them.
     mark = state[3] if adamw is not None else None
-    operands = (p, m, v, last, mark, keys, leaf.values, scalars, window, far, per_key, idle, last_k, limits)
+    operands = (p, m, v, last, mark, keys, leaf.values, scalars, window, far, per_key, powers, through)
     flags = kernel_flags(hp, leaf)
     p, m, v, last, mark, flagged = _ffi.catch_up_adam_apply(
         *operands,
+        limits,
         neg_rates,
         corrections,
-        jnp.asarray(count, jnp.int32),
+        count,
+        done,
         cap=plan.cap,
         decay=decay is not None,
         far_by_key=far_by_key,

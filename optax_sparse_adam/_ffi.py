@@ -314,13 +314,14 @@ def catch_up_adam_apply(
     scalars: jax.Array,
     window: jax.Array,
     far: jax.Array,
-    per_key: jax.Array,
-    idle: jax.Array,
-    last: jax.Array,
+    per_key: jax.Array | None,
+    powers: jax.Array,
+    through: jax.Array,
     limits: jax.Array,
     neg_rates: jax.Array,
     corrections: jax.Array,
     count: jax.Array,
+    done: jax.Array,
     *,
     cap: int,
     torch_eps: bool,
@@ -332,14 +333,15 @@ def catch_up_adam_apply(
     """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, last_step, decay_mark,
     flags)``; with ``decay``, ``sparse_adamw(catch_up=True)``'s.
 
-    A key's row idle ``1 <= idle <= cap`` steps takes the series' eight
-    coefficients in ``window[idle - 1]`` (``(max(cap, 1), 8)``); one idle
-    longer, those in ``far[clip(last, 0, len(far) - 1)]`` (the long-idle
-    table, by the row's last step), or with ``far_by_key`` in ``far[key]``
-    (one entry per key). ``per_key`` (``(k, 2)``: ``b1**idle`` and
-    ``b2**idle``), ``idle`` and ``last`` (the row's last step) are per key, as
-    :func:`._catch_up.replay` computes them for the key's row; ``limits`` is
-    ``(binv, ratio, long_neg_lr, has_corrections, new_log)``. Elements the series does
+    A key's row, last moved at step ``last`` (its ``last_step``), is idle
+    ``idle = done - last`` steps (0 where ``last == 0``, but with ``decay``);
+    its moments decay by ``b1**idle`` and ``b2**idle`` from ``powers`` (the
+    tables of :func:`._catch_up.power_table`, ``b1``'s then ``b2``'s). Idle
+    ``1 <= idle <= cap`` steps, it takes the series' eight coefficients in
+    ``window[idle - 1]`` (``(max(cap, 1), 8)``); idle longer, those in
+    ``far[clip(last, 0, len(far) - 1)]`` (the long-idle table, by the row's
+    last step), or with ``far_by_key`` in ``far[key]`` (one entry per key);
+    ``limits`` is ``(binv, ratio, long_neg_lr, has_corrections, new_log)``. Elements the series does
     not take replay their first ``min(idle, cap)`` idle steps one by one:
     ``-lr`` from ``neg_rates`` (the last ``cap`` steps, newest first) or
     ``long_neg_lr`` (rows idle longer; NaN for a schedule), bias corrections
@@ -352,12 +354,15 @@ def catch_up_adam_apply(
     left to the caller, with the row.
 
     With ``decay``, ``scalars`` holds AdamW's weight decay after Adam's ten
-    (before the clipping's two) and ``per_key`` two more columns, the row's
-    decay over its idle steps and the weight of the long-idle terms (``far``
-    times it; the window's terms carry the decay of the steps after theirs,
-    as :func:`._catch_up.replay` computes them); the
-    kernel takes idle steps one by one only for rows idle within the window,
-    and flags the others that need them.
+    (before the clipping's two). A row's decay over its idle steps is
+    ``through[idle - 1]`` within the window (``through[o]``, the product of
+    ``gamma`` over the last ``o + 1`` steps), ``gamma**idle`` past it (a
+    third table in ``powers``), which is also the weight of its long-idle
+    terms (``far`` times it; the window's terms carry the decay of the steps
+    after theirs, as :func:`._catch_up.replay` computes them); under a
+    schedule ``per_key`` (``(k, 2)``, else ``None``) holds the two per key.
+    The kernel takes idle steps one by one only for rows idle within the
+    window, and flags the others that need them.
     """
     attrs = _attrs(
         p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key
@@ -377,9 +382,16 @@ def catch_up_adam_apply(
     # Without AdamW's decay mark, an empty one, replicated (z).
     mark = "n" if decay_mark is not None else "z"
     marks = decay_mark if decay_mark is not None else jnp.zeros((0,), jnp.float32)
-    rule = f"n w, n w, n w, n, {mark}, k, k w, s, a j, f j, k c, k, k, l, r, t b, o -> n w, n w, n w, n, {mark}, k"
+    # Without per-key decays, an empty (0, 2) (z c).
+    by_key = "k" if per_key is not None else "z"
+    per_key = per_key if per_key is not None else jnp.zeros((0, 2), jnp.float32)
+    rule = (
+        f"n w, n w, n w, n, {mark}, k, k w, s, a j, f j, {by_key} c, q x, h, l, r, t b, o "
+        f"-> n w, n w, n w, n, {mark}, k"
+    )
     rows = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
-    args = (*rows, scalars, window, far, per_key, idle, last, limits, neg_rates, corrections, count.reshape(1))
+    counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
+    args = (*rows, scalars, window, far, per_key, powers, through, limits, neg_rates, corrections, counts)
     new_p, new_m, new_v, new_last, new_mark, flags = _by_row_shards(fn, rule, summed=(5,))(*args)
     return (
         new_p.reshape(p.shape),

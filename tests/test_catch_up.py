@@ -702,3 +702,76 @@ def test_the_fused_step_at_the_saturated_step_count_is_the_xla_paths(name: str) 
     (pn, sn), (px, sx) = jax.jit(step)(p, state), jax.jit(osa.use_kernels(False)(step))(p, state)
     assert_trees_equal(sn, sx)
     np.testing.assert_allclose(np.asarray(pn), np.asarray(px), rtol=0, atol=2 * 2.0**-23 * np.abs(px).max())
+
+
+@pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+@pytest.mark.parametrize("name", ["adam", "adam b2=0.99999", "adamw", "adamw schedule", "amsgrad"])
+def test_rows_idle_for_any_count_decay_on_the_kernel_as_on_the_xla_path(name: str) -> None:
+    """Rows idle from 1 to 2**30 steps, the four base-256 digits of their idle counts all taken: the kernel reads
+    ``b1**idle``, ``b2**idle`` and AdamW's ``gamma**idle`` from the XLA path's tables, digit by digit in its order
+    (moments and records bitwise); ``b2`` and ``gamma`` close to 1 keep the powers above float32's range for
+    millions of steps."""
+    count = 2**30
+    schedule = optax.exponential_decay(1e-3, 1000, 0.999)
+    make = {
+        "adam": lambda: osa.sparse_adam(1e-3, catch_up=True),
+        "adam b2=0.99999": lambda: osa.sparse_adam(1e-3, b2=0.99999, catch_up=True),
+        "adamw": lambda: osa.sparse_adamw(1e-3, b2=0.99999, weight_decay=1e-5, catch_up=True),
+        "adamw schedule": lambda: osa.sparse_adamw(schedule, weight_decay=1e-5, catch_up=True),
+        "amsgrad": lambda: osa.sparse_amsgrad(1e-3, b2=0.99999, catch_up=True),
+    }[name]
+    tx = make()
+    rows, width = 512, 4
+    rng = np.random.default_rng(5)
+    p = jnp.asarray(rng.normal(size=(rows, width)).astype(np.float32))
+    idle = np.exp(rng.uniform(0.0, np.log(count), rows)).astype(np.int64)
+    last = (count - idle).astype(np.int32)
+
+    def idle_rows(state: Any) -> Any:
+        fields = {"count": jnp.int32(count), "last_step": jnp.asarray(last)}
+        for moment in ("mu", "nu", "nu_max"):
+            if hasattr(state, moment):
+                size = (rows, width)
+                scale = 0.1 if moment == "mu" else 0.05
+                fields[moment] = jnp.asarray((scale * (0.2 + rng.random(size)) ** (moment != "mu")).astype(np.float32))
+        if hasattr(state, "decay_mark"):  # the record a rate of lr * wd = 1e-8 a step leaves
+            fields["log_decay"] = jnp.asarray([count * np.log1p(-1e-8), 0.0], jnp.float32)
+            fields["decay_mark"] = jnp.asarray(last * np.log1p(-1e-8), jnp.float32)
+        return state._replace(**fields)
+
+    kinds = (osa.CatchUpAdamState, osa.CatchUpAdamWState, osa.CatchUpAmsgradState)
+    state = jax.tree.map(idle_rows, tx.init(p), is_leaf=lambda x: isinstance(x, kinds))
+    ids = jnp.asarray(rng.permutation(rows).astype(np.int32))
+    g = osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(rows, width)), jnp.float32), rows)
+
+    def step(p: jax.Array, s: Any) -> Any:
+        return osa.update_and_apply(tx, g, s, p)
+
+    (pn, sn), (px, sx) = jax.jit(step)(p, state), jax.jit(osa.use_kernels(False)(step))(p, state)
+    assert_trees_equal(sn, sx)
+    np.testing.assert_allclose(np.asarray(pn), np.asarray(px), rtol=0, atol=2 * 2.0**-23 * np.abs(px).max())
+    # The moments of rows idle within float32's range of b2**idle moved: the test reaches past the first digit.
+    nu = np.asarray(jax.tree.leaves(sx, is_leaf=lambda x: isinstance(x, kinds))[0].nu)
+    assert np.count_nonzero((idle > 65536) & (nu[:, 0] > 0)) > 10 or name in ("adam", "adamw schedule")
+
+
+@pytest.mark.parametrize("b", [0.0, 0.5, 0.9, 0.999, 0.99999, 1 - 1e-8])
+def test_powers_of_a_rate_are_within_a_few_ulps_for_any_count(b: float) -> None:
+    """``b ** n`` from the table, against a long-double reference, for counts up to 2**31 - 1: within 3.5 ulps
+    where the power is a normal float32 (four entries rounded to nearest, three products), else 0 or at most twice
+    float32's smallest normal number."""
+    from optax_sparse_adam._catch_up import _power
+
+    rng = np.random.default_rng(0)
+    top = np.iinfo(np.int32).max
+    edges = [0, 1, 2, 255, 256, 257, 65535, 65536, 2**24 - 1, 2**24, top - 1, top, -1, -top]
+    n = np.concatenate([np.exp(rng.uniform(0.0, np.log(top), 4000)).astype(np.int64), edges]).astype(np.int32)
+    got = np.asarray(jax.jit(functools.partial(_power, b))(jnp.asarray(n))).astype(np.float64)
+    log_b = np.log(np.longdouble(b)) if b > 0 else np.longdouble(-np.inf)
+    with np.errstate(invalid="ignore"):  # 0 * -inf where n == 0, not taken
+        want = np.where(n > 0, np.exp(np.maximum(n, 0).astype(np.longdouble) * log_b), 1.0).astype(np.float64)
+    tiny = np.finfo(np.float32).tiny
+    normal = want >= tiny
+    ulp = np.spacing(want[normal].astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(got[normal] - want[normal]) <= 3.5 * ulp), np.max(np.abs(got[normal] - want[normal]) / ulp)
+    assert np.all((got[~normal] == 0) | (got[~normal] <= 2 * tiny))

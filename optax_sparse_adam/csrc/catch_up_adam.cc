@@ -2,23 +2,22 @@
 // decay sparse_adamw(catch_up=True)) and its application, as an XLA FFI
 // handler for the CPU:
 //   optax_sparse_adam_v2_catch_up_adam_apply
-//     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, idle, last, limits,
-//      neg_rates, corrections, count) -> (p, mu, nu, last_step, decay_mark, flags)
+//     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers, through, limits,
+//      neg_rates, corrections, counts) -> (p, mu, nu, last_step, decay_mark, flags)
 // (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
 // global-norm clipping's divisor and factor, each summed gradient row then
 // clipped first as sparse_adam.cc does)
 // Each touched row first takes the `idle` steps it sat out as _catch_up.replay
 // takes them, then Adam's step as sparse_adam.cc takes it, and its records
 // are written as the XLA rule writes them: last_step max(last_step, count)
-// (the step's count), and where decay_mark is a table (AdamW's state; a
+// (the step's count, counts[0]), and where decay_mark is a table (AdamW's state; a
 // zero-size one otherwise) min(decay_mark, limits[4]) (the decay's log after
 // the step), NaN kept as jnp.minimum keeps it. Per element, the idle steps' displacement is the closed
 // form, from the row's C_0..C_{T-1} of the series in z = eps / sqrt(v), which
 // this kernel picks as _catch_up._coefficients does (window[idle - 1] for a
 // row idle at most `cap` steps; for one idle longer, the long-idle table's
-// entry of its last step, or with far_by_key the key's own), and from what
-// the XLA side computed per entry (per_key: b1**idle and b2**idle), where
-// the series reaches float32 resolution
+// entry of its last step, or with far_by_key the key's own), and from the
+// row's b1**idle and b2**idle, where the series reaches float32 resolution
 // (z * limits[0] <= limits[1]); an element it does not reach (tiny or zero v)
 // with m != 0 takes the first min(idle, cap) idle steps one by one, in
 // _catch_up._replay_steps' arithmetic: each step's -lr from neg_rates (the
@@ -34,18 +33,29 @@
 //   p = p + (-(m i)) S,  m = m b1**idle,  v = v b2**idle
 //   then Adam's step from (m, v) and p += neg_lr step (adam_row.h).
 //
+// The kernel reads each row's idle steps from its record: idle = done - last
+// (counts[1] is done, the state's count before the step; without decay 0
+// for a row that never moved, last == 0), and b**idle from b's table in
+// `powers` (TablePower: (4, 256) floats each, b1's then b2's, then with
+// decay gamma's), as _catch_up._power computes them.
+//
 // With `decay` (AdamW's decoupled decay, sparse_adamw(catch_up=True)) each
-// idle step also multiplies the row by gamma = 1 - lr wd first: a key's
-// per_key holds a third, W, the product of gamma over its idle steps (the
-// window's C_j then carry the decay of the steps after theirs; a long-idle
-// row's are the far entry's times the key's fourth, their weight), and
+// idle step also multiplies the row by gamma = 1 - lr wd first: the row's
+// W is the product of gamma over its idle steps (the window's C_j then carry
+// the decay of the steps after theirs; a long-idle row's are the far entry's
+// times its weight), and
 //   p = fma(W, p, (-(m i)) S)
+// W is through[idle - 1] for a row idle within the window (`through`, the
+// products over the last steps), gamma**idle for one idle longer; the weight
+// gamma**idle. Under a schedule (no table of gamma's powers) the XLA side
+// computes both from the state's log, per key (per_key: W and the weight).
 // the idle steps one by one add wd p to each step, as _replay_steps does, and
 // are taken here only within the window (idle <= cap: past it their decay is
 // read from a log the XLA path sums; such rows are flagged); the current step
 // is AdamW's (p += neg_lr fma(wd, p, step)). Rows idle since step 0 (never
 // moved) decay too: the XLA side gives them idle = the step count.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -129,15 +139,36 @@ inline ffi::Error CheckSteps(int64_t cap, const ffi::BufferR1<ffi::F32>& neg_rat
   return ffi::Error::Success();
 }
 
+// b ** n for an int32 n (1 where n <= 0) from b's table (t[256 i + j] = b ** (j 256**i)), as
+// _catch_up.table_power computes it: the entries of n's base-256 digits multiplied lowest first, a product below
+// float32's smallest normal number taken as 0 (the same whether or not denormals are flushed).
+OSA_ROW_INLINE float TablePower(const float* t, int32_t n) {
+  const uint32_t k = n > 0 ? static_cast<uint32_t>(n) : 0u;
+  float x = t[k & 255u];
+  for (int i = 1; i < 4; ++i) {
+    x = x * t[256 * i + ((k >> (8 * i)) & 255u)];
+    x = x < FLT_MIN ? 0.0f : x;
+  }
+  return x;
+}
+
+// What a touched row's idle steps come to: their number, the row's last step, the moments' decays, and with
+// AdamW's decay W (the row's scale) and the weight of the long-idle terms.
+struct RowIdle {
+  int32_t idle, last;
+  float decay1, decay2, w, weight;
+};
+
 struct CatchUp {
   const float* window;  // (max(cap, 1), kTerms): the coefficients of rows idle 1 .. cap steps
   const float* far;     // (far_rows, kTerms): of rows idle longer, by their last step (or by key)
   int64_t far_rows;
   bool far_by_key;
-  const float* per_key;  // (k, stride): b1**idle, b2**idle, and with decay W and the far terms' weight
-  int64_t stride;
-  const int32_t* idle;  // (k,)
-  const int32_t* last;  // (k,)
+  const float* per_key;  // (k, 2) with decay under a schedule: W and the far terms' weight; else nullptr
+  const float* powers;   // b1's, b2's and with decay gamma's table (TablePower), 1024 floats each
+  const float* through;  // (through_len,): with decay, the product of gamma over the last o + 1 steps, by o
+  int64_t through_len;
+  int32_t done;          // the state's count before the step
   float binv, ratio;
   IdleSteps steps;
   int32_t* flags;       // (k,)
@@ -157,21 +188,52 @@ struct CatchUp {
     }
   }
 
-  // The series' coefficients of entry `slot`'s row (idle > 0), as _catch_up._coefficients picks them; with decay
-  // a long-idle row's are the far entry's times the key's weight, written into `scratch` (kTerms floats).
+  // Local row r's idle steps (entry `slot` standing for it), from its record before the step is recorded, as
+  // _catch_up.replay computes them (int32 arithmetic wrapping as XLA's does).
   template <bool kDecay>
-  OSA_ROW_INLINE const float* Terms(int64_t slot, float* __restrict scratch) const {
-    const int32_t n = idle[slot];
+  OSA_ROW_INLINE RowIdle Idle(int64_t slot, int64_t r) const {
+    RowIdle ri;
+    ri.last = last_step[r];
+    const auto idle = static_cast<int32_t>(static_cast<uint32_t>(done) - static_cast<uint32_t>(ri.last));
+    ri.idle = kDecay || ri.last > 0 ? idle : 0;
+    ri.decay1 = TablePower(powers, ri.idle);
+    ri.decay2 = TablePower(powers + 1024, ri.idle);
+    ri.w = ri.weight = 1.0f;
+    if constexpr (kDecay) {
+      if (per_key != nullptr) {
+        ri.w = per_key[2 * slot];
+        ri.weight = per_key[2 * slot + 1];
+      } else {  // _catch_up._DecayWeights' rows and far
+        ri.weight = TablePower(powers + 2048, ri.idle);
+        ri.w = ri.idle > steps.cap ? ri.weight
+               : ri.idle > 0       ? through[std::min<int64_t>(ri.idle - 1, through_len - 1)]
+                                   : 1.0f;
+      }
+    }
+    return ri;
+  }
+
+  // The series' coefficients of a row idle ri.idle > 0 steps, as _catch_up._coefficients picks them (entry
+  // `slot` standing for it); with decay a long-idle row's are the far entry's times its weight, written into
+  // `scratch` (kTerms floats).
+  template <bool kDecay>
+  OSA_ROW_INLINE const float* Terms(int64_t slot, const RowIdle& ri, float* __restrict scratch) const {
+    const int32_t n = ri.idle;
     if (n <= steps.cap) return window + static_cast<int64_t>(n - 1) * kTerms;
-    const int64_t at = far_by_key ? slot : std::clamp<int64_t>(last[slot], 0, far_rows - 1);
+    const int64_t at = far_by_key ? slot : std::clamp<int64_t>(ri.last, 0, far_rows - 1);
     const float* f = far + at * kTerms;
     if constexpr (!kDecay) {
       return f;
     } else {
-      const float weight = per_key[slot * stride + 3];
-      for (int64_t j = 0; j < kTerms; ++j) scratch[j] = f[j] * weight;
+      for (int64_t j = 0; j < kTerms; ++j) scratch[j] = f[j] * ri.weight;
       return scratch;
     }
+  }
+
+  // Brings local row r's records into the cache ahead of its turn.
+  void Prefetch(int64_t r) const {
+    __builtin_prefetch(last_step + r, 1, 3);
+    if (decay_mark != nullptr) __builtin_prefetch(decay_mark + r, 1, 3);
   }
 };
 
@@ -185,14 +247,14 @@ OSA_ROW_INLINE float Series(const float* c, float z) {
 // The row's idle steps, in place: the closed form where the series takes an element (z * binv <= ratio, as the
 // XLA path tests it; false for NaN), the steps one by one where it does not and m != 0. False, and nothing
 // written, where those steps are needed and cannot be taken here. `work` holds 5 * width + kTerms floats. With
-// kDecay the row is first scaled by its decay W (the key's third per-key value), as _catch_up.replay scales it.
+// kDecay the row is first scaled by its decay W, as _catch_up.replay scales it.
 template <bool kTorch, bool kDecay>
-OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, float* __restrict p,
-                               float* __restrict m, float* __restrict v, float* __restrict work, int64_t width) {
-  const float* k = cu.per_key + slot * cu.stride;
+OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot, const RowIdle& ri,
+                               float* __restrict p, float* __restrict m, float* __restrict v, float* __restrict work,
+                               int64_t width) {
   const float eps = s.eps, binv = cu.binv, ratio = cu.ratio;
-  const float decay1 = k[0], decay2 = k[1];
-  const float w = kDecay ? k[2] : 1.0f;
+  const float decay1 = ri.decay1, decay2 = ri.decay2;
+  const float w = kDecay ? ri.w : 1.0f;
   // The replay's (W p) + shift, as one multiply-add (the parameters' bound covers XLA:CPU's rounding it either
   // way); without decay, p + shift.
   auto moved = [w](float pj, float shift) { return kDecay ? std::fma(w, pj, shift) : pj + shift; };
@@ -208,7 +270,7 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
     }
     return true;
   }
-  const float* c = cu.Terms<kDecay>(slot, work + 5 * width);
+  const float* c = cu.Terms<kDecay>(slot, ri, work + 5 * width);
   float* __restrict z = work;
   float* __restrict shift = work + width;
   // Each element's z and its closed form's shift in one pass (the shift is garbage where the series does not take
@@ -235,9 +297,8 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
   for (int64_t j = 0; j < width; ++j) steps |= !(z[j] * binv <= ratio) && m[j] != 0.0f;
   float* __restrict ps = work + 2 * width;
   if (steps) {
-    const int32_t idle = cu.idle[slot];
-    if (!cu.steps.CanStep<kDecay>(idle)) return false;
-    cu.steps.Replay<kTorch, kDecay>(cu.last[slot], idle, p, m, v, ps, work + 3 * width, work + 4 * width, width);
+    if (!cu.steps.CanStep<kDecay>(ri.idle)) return false;
+    cu.steps.Replay<kTorch, kDecay>(ri.last, ri.idle, p, m, v, ps, work + 3 * width, work + 4 * width, width);
   }
   for (int64_t j = 0; j < width; ++j) {
     if (z[j] * binv <= ratio) {
@@ -253,12 +314,15 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
   return true;
 }
 
-// One row whose gradient is g, entry `slot` standing for it; returns false (nothing written) for a flagged row.
+// Local row r, whose gradient is g, entry `slot` standing for it; false (nothing written) for a flagged row. Its
+// records are written where it is stepped.
 template <bool kTorch, bool kMaximize, bool kDecay>
-OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, const float* g, float* p, float* m,
-                        float* v, float* work, int64_t width) {
-  if (cu.idle[slot] > 0 && !CatchUpRow<kTorch, kDecay>(s, cu, slot, p, m, v, work, width)) return false;
+OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, int64_t r, const float* g, float* p,
+                        float* m, float* v, float* work, int64_t width) {
+  const RowIdle ri = cu.Idle<kDecay>(slot, r);
+  if (ri.idle > 0 && !CatchUpRow<kTorch, kDecay>(s, cu, slot, ri, p, m, v, work, width)) return false;
   UpdateRow<kTorch, kMaximize, true, kDecay>(s, g, m, v, p, width);
+  cu.Record(r);
   return true;
 }
 
@@ -273,16 +337,15 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
       PrefetchRow(m + r * width, width);
       PrefetchRow(v + r * width, width);
       PrefetchRow(q + r * width, width);
+      cu.Prefetch(r);
     }
     if (!shard.Owns(c.row[d])) continue;
     const int64_t r = shard.Local(c.row[d]);
     const int32_t first = c.first[d];
     SumChain(c, d, values, width, g.data());
     if (s.clip.on) ClipRow(s.clip, g.data(), width);
-    if (Row<kTorch, kMaximize, kDecay>(s, cu, first, g.data(), q + r * width, m + r * width, v + r * width, work.data(),
-                                width)) {
-      cu.Record(r);
-    } else {
+    if (!Row<kTorch, kMaximize, kDecay>(s, cu, first, r, g.data(), q + r * width, m + r * width, v + r * width,
+                                        work.data(), width)) {
       for (int32_t e = first; e >= 0; e = c.next[e]) cu.flags[e] = 1;
     }
   }
@@ -299,13 +362,13 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
       PrefetchRow(m + r * width, width);
       PrefetchRow(v + r * width, width);
       PrefetchRow(q + r * width, width);
+      cu.Prefetch(r);
     }
     if (!shard.Owns(keys[i])) continue;
     const int64_t r = shard.Local(keys[i]);
     const float* g = ClippedRow(s.clip, values + i * width, clipped.data(), width);
-    if (Row<kTorch, kMaximize, kDecay>(s, cu, i, g, q + r * width, m + r * width, v + r * width, work.data(), width)) {
-      cu.Record(r);
-    } else {
+    if (!Row<kTorch, kMaximize, kDecay>(s, cu, i, r, g, q + r * width, m + r * width, v + r * width, work.data(),
+                                        width)) {
       cu.flags[i] = 1;
     }
   }
@@ -331,9 +394,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                      ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
                      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
                      ffi::BufferR2<ffi::F32> window, ffi::BufferR2<ffi::F32> far,
-                     ffi::BufferR2<ffi::F32> per_key, ffi::BufferR1<ffi::S32> idle,
-                     ffi::BufferR1<ffi::S32> last, ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
-                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR1<ffi::S32> count,
+                     ffi::BufferR2<ffi::F32> per_key, ffi::BufferR2<ffi::F32> powers,
+                     ffi::BufferR1<ffi::F32> through, ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
+                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR1<ffi::S32> counts,
                      ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
                      ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
                      ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
@@ -361,20 +424,23 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   if (static_cast<int64_t>(scalars.element_count()) != num_scalars &&
       static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars)
     return ffi::Error::InvalidArgument("scalars must hold 10 values (11 with decay; 2 more to clip)");
-  const int64_t stride = decay != 0 ? 4 : 2;
-  if (per_key.dimensions()[1] != stride)
-    return ffi::Error::InvalidArgument("per_key must hold 2 values per key (4 with decay)");
-  if (static_cast<int64_t>(per_key.element_count()) != k * stride ||
-      static_cast<int64_t>(idle.element_count()) != k || static_cast<int64_t>(last.element_count()) != k ||
-      static_cast<int64_t>(flags->element_count()) != k)
-    return ffi::Error::InvalidArgument("per_key, idle, last and flags must have one row per key");
+  const bool by_key = per_key.element_count() != 0;
+  if (by_key && (decay == 0 || per_key.dimensions()[0] != k || per_key.dimensions()[1] != 2))
+    return ffi::Error::InvalidArgument("per_key must be empty, or with decay hold 2 values per key");
+  if (static_cast<int64_t>(flags->element_count()) != k)
+    return ffi::Error::InvalidArgument("flags must have one entry per key");
+  const int64_t tables = decay != 0 && !by_key ? 3 : 2;
+  if (powers.dimensions()[1] != 256 || powers.dimensions()[0] != 4 * tables)
+    return ffi::Error::InvalidArgument("powers must hold b1's and b2's tables (and with decay gamma's, but for per_key)");
+  if (decay != 0 && !by_key && through.element_count() < 1)
+    return ffi::Error::InvalidArgument("through must hold the decay over the window's steps");
   const auto window_dims = window.dimensions(), far_dims = far.dimensions();
   if (window_dims[1] != kTerms || window_dims[0] < std::max<int64_t>(cap, 1))
     return ffi::Error::InvalidArgument("window must hold 8 coefficients for each idle count up to cap");
   if (far_dims[1] != kTerms || far_dims[0] < 1 || (far_by_key != 0 && far_dims[0] != k))
     return ffi::Error::InvalidArgument("far must hold 8 coefficients per last step (or per key with far_by_key)");
   if (limits.element_count() != 5) return ffi::Error::InvalidArgument("limits must hold 5 values");
-  if (count.element_count() != 1) return ffi::Error::InvalidArgument("count must hold the step's count");
+  if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
   if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
   const auto table = corrections.dimensions();
   float* q = p_out->typed_data();
@@ -392,11 +458,23 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   s.clip = ReadClip(scalars, num_scalars);
   const IdleSteps steps{s.b1,   s.b2, s.eps, s.weight_decay, limit[2], limit[3] != 0.0f, neg_rates.typed_data(),
                         cap, corrections.typed_data(), table[0]};
-  const CatchUp cu{window.typed_data(),  far.typed_data(), far_dims[0],       far_by_key != 0,
-                   per_key.typed_data(), stride,           idle.typed_data(), last.typed_data(),
-                   limit[0],             limit[1],         steps,             flags->typed_data(),
-                   last_step_out->typed_data(), marks ? decay_mark_out->typed_data() : nullptr,
-                   *count.typed_data(),  limit[4]};
+  const CatchUp cu{window.typed_data(),
+                   far.typed_data(),
+                   far_dims[0],
+                   far_by_key != 0,
+                   by_key ? per_key.typed_data() : nullptr,
+                   powers.typed_data(),
+                   through.typed_data(),
+                   static_cast<int64_t>(through.element_count()),
+                   counts.typed_data()[1],
+                   limit[0],
+                   limit[1],
+                   steps,
+                   flags->typed_data(),
+                   last_step_out->typed_data(),
+                   marks ? decay_mark_out->typed_data() : nullptr,
+                   counts.typed_data()[0],
+                   limit[4]};
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   auto run = [&](auto torch_eps, auto maximize, auto decays) {
     Run<decltype(torch_eps)::value, decltype(maximize)::value, decltype(decays)::value>(
@@ -499,14 +577,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // window: coefficients by idle count
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // far: of long-idle rows, by last step or key
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // per_key: b1**idle, b2**idle[, W, weight]
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last: per key, the row's last step
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // per_key: W, weight (decay, schedule) or empty
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // powers: b1's, b2's[, gamma's] tables
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // through: the window's decay (AdamW)
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // limits: binv, ratio, long_neg_lr, has table,
                                                                     // the decay's log after the step
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // neg_rates: the window's -lr, by offset
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // corrections: (c1, c2) by the step's count
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // count: (1,), the step's, recorded
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // counts: (2,), the step's (recorded), done
                                   .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
                                   .Ret<ffi::Buffer<ffi::F32>>()     // p
                                   .Ret<ffi::Buffer<ffi::F32>>()     // mu
