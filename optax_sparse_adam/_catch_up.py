@@ -706,15 +706,15 @@ def fused_apply(
     ``state`` with the decay mark last. The touched rows are replayed up to step ``done`` (the state's count before
     the step) and take step ``count`` (after it).
 
-    What the XLA path computes per row to replay it the kernel computes per touched row from its record, as the
-    XLA path does: its idle steps, the moments' decays (:func:`_power`, from the same tables), and with AdamW's
-    decay the row's decay over its idle steps and the long-idle terms' weight (from gamma's table and the
-    window's products; under a schedule those two are computed here per key, from the state's log). Its series
-    coefficients it picks from the window and the long-idle table (:func:`_window`, :func:`_far`; under a
-    schedule, computed here per key) as :func:`_coefficients` does. The kernel replays and steps each touched row in one pass, taking the idle steps
-    one by one for the elements the series does not take (from the window's learning rates and the plan's bias
-    corrections), and records it in place (its last step; AdamW's decay mark). Rows it flags (such steps of a row
-    idle longer than the window under a schedule, or with AdamW's decay; no table of corrections) keep their
+    What the XLA path computes per row to replay it the kernel computes per touched row from its record, as the XLA
+    path does: its idle steps, the moments' decays (:func:`_power`, from the same tables), and with AdamW's decay
+    the row's decay over its idle steps and the long-idle terms' weight (from gamma's table and the window's
+    products; under a schedule those two are computed here per key, from the state's log). Its series coefficients
+    it picks from the window and the long-idle table (:func:`_window`, :func:`_far`; under a schedule, computed here
+    per key) as :func:`_coefficients` does. The kernel replays and steps each touched row in one pass, taking the
+    idle steps one by one for the elements the series does not take (from the window's learning rates and the plan's
+    bias corrections), and records it in place (its last step; AdamW's decay mark). Rows it flags (such steps of a
+    row idle longer than the window under a schedule, or with AdamW's decay; no table of corrections) keep their
     records and take the XLA rule on those rows alone, which reads and writes them. With a global-norm ``clip``,
     ``leaf`` is the table's entries, which the kernel sums and clips row by row (its two scalars after Adam's), and
     which are summed and clipped alike for the flagged rows.

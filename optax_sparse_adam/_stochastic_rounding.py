@@ -109,17 +109,20 @@ def _draws(seeds: jax.Array, keys: jax.Array, shape: tuple[int, ...]) -> jax.Arr
     order of the ids, on the path that summed them (the native kernel packs ids in order of first occurrence, the
     XLA path by its hash rounds) and, on GPUs, on which of the colliding writes of the hash rounds lands, so draws
     by slot would change with any of them. Each entry's key columns are hashed with the two seeds into the row's
-    seed, and each element's draw is the hash (murmur3's finalizer) of that seed plus the element's position
-    times the golden ratio (:func:`_round_with` takes the bits it uses from it): a counter-based generator, one
-    integer hash an element (a PRNG key per row cost a threefry block per element, several times the optimizer's
-    step).
+    seed (murmur3's finalizer), and each element's draw is that seed plus the element's position times the golden
+    ratio (:func:`_round_with` takes the bits it uses from it): a counter-based generator, one integer hash a row
+    (a PRNG key per row cost a threefry block per element, several times the optimizer's step). Each element's
+    draw is uniform and independent from step to step and from row to row (the row's seed is); within a row the
+    draws are a randomly shifted Weyl sequence (the elements' rounding errors spread evenly, as stratified
+    sampling spreads them, rather than independently). A hash per element cost 40 of the 300 microseconds of a
+    bfloat16 table's fused row-wise Adagrad step on the CPU (1e6 x 64, 8,192 Zipf ids).
     """
     row = _mix(keys[:, 0].astype(jnp.uint32) ^ seeds[0])
     for j in range(1, keys.shape[1]):
         row = _mix(row ^ keys[:, j].astype(jnp.uint32))
     row = _mix(row ^ seeds[1])
     position = jnp.arange(math.prod(shape), dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    return _mix(row[:, None] + position[None, :]).reshape((keys.shape[0], *shape))
+    return (row[:, None] + position[None, :]).reshape((keys.shape[0], *shape))
 
 
 def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: jax.Array) -> optax.Params:

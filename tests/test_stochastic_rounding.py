@@ -88,6 +88,28 @@ def test_sparse_draws_follow_the_rows_not_the_order_of_the_ids(kernel_path):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_every_element_of_a_sparse_update_rounds_up_at_its_rate_step_after_step(dtype, kernel_path):
+    """Each element lying a fraction ``f`` of the way from 1 to the next value rounds up in a fraction ``f`` of 400
+    steps with fresh keys (binomial, within 5 sigma, every element of every row), and the rows draw apart: the draws
+    of a sparse update are uniform in each element from step to step, whatever the rest of the row draws."""
+    rows, width, steps = 8, 64, 400
+    gap = float(jnp.finfo(dtype).eps)  # the spacing above 1
+    rng = np.random.default_rng(0)
+    f = rng.uniform(0.05, 0.95, (rows, width)).astype(np.float32)
+    f[:, : width // 2] = 0.3  # half of each row alike
+    p = jnp.ones((rows, width), dtype)
+    g = osa.IndexedRows(jnp.arange(rows, dtype=jnp.int32), jnp.asarray(f * gap), rows)
+    apply = jax.jit(osa.apply_updates_stochastic)
+    ups = np.stack(
+        [np.asarray(apply(p, g, jax.random.fold_in(jax.random.key(3), t)), np.float32) > 1 for t in range(steps)]
+    )
+    rate_sd = np.sqrt(steps * f * (1 - f))
+    assert np.all(np.abs(ups.sum(0) - steps * f) <= 5 * rate_sd), np.max(np.abs(ups.sum(0) - steps * f) / rate_sd)
+    alike = ups[:, :, : width // 2]  # (steps, rows, 32) of rate 0.3: rows round different elements up
+    assert np.mean(np.all(alike[:, 0] == alike[:, 1], axis=-1)) < 0.05
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_values_past_the_largest_finite_round_to_nearest_on_both_sides(dtype):
     big = float(jnp.finfo(dtype).max)
     past = [1e6, 7e4] if dtype == jnp.float16 else []  # overflow in float16, not in bfloat16

@@ -178,8 +178,8 @@ struct F32Params {
 };
 
 // bfloat16 or float16 parameters. Stochastic rounding draws as _draws does: the row's seed is murmur3's
-// finalizer over the global row id and the two 32-bit seeds of the leaf's key, an element's draw the finalizer of
-// that seed plus its position times the golden ratio (Half::Stochastic takes the bits it uses from it).
+// finalizer over the global row id and the two 32-bit seeds of the leaf's key, an element's draw that seed plus
+// its position times the golden ratio (Half::Stochastic takes the bits it uses from it).
 template <class Half, bool kStochastic>
 struct HalfParams {
   using T = uint16_t;
@@ -194,7 +194,7 @@ struct HalfParams {
     if constexpr (!kStochastic) {
       return Half::Nearest(x);
     } else {
-      return Half::Stochastic(x, Mix(row_seed + static_cast<uint32_t>(j) * 0x9E3779B9u));
+      return Half::Stochastic(x, row_seed + static_cast<uint32_t>(j) * 0x9E3779B9u);
     }
   }
 };
