@@ -403,15 +403,13 @@ class CatchUpAmsgradFusion(NamedTuple):
         """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, nu_max,
         last_step)``, the rows replayed up to step ``done`` (the count before the step), then stepped to ``count``.
         The idle steps' coefficients are computed here on the keys, as the XLA path computes them on the rows; the
-        kernel catches each touched row up and steps it in one pass."""
+        kernel catches each touched row up, steps it and records its last step in one pass."""
         m, v, v_max, last = state
         keys = leaf.keys[:, 0]
-        last_k = _catch_up.of_keys(last, keys)
-        idle, coefficients = self.idle_coefficients(last_k, done)
+        idle, coefficients = self.idle_coefficients(_catch_up.of_keys(last, keys), done)
         if clip is not None:
             scalars = clip.append_to(scalars)
         unique = _kernel_path.unique_flag(leaf)
-        p, m, v, v_max = _ffi.catch_up_amsgrad_apply(
-            p, m, v, v_max, keys, leaf.values, scalars, coefficients, idle, unique=unique
+        return _ffi.catch_up_amsgrad_apply(
+            p, m, v, v_max, last, keys, leaf.values, scalars, coefficients, idle, count, unique=unique
         )
-        return p, m, v, v_max, _catch_up.record_keys(last, keys, last_k, count)

@@ -805,19 +805,6 @@ def of_keys(record: jax.Array, keys: jax.Array) -> jax.Array:
     return jnp.where((keys >= 0) & (keys < rows), record[jnp.clip(keys, 0, rows - 1)], 0)
 
 
-def write_keys(record: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
-    """The per-row ``record`` with the keys' rows set to ``values`` (one per key; padding keys dropped). Computed
-    from the keys' entries read (:func:`of_keys`), the values make XLA write the record in place, after the read."""
-    return record.at[jnp.where(keys >= 0, keys, record.shape[0])].set(values, mode="drop")
-
-
-def record_keys(last: jax.Array, keys: jax.Array, last_k: jax.Array, count: jax.Array) -> jax.Array:
-    """The per-row record ``last`` with the keys' rows at ``count``, from the keys' last steps ``last_k``
-    (:func:`of_keys`): written as :func:`stamp` writes it, ``max(last_k, count)``, so that the record's new rows
-    depend on the ones read (:func:`write_keys`)."""
-    return write_keys(last, keys, stamp(last_k, count))
-
-
 class CatchUpFusion(NamedTuple):
     """What :func:`update_and_apply` needs of a ``sparse_adam(catch_up=True)`` to run its step in one pass per row."""
 

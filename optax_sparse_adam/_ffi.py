@@ -225,7 +225,10 @@ def sparse_amsgrad_apply(
     """``sparse_amsgrad``'s lazy step and ``p += neg_lr * step`` in one pass over each touched row:
     ``(p, m, v, v_max)``; ``scalars`` as the Adam kernels take them (with the clipping's two, as
     :func:`sparse_adam_apply`)."""
-    return _amsgrad_apply("sparse_amsgrad_apply", (p, m, v, v_max), keys, values, scalars, (), unique)
+    new_p, new_m, new_v, new_v_max = _amsgrad_apply(
+        "sparse_amsgrad_apply", (p, m, v, v_max), keys, values, scalars, (), unique
+    )
+    return new_p, new_m, new_v, new_v_max
 
 
 def catch_up_amsgrad_apply(
@@ -233,21 +236,25 @@ def catch_up_amsgrad_apply(
     m: jax.Array,
     v: jax.Array,
     v_max: jax.Array,
+    last_step: jax.Array,
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
     coefficients: jax.Array,
     idle: jax.Array,
+    count: jax.Array,
     *,
     unique: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """``sparse_amsgrad(catch_up=True)``'s fused step: :func:`sparse_amsgrad_apply`, each touched row first taking
     the ``idle`` steps it sat out (per key) in closed form, from ``coefficients`` per key (``(k, 3)``: ``C``, the
     sum over the idle steps of ``lr_t b1**k / (1 - b1**t)``, then ``b1**idle`` and ``b2**idle``, as ``_amsgrad``'s
-    ``idle_coefficients`` computes them for the key's row).
-    The rows' last steps are the caller's to record."""
-    per_key = (coefficients, idle)
-    return _amsgrad_apply("catch_up_amsgrad_apply", (p, m, v, v_max), keys, values, scalars, per_key, unique)
+    ``idle_coefficients`` computes them for the key's row): ``(p, m, v, v_max, last_step)``, each touched row's
+    ``last_step`` recorded in place as ``max(last_step, count)``."""
+    per_key = (coefficients, idle, jnp.asarray(count, jnp.int32).reshape(1))
+    return _amsgrad_apply(
+        "catch_up_amsgrad_apply", (p, m, v, v_max), keys, values, scalars, per_key, unique, last_step=last_step
+    )
 
 
 def _amsgrad_apply(
@@ -258,25 +265,29 @@ def _amsgrad_apply(
     scalars: jax.Array,
     per_key: tuple[jax.Array, ...],
     unique: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The AMSGrad apply handler ``name`` on ``(p, m, v, v_max)``, with operands ``per_key`` (``(k, 3)``
-    coefficients and ``(k,)`` idle steps) after the scalars where it takes them."""
+    last_step: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
+    """The AMSGrad apply handler ``name`` on ``(p, m, v, v_max)`` (and ``last_step``, per row, where given), with
+    operands ``per_key`` (``(k, 3)`` coefficients, ``(k,)`` idle steps and the ``(1,)`` count) after the scalars
+    where it takes them."""
     shape = tables[0].shape
     attrs = _attrs(shape[0], unique=unique)
+    records = () if last_step is None else (last_step,)
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, *rest: jax.Array):
         table = jax.ShapeDtypeStruct(p.shape, p.dtype)
+        out = (table, table, table, table, *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rest[: len(records)]))
         return _ffi_call(
             PREFIX + name,
-            (table, table, table, table),
-            input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
+            out,
+            input_output_aliases={i: i for i in range(len(out))},
             vmap_method="sequential",
         )(p, m, v, v_max, *rest, row_begin, **attrs)
 
-    rule = "n w, n w, n w, n w, k, k w, s" + (", k c, k" if per_key else "") + " -> n w, n w, n w, n w"
-    out = _by_row_shards(fn, rule)(*map(_rows2d, tables), keys, _rows2d(values), scalars, *per_key)
-    new_p, new_m, new_v, new_v_max = (x.reshape(shape) for x in out)
-    return new_p, new_m, new_v, new_v_max
+    rows = "n w, n w, n w, n w" + ", n" * len(records)
+    rule = f"{rows}, k, k w, s" + (", k c, k, o" if per_key else "") + f" -> {rows}"
+    out = _by_row_shards(fn, rule)(*map(_rows2d, tables), *records, keys, _rows2d(values), scalars, *per_key)
+    return (*(x.reshape(shape) for x in out[:4]), *out[4:])
 
 
 def sparse_amsgrad_rows(

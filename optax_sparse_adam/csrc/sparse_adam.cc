@@ -17,13 +17,15 @@
 //   optax_sparse_adam_v2_sparse_amsgrad_rows (mu, nu, nu_max, keys, values, scalars) -> (mu, nu, nu_max, keys, step)
 //     its leaf rule for tx.update: the moments in place, the step rows times neg_lr packed as above;
 //   optax_sparse_adam_v2_catch_up_amsgrad_apply
-//       (p, mu, nu, nu_max, keys, values, scalars, coefficients, idle) -> (p, mu, nu, nu_max)
+//       (p, mu, nu, nu_max, last_step, keys, values, scalars, coefficients, idle, count)
+//       -> (p, mu, nu, nu_max, last_step)
 //     sparse_amsgrad(catch_up=True)'s fused step: a row whose entry says it sat out idle > 0 steps first takes
 //     them in their closed form (_amsgrad's replay_rows; coefficients per entry, computed by the XLA side as
 //     the XLA path computes them per row: C, the sum over the idle steps of lr_t b1^k / (1 - b1^t), then
 //     b1**idle and b2**idle), then AMSGrad's step:
 //       p = p - C (m / (sqrt(nu_max + eps_root) + eps)),  m = m b1**idle,  v = v b2**idle
-//     (the parameters within two ulps of the XLA path's, which rounds the caught-up row and the update apart).
+//     (the parameters within two ulps of the XLA path's, which rounds the caught-up row and the update apart);
+//     each touched row's record takes the step's count, in place: last_step = max(last_step, count).
 // The apply handlers take two more scalars after the others where the
 // gradient was clipped by its global norm (sparse_aware(clip_by_global_norm)):
 // each summed row becomes (g / clip_div) * clip_mul first, bitwise what the
@@ -72,18 +74,24 @@ namespace {
 // 8 to 24).
 constexpr int64_t kRowWork = 12;
 
-// sparse_amsgrad(catch_up=True)'s idle steps, per entry: a row catches up from the entry that stands for it.
+// sparse_amsgrad(catch_up=True)'s idle steps, per entry: a row catches up from the entry that stands for it, and
+// its record (the table's last steps, local rows) takes the step's count, as the XLA rule stamps it.
 struct IdleRows {
   static constexpr int64_t kCoefficients = 3;  // C, b1**idle, b2**idle
   const float* coefficients;                   // (k, kCoefficients)
   const int32_t* idle;                         // (k,)
+  int32_t* last_step;                          // per local row
+  int32_t count;
 };
 
-// The row's idle steps where its entry `slot` has any, in place (nu_max does not move while a row is idle).
-OSA_ROW_INLINE void CatchUpAmsgradRow(const Scalars& s, const IdleRows* idle, int64_t slot, float* __restrict p,
-                                      float* __restrict m, float* __restrict v, const float* __restrict vm,
-                                      int64_t width) {
-  if (idle == nullptr || idle->idle[slot] <= 0) return;
+// Local row r's idle steps where its entry `slot` has any, in place (nu_max does not move while a row is idle),
+// and its record.
+OSA_ROW_INLINE void CatchUpAmsgradRow(const Scalars& s, const IdleRows* idle, int64_t slot, int64_t r,
+                                      float* __restrict p, float* __restrict m, float* __restrict v,
+                                      const float* __restrict vm, int64_t width) {
+  if (idle == nullptr) return;
+  idle->last_step[r] = std::max(idle->last_step[r], idle->count);
+  if (idle->idle[slot] <= 0) return;
   const float* c = idle->coefficients + slot * IdleRows::kCoefficients;
   const float coefficient = c[0], decay1 = c[1], decay2 = c[2], eps = s.eps, eps_root = s.eps_root;
   for (int64_t j = 0; j < width; ++j) {
@@ -105,7 +113,10 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
       const int64_t r = shard.Local(c.row[d + kPrefetchDistance]);
       PrefetchRow(m + r * width, width);
       PrefetchRow(v + r * width, width);
-      if constexpr (kAmsgrad) PrefetchRow(vm + r * width, width);
+      if constexpr (kAmsgrad) {
+        PrefetchRow(vm + r * width, width);
+        if (idle != nullptr) __builtin_prefetch(idle->last_step + r, 1, 3);
+      }
       if constexpr (kApply) PrefetchRow(out + r * width, width);
     }
     if (!shard.Owns(c.row[d])) {  // another shard's row
@@ -117,7 +128,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
     if (sums == nullptr) SumChain(c, d, values, width, g);
     if constexpr (kClip) ClipRow(s.clip, g, width);
     float* dst = kApply ? out + r * width : out + d * width;
-    if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, c.first[d], dst, m + r * width, v + r * width,
+    if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, c.first[d], r, dst, m + r * width, v + r * width,
                                                         vm + r * width, width);
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
                                                            kAmsgrad ? vm + r * width : nullptr);
@@ -135,7 +146,10 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
       const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
       PrefetchRow(m + r * width, width);
       PrefetchRow(v + r * width, width);
-      if constexpr (kAmsgrad) PrefetchRow(vm + r * width, width);
+      if constexpr (kAmsgrad) {
+        PrefetchRow(vm + r * width, width);
+        if (idle != nullptr) __builtin_prefetch(idle->last_step + r, 1, 3);
+      }
       if constexpr (kApply) PrefetchRow(out + r * width, width);
     }
     if (!shard.Owns(keys[i])) {
@@ -145,8 +159,8 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
     const int64_t r = shard.Local(keys[i]);
     float* dst = kApply ? out + r * width : out + i * width;
     const float* g = kClip ? ClippedRow(s.clip, values + i * width, clipped.data(), width) : values + i * width;
-    if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, i, dst, m + r * width, v + r * width, vm + r * width,
-                                                        width);
+    if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, i, r, dst, m + r * width, v + r * width,
+                                                        vm + r * width, width);
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
                                                            kAmsgrad ? vm + r * width : nullptr);
   }
@@ -373,17 +387,26 @@ ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
 
 ffi::Error CatchUpAmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
                                    ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max,
-                                   ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
-                                   ffi::BufferR1<ffi::F32> scalars, ffi::BufferR2<ffi::F32> coefficients,
-                                   ffi::BufferR1<ffi::S32> idle, ffi::BufferR0<ffi::S32> row_begin,
+                                   ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::S32> keys,
+                                   ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                                   ffi::BufferR2<ffi::F32> coefficients, ffi::BufferR1<ffi::S32> idle,
+                                   ffi::BufferR1<ffi::S32> count, ffi::BufferR0<ffi::S32> row_begin,
                                    ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
                                    ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBuffer<ffi::F32> nu_max_out,
-                                   int64_t num_rows, int64_t unique, int64_t threads) {
+                                   ffi::ResultBufferR1<ffi::S32> last_step_out, int64_t num_rows, int64_t unique,
+                                   int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   const auto dims = coefficients.dimensions();
   if (dims[0] != k || dims[1] != IdleRows::kCoefficients || static_cast<int64_t>(idle.element_count()) != k)
     return ffi::Error::InvalidArgument("coefficients must hold 3 values per key, idle one");
-  const IdleRows rows{coefficients.typed_data(), idle.typed_data()};
+  const auto rows_held = p.dimensions().size() > 0 ? p.dimensions()[0] : 0;
+  if (static_cast<int64_t>(last_step.element_count()) != rows_held ||
+      last_step_out->element_count() != last_step.element_count())
+    return ffi::Error::InvalidArgument("last_step must have one entry per row");
+  if (count.element_count() != 1) return ffi::Error::InvalidArgument("count must hold the step's count");
+  CopyIfNotAliased(last_step_out->typed_data(), last_step.typed_data(), last_step.element_count());
+  const IdleRows rows{coefficients.typed_data(), idle.typed_data(), last_step_out->typed_data(),
+                      *count.typed_data()};
   return AmsgradApply(pool, p, mu, nu, nu_max, keys, values, scalars, row_begin, p_out, mu_out, nu_out, nu_max_out,
                       num_rows, unique, threads, &rows);
 }
@@ -508,10 +531,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradRows, optax_sparse_adam::Amsgrad
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradApply, optax_sparse_adam::CatchUpAmsgradApplyImpl,
-                              OSA_AMSGRAD_APPLY_BATCH
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu_max
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last_step: per row, the step recorded
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
                                   .Arg<ffi::BufferR2<ffi::F32>>()  // coefficients: C, b1**idle, b2**idle per key
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
-                                  .OSA_AMSGRAD_APPLY_TAIL);
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // count: (1,), the step's, recorded
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu_max
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
 
 #undef OSA_AMSGRAD_APPLY_BATCH
 #undef OSA_AMSGRAD_APPLY_TAIL
