@@ -72,6 +72,11 @@ VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sparse_rowwise_adam": lambda: osa.sparse_rowwise_adam(LR),
     "sparse_rowwise_adam, per-row bias correction": lambda: osa.sparse_rowwise_adam(LR, per_row_bias_correction=True),
     "sparse_rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(LR),
+    # No native kernel for these: the XLA path, whose update_and_apply runs the two calls.
+    "sparse_adagrad": lambda: osa.sparse_adagrad(LR),
+    "sparse_ftrl": lambda: osa.sparse_ftrl(LR),
+    "sparse_sgd(momentum=0.9)": lambda: osa.sparse_sgd(LR, momentum=0.9),
+    "sparse_sgd(momentum=0.9), catch_up": lambda: osa.sparse_sgd(LR, momentum=0.9, catch_up=True),
     "inject_hyperparams(sparse_adam)": lambda: optax.inject_hyperparams(osa.sparse_adam)(learning_rate=LR),
     "chain(sparse_aware(clip_by_global_norm), sparse_adam)": lambda: optax.chain(
         osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(LR)
