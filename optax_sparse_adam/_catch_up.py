@@ -745,13 +745,14 @@ def fused_apply(
         bases.append(power_table(decay.log_gamma))
     powers = jnp.asarray(np.concatenate(bases))
     through = weights.through if weights is not None else jnp.ones(1, jnp.float32)
-    if plan.cap == 0:  # b1 == 0: no idle step moves a row, every coefficient 0
-        window = far = jnp.zeros((1, _TERMS), jnp.float32)
-    elif last_k is not None and idle is not None and far_by_key:
+    window = far = jnp.zeros((1, _TERMS), jnp.float32)  # b1 == 0: no idle step moves a row, every coefficient 0
+    if plan.cap > 0:
         window = _window(plan, replayer.lr, done, weights, gathered=False)
-        far = _long_idle_loop(plan, replayer.lr, last_k, idle > plan.cap, weights)
-    else:
-        window, far = _window(plan, replayer.lr, done, weights, gathered=False), jnp.asarray(plan.table)
+        if plan.table is not None:
+            far = jnp.asarray(plan.table)
+        else:  # far_by_key: the keys' last steps and idle steps are at hand
+            assert last_k is not None and idle is not None
+            far = _long_idle_loop(plan, replayer.lr, last_k, idle > plan.cap, weights)
     long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
     has_table = float(plan.corrections is not None)
     new_log = adamw.new_log if adamw is not None else 0.0

@@ -53,7 +53,7 @@
 // are taken here only within the window (idle <= cap: past it their decay is
 // read from a log the XLA path sums; such rows are flagged); the current step
 // is AdamW's (p += neg_lr fma(wd, p, step)). Rows idle since step 0 (never
-// moved) decay too: the XLA side gives them idle = the step count.
+// moved) decay too: their idle steps are the count before the step (last == 0).
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
