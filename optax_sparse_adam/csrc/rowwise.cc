@@ -66,6 +66,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "row_loop.h"
 #include "rows.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -74,20 +75,7 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-// What reading and writing a row of p (and of m) and its scalars costs, in gradient entries read: the weight of a row
-// beside its entries when the coalesced rows are split over threads (ParallelForRows). Measured on a 1e6 x 64
-// table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from 8 to 24).
-constexpr int64_t kRowWork = 12;
-
-constexpr int kPrefetchDistance = 4;
-
-// The rules' row functions are OSA_ROW_INLINE (rows.h).
-
-struct Options {
-  int64_t unique;  // 0: keys may repeat; 1: distinct by the user's promise, checked; 2: known distinct
-  int64_t threads;
-  Clip clip = {};  // apply handlers: each summed gradient row clipped before the rule sees it
-};
+// The rules' row functions are OSA_ROW_INLINE (rows.h); the row loop that runs them is row_loop.h's.
 
 // sum_j g_j^2 in a fixed order: 16 lanes, each summing its products (rounded,
 // not fused) over a block of 64 floats from zero, the blocks' lanes added
@@ -130,14 +118,6 @@ OSA_ROW_INLINE float RowSumOfSquares(const float* __restrict g, int64_t width) {
   const Quarter t4 = lo4 + hi4;
   return (t4[0] + t4[2]) + (t4[1] + t4[3]);
 }
-
-// A rule updates one touched row. Its members: kApply (whether it adds the
-// step to the parameters, or writes the step rows to `out`), `out` and
-// `width`, Scratch() (floats of scratch a thread needs), Prefetch(r) (the
-// local row r's state, ahead of time), and Row(g, r, slot, entry, scratch):
-// the row's state at local row r updated from its gradient row g (duplicates
-// summed), the step written to `out` at `slot` or added to the parameters'
-// row r; `entry` is one of the row's entries (for per-entry operands).
 
 // ---- Row-wise Adagrad.
 
@@ -295,117 +275,6 @@ struct AdamRule {
   }
 };
 
-// ---- The row loop, shared by the rules.
-
-// The distinct rows [lo, hi) of a coalesced batch; with `summed`, their gradient rows summed already (c.size x
-// width, clipped here in place).
-template <class Rule>
-OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const Coalesced& c, const int32_t* row_of,
-                                     int64_t k, const Shard& shard, const float* values, int64_t lo, int64_t hi,
-                                     float* summed = nullptr) {
-  const int64_t width = rule.width;
-  // The gradient rows first (duplicates summed from 0 in entry order).
-  std::vector<float> own(summed == nullptr ? static_cast<size_t>((hi - lo) * width) : 0, 0.0f);
-  float* sums = summed != nullptr ? summed + lo * width : own.data();
-  if (summed == nullptr) SumEntries(row_of, k, values, width, lo, hi, sums);
-  if (clip.on) ClipRow(clip, sums, (hi - lo) * width);
-  std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
-  for (int64_t d = lo; d < hi; ++d) {
-    if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance]))
-      rule.Prefetch(shard.Local(c.row[d + kPrefetchDistance]));
-    if (!shard.Owns(c.row[d])) {  // another shard's row
-      if constexpr (!Rule::kApply) std::memset(rule.out + d * width, 0, sizeof(float) * static_cast<size_t>(width));
-      continue;
-    }
-    rule.Row(sums + (d - lo) * width, shard.Local(c.row[d]), d, c.first[d], scratch.data());
-  }
-}
-
-// The entries [lo, hi) of a batch whose in-range keys are distinct.
-template <class Rule>
-OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const Clip& clip, const int32_t* keys, const Shard& shard,
-                                  const float* values, int64_t lo, int64_t hi) {
-  const int64_t width = rule.width;
-  std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
-  std::vector<float> clipped(clip.on ? static_cast<size_t>(width) : 0);
-  for (int64_t i = lo; i < hi; ++i) {
-    if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance]))
-      rule.Prefetch(shard.Local(keys[i + kPrefetchDistance]));
-    if (!shard.Owns(keys[i])) {
-      if constexpr (!Rule::kApply) std::memset(rule.out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
-      continue;
-    }
-    rule.Row(ClippedRow(clip, values + i * width, clipped.data(), width), shard.Local(keys[i]), i, i, scratch.data());
-  }
-}
-
-// An apply handler's step whose clipping takes its norm from the batch itself (Clip::norm), its keys possibly
-// repeating: the norm of every row in range (a row shard's call too sums the whole gradient), then the row pass,
-// clipping by it. (Keys taken as distinct take their entries' norm instead: Run.)
-template <class Rule>
-void RunNormClipped(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_t* keys, int64_t k,
-                    const Shard& shard, const float* values) {
-  const int64_t width = rule.width;
-  const float max_norm = o.clip.max_norm;
-  Coalesced c;
-  Coalesce(keys, k, shard.num_rows, 0, c);
-  const ScratchFloats sums(static_cast<size_t>(c.size * width));
-  const Clip clip = SumRowsForNorm(pool, c, k, values, width, o.threads, max_norm, sums.data());
-  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows(rule, clip, c, c.entry.data(), k, shard, values, lo, hi, sums.data());
-  });
-}
-
-// Runs `rule` on every row the batch touches; with out_keys (the rows
-// handlers), the keys packed as the step rows are.
-template <class Rule>
-void Run(ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_t* keys, int64_t k,
-         const Shard& shard, const float* values, int32_t* out_keys) {
-  if constexpr (Rule::kApply) {
-    if (o.clip.norm && o.unique != 0) {
-      // Keys taken as distinct: their entries' norm, as the sum_squares handler takes it (EntrySquares), then the
-      // step as given the clipping's two scalars (a broken promise's rows are still summed first).
-      Options clipped = o;
-      clipped.clip = ClipOfNorm(EntrySquares(pool, keys, k, values, rule.width, shard.num_rows, o.threads),
-                                o.clip.max_norm);
-      Run(pool, rule, clipped, keys, k, shard, values, out_keys);
-      return;
-    }
-    if (o.clip.norm) {
-      RunNormClipped(pool, rule, o, keys, k, shard, values);
-      return;
-    }
-  }
-  const int64_t width = rule.width;
-  const auto pad = static_cast<int32_t>(shard.num_rows);
-  // A broken promise (a key twice) takes the coalescing path: its rows are
-  // summed as without it, and no two threads ever write one row. Keys the
-  // library made distinct itself skip the check.
-  if (o.unique == 2 || (o.unique == 1 && !HasDuplicate(keys, k, shard.num_rows))) {
-    if (out_keys != nullptr) {
-      for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
-    }
-    ParallelForOwned(pool, keys, k, shard, o.threads,
-                     [&](int64_t lo, int64_t hi) { UniqueRows(rule, o.clip, keys, shard, values, lo, hi); });
-    return;
-  }
-  // The step rows are packed over all rows (so every shard packs alike); the
-  // tables only need this shard's.
-  constexpr bool kApply = Rule::kApply;
-  Coalesced c;
-  Coalesce(keys, k, kApply ? shard.begin + shard.local_rows : shard.num_rows, kApply ? shard.begin : 0, c);
-  if (out_keys != nullptr) {
-    for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
-  }
-  if constexpr (!kApply) {
-    if (c.size == 0) ZeroPadding(rule.out, width, 0, k, 0, 0);  // no part runs
-  }
-  ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
-    if constexpr (!kApply) ZeroPadding(rule.out, width, c.size, k, lo, hi);  // the padding slots of the step
-    CoalescedRows(rule, o.clip, c, c.entry.data(), k, shard, values, lo, hi);
-  });
-}
-
 // ---- Row-wise Adagrad's handlers.
 
 template <bool kApply, class Params = F32Params>
@@ -485,24 +354,6 @@ ffi::Error AdagradRowsImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> acc, ff
   DispatchAdagrad<false>(pool, ReadAdagradScalars(scalars), decay, Options{unique, threads}, keys.typed_data(), k,
                          shard, values.typed_data(), a, p, step_out->typed_data(), keys_out->typed_data(), width);
   return ffi::Error::Success();
-}
-
-// The parameters of an apply handler, checked: of the dtype `p_out` has, one row of `width` entries per local row.
-ffi::Error CheckParams(const ffi::AnyBuffer& p, ffi::Result<ffi::AnyBuffer>& p_out,
-                       const ffi::BufferR1<ffi::U32>& seeds, int64_t local_rows, int64_t width) {
-  if (p_out->element_type() != p.element_type()) return ffi::Error::InvalidArgument("p_out must have p's dtype");
-  if (static_cast<int64_t>(p.element_count()) != local_rows * width)
-    return ffi::Error::InvalidArgument("p must have one row of the values' width per row of the state");
-  if (seeds.element_count() != 3)
-    return ffi::Error::InvalidArgument("seeds must hold three values (two seeds, then the draws' row offset)");
-  return ffi::Error::Success();
-}
-
-// The row id the draws give local row 0: the shard's first row, plus the third word of `seeds`, where a table
-// inside shard_map (whose every call is a block of its own, row_begin 0) puts its block's first row, so that its
-// rows draw as the whole table's do (RowSharding.update_and_apply with a key).
-int64_t DrawsFirstRow(const Shard& shard, const ffi::BufferR1<ffi::U32>& seeds) {
-  return shard.begin + static_cast<int64_t>(seeds.typed_data()[2]);
 }
 
 ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::BufferR1<ffi::F32> acc,
