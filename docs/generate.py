@@ -386,8 +386,9 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
         "bfloat16 table keep their state in float32; those with stochastic rounding take a new key each step "
         "(`apply_updates_stochastic` after the two calls' update, `update_and_apply(..., key=)`): see "
         "[Low precision](../guides/low_precision.md). Element-wise Adagrad (`sparse_adagrad`), FTRL (`sparse_ftrl`) "
-        "and lazy momentum SGD (`sparse_sgd(..., momentum=)`, with or without catch-up) have no native kernel yet: "
-        "both their doors run the XLA path, `update_and_apply` its two calls.",
+        "and lazy momentum SGD (`sparse_sgd(..., momentum=)`) run the element-wise kernels at both doors; momentum "
+        "SGD's catch-up (`catch_up=True`) runs its kernel through `update_and_apply` (its two calls run the XLA "
+        "path).",
         "",
         f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}, "
         f"1-minute load average {load} (start/end). This page is generated at build time from "

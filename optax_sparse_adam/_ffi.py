@@ -700,3 +700,105 @@ def rowwise_adam_apply(
         _rows2d(p), _rows2d(mu), nu, keys, _rows2d(values), scalars, _seeds_operand(seeds), *extra
     )
     return (new_p.reshape(p.shape), m.reshape(mu.shape), v, *count)
+
+
+def elementwise_rows(
+    target: str,
+    tables: tuple[jax.Array, ...],
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    reads: tuple[jax.Array, ...] = (),
+    *,
+    unique: int,
+    **flags: int,
+) -> tuple[jax.Array, ...]:
+    """An element-wise rule's leaf rule on the CPU (``target``: ``"adagrad"``, ``"momentum"`` or ``"ftrl"``):
+    ``(*tables, keys, step)``, the state tables (each of the parameter's shape) updated in place.
+
+    ``reads`` (the parameters, for FTRL) are read, not written; ``flags`` are the handler's own attributes. The
+    keys and step rows come back packed as in :func:`sparse_adam_rows`.
+    """
+    attrs = _attrs(tables[0].shape[0], **flags, unique=unique)
+    shape, n = values.shape, len(tables)
+
+    def fn(row_begin: jax.Array, *args: jax.Array):
+        keys, values = args[-3], args[-2]
+        results = (
+            *(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in args[:n]),
+            jax.ShapeDtypeStruct(keys.shape, jnp.int32),
+            jax.ShapeDtypeStruct(values.shape, values.dtype),
+        )
+        return _ffi_call(
+            PREFIX + target + "_rows", results, input_output_aliases={i: i for i in range(n)}, vmap_method="sequential"
+        )(*args, row_begin, **attrs)
+
+    rows = ", ".join(["n w"] * n)
+    rule = ", ".join(["n w"] * (n + len(reads))) + ", k, k w, s -> " + rows + ", k, k w"
+    operands = (*(_rows2d(t) for t in (*tables, *reads)), keys, _rows2d(values), scalars)
+    *new, out_keys, step = _by_row_shards(fn, rule, summed=(n + 1,))(*operands)
+    return (*(x.reshape(t.shape) for x, t in zip(new, tables, strict=True)), out_keys, step.reshape(shape))
+
+
+def elementwise_apply(
+    target: str,
+    p: jax.Array,
+    tables: tuple[jax.Array, ...],
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    *,
+    unique: int,
+    **flags: int,
+) -> tuple[jax.Array, ...]:
+    """An element-wise rule and the parameters' update in one pass over each touched row: ``(p, *tables)``.
+
+    ``target`` as in :func:`elementwise_rows`; ``scalars`` the rule's, then the clipping's (:class:`._fusion.Clipped`).
+    """
+    attrs = _attrs(p.shape[0], **flags, unique=unique)
+    n = len(tables) + 1
+
+    def fn(row_begin: jax.Array, *args: jax.Array):
+        results = tuple(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in args[:n])
+        return _ffi_call(
+            PREFIX + target + "_apply", results, input_output_aliases={i: i for i in range(n)}, vmap_method="sequential"
+        )(*args, row_begin, **attrs)
+
+    rule = ", ".join(["n w"] * n) + ", k, k w, s -> " + ", ".join(["n w"] * n)
+    operands = (*(_rows2d(t) for t in (p, *tables)), keys, _rows2d(values), scalars)
+    out = _by_row_shards(fn, rule)(*operands)
+    return tuple(x.reshape(t.shape) for x, t in zip(out, (p, *tables), strict=True))
+
+
+def catch_up_momentum_apply(
+    p: jax.Array,
+    trace: jax.Array,
+    last_step: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    coefficients: jax.Array,
+    idle: jax.Array,
+    count: jax.Array,
+    *,
+    nesterov: bool,
+    unique: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``sparse_sgd(..., momentum, catch_up=True)``'s fused step: the momentum step, each touched row first taking
+    the ``idle`` steps it sat out (per key) in closed form, from ``coefficients`` per key (``(k, 2)``: ``C``, the
+    sum over the idle steps of the learning rate times a power of the momentum, then ``momentum**idle``):
+    ``(p, trace, last_step)``, each touched row's ``last_step`` recorded in place as ``max(last_step, count)``."""
+    attrs = _attrs(p.shape[0], nesterov=nesterov, unique=unique)
+
+    def fn(row_begin: jax.Array, p: jax.Array, t: jax.Array, last: jax.Array, *rest: jax.Array):
+        out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, t, last))
+        return _ffi_call(
+            PREFIX + "catch_up_momentum_apply", out, input_output_aliases={0: 0, 1: 1, 2: 2}, vmap_method="sequential"
+        )(p, t, last, *rest, row_begin, **attrs)
+
+    rule = "n w, n w, n, k, k w, s, k c, k, o -> n w, n w, n"
+    per_key = (coefficients, idle, jnp.asarray(count, jnp.int32).reshape(1))
+    new_p, new_t, new_last = _by_row_shards(fn, rule)(
+        _rows2d(p), _rows2d(trace), last_step, keys, _rows2d(values), scalars, *per_key
+    )
+    return new_p.reshape(p.shape), new_t.reshape(trace.shape), new_last

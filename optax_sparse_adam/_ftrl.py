@@ -17,8 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._checks import check_hparam, check_params, check_state
-from optax_sparse_adam._row_engine import apply_rule, map_rule
+from optax_sparse_adam._fusion import FusableUpdate
+from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule
+from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import param_error
 
 __all__ = ["FtrlState", "sparse_ftrl"]
@@ -45,6 +48,73 @@ class FtrlState(NamedTuple):
 def _is_zero(x: Any) -> bool:
     """Whether ``x`` is a concrete zero (a literal that lets the rule skip a term)."""
     return isinstance(x, int | float | np.number) and x == 0
+
+
+class FtrlFusion(NamedTuple):
+    """What :func:`update_and_apply` needs of a :func:`sparse_ftrl` to run its step in one pass per row.
+
+    ``root``: how the kernels take :math:`n^{-c}`: 0 ``powf``, 1 ``sqrt``, 2 ``sqrt`` where :math:`c = -1/2` at
+    run time (a traced power, as the rule's ``jnp.where``); ``shrinks``: whether the rule adds the shrinkage.
+    """
+
+    learning_rate: optax.ScalarOrSchedule
+    hyperparams: tuple[Any, ...]  # l1, l2, l2 shrinkage, beta, learning_rate_power
+    shrinks: bool
+    root: int
+
+    def scalars(self, lr: Any) -> tuple[jax.Array, bool]:
+        """The kernels' scalar operand at learning rate ``lr`` and their ``divides`` flag.
+
+        The scalars: ``1 / alpha`` (``alpha`` where the flag is set), ``l1``, ``2 (l2 + beta / (2 alpha))``,
+        ``2 l2_shrinkage`` and ``c``, each as the rule computes it in float32. XLA divides by a learning rate it
+        computes at run time (a schedule's, an injected one) and multiplies by the reciprocal of a constant one.
+        """
+        l1, l2, l2s, b, c = (jnp.asarray(x, jnp.float32) for x in self.hyperparams)
+        alpha = jnp.asarray(lr, jnp.float32)
+        divides = isinstance(lr, jax.core.Tracer)
+        return jnp.stack([alpha if divides else 1 / alpha, l1, 2 * (l2 + b / (2 * alpha)), 2 * l2s, c]), divides
+
+    def kernel(self, lr: Any) -> Kernel:
+        """The native CPU kernel in the rule's place at learning rate ``lr`` (it reads the parameters)."""
+
+        def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
+            return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, *reads, leaf.values)
+
+        def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
+            scalars, divides = self.scalars(lr)
+            n, z, keys, step = _ffi.elementwise_rows(
+                "ftrl",
+                state,
+                leaf.keys[:, 0],
+                leaf.values,
+                scalars,
+                reads,
+                root=self.root,
+                shrinks=self.shrinks,
+                divides=divides,
+                unique=_kernel_path.unique_flag(leaf),
+            )
+            return keys[:, None], step, (n, z)
+
+        return Kernel(supports, run)
+
+    def apply(
+        self, p: jax.Array, st: Arrays, sp: SparseLeaf, scalars: jax.Array, divides: bool
+    ) -> tuple[jax.Array, ...]:
+        """The fused kernel on one leaf: ``(p, accumulator, linear)``, given :meth:`scalars` (the clipping's after
+        the rule's)."""
+        return _ffi.elementwise_apply(
+            "ftrl",
+            p,
+            st,
+            sp.keys[:, 0],
+            sp.values,
+            scalars,
+            root=self.root,
+            shrinks=self.shrinks,
+            divides=divides,
+            unique=_kernel_path.unique_flag(sp),
+        )
 
 
 def sparse_ftrl(
@@ -113,6 +183,11 @@ def sparse_ftrl(
     to :math:`0` (:math:`z = 0`) while the lazy rule keeps it until the
     entry's first update.
 
+    On the CPU native kernels run the rule for float32 tables and state
+    with sparse gradients of one sparse axis (see :func:`kernel_path`),
+    bitwise the XLA path's, and :func:`~optax_sparse_adam.update_and_apply`
+    runs the step in one pass per touched row.
+
     Args:
       learning_rate: A float or an optax schedule (of the step count).
       learning_rate_power: :math:`c \le 0`; :math:`-1/2` is Adagrad's
@@ -170,6 +245,15 @@ def sparse_ftrl(
     power = learning_rate_power
     # TensorFlow takes a square root where the power is -1/2; a traced power chooses at run time.
     static_sqrt = None if isinstance(power, jax.core.Tracer | jax.Array) else float(np.asarray(power)) == -0.5
+
+    hyperparams = (
+        l1_regularization_strength,
+        l2_regularization_strength,
+        l2_shrinkage_regularization_strength,
+        beta,
+        power,
+    )
+    fusion = FtrlFusion(learning_rate, hyperparams, shrinks, 2 if static_sqrt is None else int(static_sqrt))
 
     def init_fn(params: optax.Params) -> FtrlState:
         check_params(params, _WHERE)
@@ -230,11 +314,14 @@ def sparse_ftrl(
                     f"the accumulator has shape {jnp.shape(n)} and the linear term {jnp.shape(z)} but the parameter "
                     f"has shape {jnp.shape(p)}: the state was built for other parameters; build it with `tx.init`",
                 )
-            out, (n, z) = apply_rule(path, g, jnp.shape(p), (n, z), (p,), rule, _WHERE, whole_rows=False)
+            out, (n, z) = apply_rule(
+                path, g, jnp.shape(p), (n, z), (p,), rule, _WHERE, whole_rows=False, kernel=fusion.kernel(lr)
+            )
             return out, n, z
 
         trees = [(state.accumulator, "accumulator"), (state.linear, "linear"), (params, "parameters")]
         out, accumulator, linear = map_rule(leaf, updates, trees, _WHERE, 3)
         return out, FtrlState(count=optax.safe_increment(state.count), accumulator=accumulator, linear=linear)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # update_and_apply may fuse the step into one pass per row: what it needs travels with update.
+    return optax.GradientTransformationExtraArgs(init_fn, FusableUpdate(update_fn, fusion))

@@ -11,18 +11,22 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
+from optax_sparse_adam._adagrad import AdagradFusion, adagrad_scalars
 from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
 from optax_sparse_adam._amsgrad import AmsgradFusion, CatchUpAmsgradFusion
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._catch_up import CatchUpAdamWFusion, CatchUpFusion, fused_apply
 from optax_sparse_adam._checks import mask_tree
+from optax_sparse_adam._ftrl import FtrlFusion
 from optax_sparse_adam._fusion import Call, Clipped, recording
 from optax_sparse_adam._if_finite import IfFiniteFusion, is_finite
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
 from optax_sparse_adam._row_engine import Arrays, row_shape
 from optax_sparse_adam._row_ops import HALF_FLOATS
-from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, adagrad_scalars, rowwise_adam_scalars
+from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, rowwise_adam_scalars
+from optax_sparse_adam._rowwise import adagrad_scalars as rowwise_adagrad_scalars
+from optax_sparse_adam._sgd import CatchUpMomentumFusion, MomentumFusion, momentum_scalars
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._stochastic_rounding import apply_stochastic, leaf_seeds
 from optax_sparse_adam._tree import is_leaf
@@ -371,7 +375,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "ScaleByRowwiseAdagradState",
             ("sum_of_squares",),
             fits=lambda p, st: st[0].shape == row_shape(p.shape),
-            scalars=lambda state, new_state, neg_lr: adagrad_scalars(eps, weight_decay, neg_lr),
+            scalars=lambda state, new_state, neg_lr: rowwise_adagrad_scalars(eps, weight_decay, neg_lr),
             apply=lambda p, st, sp, scalars, _, seeds=None: _ffi.rowwise_adagrad_apply(
                 p, st[0], sp.keys[:, 0], sp.values, scalars, seeds, decay=decay, unique=_kernel_path.unique_flag(sp)
             ),
@@ -398,6 +402,72 @@ def _fusable(fusion: Any) -> _Fusable | None:
             apply=lambda p, st, sp, scalars, _, seeds=None: adam.apply(p, st, sp, scalars, seeds),
             clips=True,
             half_params=True,
+        )
+    if isinstance(fusion, AdagradFusion):
+        eps = fusion.eps
+        return _Fusable(
+            fusion.learning_rate,
+            "scale_by_sparse_adagrad",
+            "ScaleByRssState",
+            ("sum_of_squares",),
+            fits=lambda p, st: p.shape == st[0].shape,
+            scalars=lambda state, new_state, neg_lr: adagrad_scalars(eps, neg_lr),
+            apply=lambda p, st, sp, scalars, _: _ffi.elementwise_apply(
+                "adagrad", p, st, sp.keys[:, 0], sp.values, scalars, unique=_kernel_path.unique_flag(sp)
+            ),
+            clips=True,
+        )
+    if isinstance(fusion, MomentumFusion):
+        momentum, nesterov = fusion.momentum, fusion.nesterov
+        return _Fusable(
+            fusion.learning_rate,
+            "sparse_sgd(momentum)",
+            "TraceState",
+            ("trace",),
+            fits=lambda p, st: p.shape == st[0].shape,
+            scalars=lambda state, new_state, neg_lr: momentum_scalars(momentum, neg_lr),
+            apply=lambda p, st, sp, scalars, _: _ffi.elementwise_apply(
+                "momentum",
+                p,
+                st,
+                sp.keys[:, 0],
+                sp.values,
+                scalars,
+                nesterov=nesterov,
+                unique=_kernel_path.unique_flag(sp),
+            ),
+            clips=True,
+        )
+    if isinstance(fusion, CatchUpMomentumFusion):
+        sgd = fusion
+        return _Fusable(
+            sgd.learning_rate,
+            "sparse_sgd(catch_up=True)",
+            "CatchUpSgdState",
+            ("trace", "last_step"),
+            fits=lambda p, st: p.shape == st[0].shape and st[1].shape == row_shape(p.shape),
+            scalars=lambda state, new_state, neg_lr: (
+                momentum_scalars(sgd.momentum, neg_lr),
+                *_counts(state, new_state, "CatchUpSgdState"),
+            ),
+            apply=lambda p, st, sp, scalars, _: sgd.apply(p, st, sp, *scalars),
+            count_owner="CatchUpSgdState",
+            clips=True,
+            with_clip=lambda scalars, clip: (*scalars, clip),  # the step counts, then the clipping, as catch-up Adam's
+        )
+    if isinstance(fusion, FtrlFusion):
+        ftrl = fusion
+        return _Fusable(
+            ftrl.learning_rate,
+            "sparse_ftrl",
+            "FtrlState",
+            ("accumulator", "linear"),
+            fits=lambda p, st: p.shape == st[0].shape == st[1].shape,
+            scalars=lambda state, new_state, neg_lr: ftrl.scalars(-neg_lr),
+            apply=lambda p, st, sp, scalars, _: ftrl.apply(p, st, sp, *scalars),
+            count_owner="FtrlState",
+            clips=True,
+            with_clip=lambda scalars, clip: (clip.norm_appended_to(scalars[0]), scalars[1]),  # (scalars, divides)
         )
     return None
 

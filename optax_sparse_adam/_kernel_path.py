@@ -80,6 +80,13 @@ _SYMBOLS = {
     "rowwise_adagrad_apply": "OptaxSparseAdamRowwiseAdagradApply",
     "rowwise_adam_rows": "OptaxSparseAdamRowwiseAdamRows",
     "rowwise_adam_apply": "OptaxSparseAdamRowwiseAdamApply",
+    "adagrad_rows": "OptaxSparseAdamAdagradRows",
+    "adagrad_apply": "OptaxSparseAdamAdagradApply",
+    "momentum_rows": "OptaxSparseAdamMomentumRows",
+    "momentum_apply": "OptaxSparseAdamMomentumApply",
+    "ftrl_rows": "OptaxSparseAdamFtrlRows",
+    "ftrl_apply": "OptaxSparseAdamFtrlApply",
+    "catch_up_momentum_apply": "OptaxSparseAdamCatchUpMomentumApply",
 }
 _MAX_ROWS = 2**31 - 1  # keys are int32, and the padding key num_rows must be one too
 

@@ -14,6 +14,7 @@ values otherwise.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -21,10 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_sparse_adam._catch_up import CatchUpUpdate, RowReplay, caught_up_update, rate_at
+from optax_sparse_adam import _ffi, _kernel_path
+from optax_sparse_adam._catch_up import CatchUpUpdate, RowReplay, caught_up_update, of_keys, rate_at
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
-from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_full, stamp
+from optax_sparse_adam._fusion import Clipped, FusableUpdate
+from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, param_error
 
 __all__ = ["CatchUpSgdState", "sparse_sgd"]
@@ -59,6 +63,43 @@ def _trace_rule(momentum: Any, nesterov: bool) -> Rule:
     return rule
 
 
+def momentum_scalars(momentum: Any, neg_lr: Any = 0.0) -> jax.Array:
+    """The momentum kernels' scalar operand, ``[momentum, neg_lr]`` in float32 as the rule rounds them
+    (``neg_lr``: the fused step's learning-rate scale, unused by the rows kernel)."""
+    return jnp.stack([jnp.asarray(x).astype(jnp.float32) for x in (momentum, neg_lr)])
+
+
+def _trace_kernel(momentum: Any, nesterov: bool) -> Kernel:
+    """The native CPU kernel in the lazy trace rule's place (a float32 trace)."""
+
+    def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
+        return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
+
+    def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
+        scalars = momentum_scalars(momentum)
+        trace, keys, step = _ffi.elementwise_rows(
+            "momentum",
+            state,
+            leaf.keys[:, 0],
+            leaf.values,
+            scalars,
+            nesterov=nesterov,
+            unique=_kernel_path.unique_flag(leaf),
+        )
+        return keys[:, None], step, (trace,)
+
+    return Kernel(supports, run)
+
+
+class MomentumFusion(NamedTuple):
+    """What :func:`update_and_apply` needs of a lazy ``sparse_sgd(..., momentum)`` to run its step in one pass per
+    row."""
+
+    learning_rate: optax.ScalarOrSchedule
+    momentum: Any
+    nesterov: bool
+
+
 def _lazy_trace(momentum: Any, nesterov: bool, accumulator_dtype: Any) -> optax.GradientTransformationExtraArgs:
     """:func:`optax.trace` on the touched rows only; untouched rows keep their trace and get no update."""
     where = "sparse_sgd(momentum)"
@@ -73,11 +114,12 @@ def _lazy_trace(momentum: Any, nesterov: bool, accumulator_dtype: Any) -> optax.
         del params, extra_args
         check_state(state, optax.TraceState, where)
         rule = _trace_rule(momentum, nesterov)
+        kernel = _trace_kernel(momentum, nesterov)
 
         def leaf(path: Any, g: Any, t: Any) -> tuple[Any, Any]:
             if g is None:
                 return None, t
-            out, (t,) = apply_rule(path, g, jnp.shape(t), (t,), (), rule, where, whole_rows=False)
+            out, (t,) = apply_rule(path, g, jnp.shape(t), (t,), (), rule, where, whole_rows=False, kernel=kernel)
             return out, t
 
         out, trace = map_rule(leaf, updates, [(state.trace, "trace")], where, 2)
@@ -168,11 +210,11 @@ def _catch_up_sgd(
             last_step=jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params),
         )
 
-    def replay_rows(p0: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
-        """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (trace,))``."""
-        (m0,) = moments
+    def idle_coefficients(last: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per row of ``last``, brought up to step ``done``: its idle steps, and ``(C, momentum**idle)`` with ``C``
+        the sum over them of the learning rate times a power of the momentum. The native kernel reads these per
+        id, so both paths compute them here."""
         idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
-        moved = broadcast_rows(idle > 0, p0.ndim)
         # Idle step k (k = 1..s, at step last + k) has the trace mu^k m0 and moves the row by
         # -lr(last + k - 1) mu^k m0 (times mu more with Nesterov's update, g + mu m).
         if callable(learning_rate):
@@ -181,8 +223,16 @@ def _catch_up_sgd(
             coefficient = jnp.asarray(learning_rate, jnp.float32) * _geometric(momentum, idle)
         if nesterov:
             coefficient = jnp.asarray(momentum, jnp.float32) * coefficient
-        wide = jnp.promote_types(m0.dtype, jnp.float32)
         decay = jnp.power(jnp.asarray(momentum, jnp.float32), idle.astype(jnp.float32))
+        return idle, jnp.stack([coefficient, decay], axis=-1)
+
+    def replay_rows(p0: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
+        """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (trace,))``."""
+        (m0,) = moments
+        idle, coefficients = idle_coefficients(last, done)
+        coefficient, decay = coefficients[..., 0], coefficients[..., 1]
+        moved = broadcast_rows(idle > 0, p0.ndim)
+        wide = jnp.promote_types(m0.dtype, jnp.float32)
         m = jnp.where(moved, (m0.astype(wide) * broadcast_rows(decay, m0.ndim)).astype(m0.dtype), m0)
         shift = -broadcast_rows(coefficient, p0.ndim).astype(wide) * m0.astype(wide)
         return (p0.astype(wide) + shift).astype(p0.dtype), (m,)
@@ -227,7 +277,51 @@ def _catch_up_sgd(
     rows = RowReplay(
         CatchUpSgdState, ("trace",), lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count)
     )
-    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, None, rows=rows))
+    fusion = CatchUpMomentumFusion(learning_rate, momentum, nesterov, idle_coefficients)
+    return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, fusion, rows=rows))
+
+
+class CatchUpMomentumFusion(NamedTuple):
+    """What :func:`update_and_apply` needs of a ``sparse_sgd(..., momentum, catch_up=True)`` to run its step in one
+    pass per row: the momentum kernels' hyperparameters, and ``idle_coefficients(last, done)``, each row's idle
+    steps and their closed form's coefficients."""
+
+    learning_rate: optax.ScalarOrSchedule
+    momentum: Any
+    nesterov: bool
+    idle_coefficients: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+    def apply(
+        self,
+        p: jax.Array,
+        state: tuple[jax.Array, ...],
+        leaf: SparseLeaf,
+        scalars: jax.Array,
+        done: jax.Array,
+        count: jax.Array,
+        clip: Clipped | None = None,
+    ) -> tuple[jax.Array, ...]:
+        """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, trace, last_step)``, the
+        rows replayed up to step ``done`` (the count before the step), then stepped to ``count``. The idle steps'
+        coefficients are computed here on the keys, as the XLA path computes them on the rows."""
+        trace, last = state
+        keys = leaf.keys[:, 0]
+        idle, coefficients = self.idle_coefficients(of_keys(last, keys), done)
+        if clip is not None:
+            scalars = clip.append_to(scalars)
+        return _ffi.catch_up_momentum_apply(
+            p,
+            trace,
+            last,
+            keys,
+            leaf.values,
+            scalars,
+            coefficients,
+            idle,
+            count,
+            nesterov=self.nesterov,
+            unique=_kernel_path.unique_flag(leaf),
+        )
 
 
 def sparse_sgd(
@@ -287,6 +381,16 @@ def sparse_sgd(
     brings every row up to date, and ``value_and_row_grad(..., catch_up=tx)``
     hands the loss caught-up rows, as for :func:`sparse_adam`.
 
+    On the CPU lazy momentum (a float32 trace, sparse gradients of one
+    sparse axis) runs native kernels (see :func:`kernel_path`), and
+    :func:`~optax_sparse_adam.update_and_apply` runs its step in one pass per
+    touched row: Nesterov's bitwise the XLA path's, the plain trace within
+    the rounding of its sum (XLA:CPU picks by shape whether it contracts
+    ``g + momentum * t``, and where ids repeat it adds them one by one onto
+    ``momentum * t``); with ``catch_up=True`` one fused kernel also
+    catches each touched row up, from coefficients per id computed as the
+    XLA path computes them per row (Nesterov's bitwise the XLA path's).
+
     Dense gradient leaves take :func:`optax.sgd`'s step: for a leaf that gets
     a dense gradient every step, bitwise where the update and its
     application are compiled apart (in one jitted step XLA:CPU picks the
@@ -339,4 +443,7 @@ def sparse_sgd(
     check_hparam("momentum", momentum, lower=0.0, lower_open=False, upper=1.0 if catch_up else math.inf)
     if catch_up:
         return _catch_up_sgd(learning_rate, momentum, nesterov, accumulator_dtype)
-    return optax.chain(_lazy_trace(momentum, nesterov, accumulator_dtype), scale)
+    tx = optax.chain(_lazy_trace(momentum, nesterov, accumulator_dtype), scale)
+    # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
+    fusion = MomentumFusion(learning_rate, momentum, nesterov)
+    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))

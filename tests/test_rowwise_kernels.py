@@ -286,21 +286,28 @@ def _row_sum_of_squares(g: np.ndarray) -> F32:
     return total[0]
 
 
+def _coalesced(ids, values: np.ndarray, rows: int) -> tuple[list[int], dict[int, np.ndarray]]:
+    """The kernels' sums: the distinct in-range keys in order of first occurrence, and each one's entries added
+    from zero in entry order (float32)."""
+    order: list[int] = []
+    summed: dict[int, np.ndarray] = {}
+    for i, key in enumerate(ids):
+        if 0 <= key < rows:
+            if key not in summed:
+                order.append(int(key))
+                summed[key] = F32(0) + values[i]
+            else:
+                summed[key] = summed[key] + values[i]
+    return order, summed
+
+
 def _numpy_rule(p, acc, ids, values, mode: str, neg_lr: F32, apply: bool):
     """The kernels' arithmetic, float32 operation by operation, entry by entry; returns (p, acc, keys, steps)."""
     p, acc = p.reshape(p.shape[0], -1).copy(), acc.copy()
     values = values.reshape(values.shape[0], -1)
     width = p.shape[1]
     wd, eps = F32(WD if mode != "none" else 0.0), F32(EPS)
-    order: list[int] = []
-    summed: dict[int, np.ndarray] = {}
-    for i, key in enumerate(ids):
-        if 0 <= key < p.shape[0]:
-            if key not in summed:
-                order.append(int(key))
-                summed[key] = F32(0) + values[i]
-            else:
-                summed[key] = summed[key] + values[i]
+    order, summed = _coalesced(ids, values, p.shape[0])
     steps = np.zeros_like(values)
     for d, key in enumerate(order):
         g = summed[key]

@@ -134,7 +134,8 @@ def test_sharded_tables_are_judged_by_one_devices_block():
         ("apply_if_finite", optax.apply_if_finite(osa.sparse_adam(1e-2), 3), False, "two calls: "),
         ("osa.apply_if_finite", osa.apply_if_finite(osa.sparse_adam(1e-2), 3), True, "fused: "),
         ("rowwise adam", osa.sparse_rowwise_adam(1e-2), True, "fused: "),
-        ("adagrad", osa.sparse_adagrad(1e-2), False, "no native kernel for the optimizer: "),
+        ("adagrad", osa.sparse_adagrad(1e-2), True, "fused: "),
+        ("sgd", osa.sparse_sgd(1e-2), False, "no native kernel for the optimizer: "),
     ],
 )
 def test_the_report_says_whether_the_step_runs_fused(name, tx, fused, says):
@@ -147,7 +148,7 @@ def test_the_report_says_whether_the_step_runs_fused(name, tx, fused, says):
     if fused:
         # The lookup's distinct ids and gather, and the optimizer's one pass (in a cond's branch for
         # apply_if_finite, which the compiled text lists first, after its check of the gradient's rows).
-        apply = "rowwise_adam_apply" if name == "rowwise adam" else "sparse_adam_apply"
+        apply = {"rowwise adam": "rowwise_adam_apply", "adagrad": "adagrad_apply"}.get(name, "sparse_adam_apply")
         check = ("all_finite",) if name == "osa.apply_if_finite" else ()
         assert sorted(report.kernels) == sorted(("distinct", "gather", apply, *check)), report.kernels
     assert len(report.kernels) <= report.kernel_calls

@@ -1,0 +1,634 @@
+// Lazy element-wise optimizers on the rows a batch touches, as XLA FFI handlers for the CPU: the row loop of
+// row_loop.h (duplicates summed, rows split over threads, the step packed as the XLA path packs it) and three
+// rules whose state has the parameters' shape, one value per entry.
+//
+// Each rule has two handlers:
+//   ..._rows  (state..., keys, values, scalars[, p]) -> (state..., keys, step)
+//     the sparse leaf rule for tx.update (the row engine's kernel hook): the state in place, the step rows packed
+//     as the XLA path packs them (distinct keys first, padding after; with `unique`, in the entries' own slots);
+//   ..._apply (p, state..., keys, values, scalars) -> (p, state...)
+//     the rule and the parameters' update in one pass over each touched row (update_and_apply's fused step).
+// The targets, and their scalars in the order the Python side stacks them:
+//   adagrad (scale_by_sparse_adagrad, optax.scale_by_rss's rule): acc; scalars eps, neg_lr
+//     a' = fma(g, g, a),  u = (a' > 0 ? 1 / sqrt(a' + eps) : 0) g,  p' = p + neg_lr u
+//   momentum (sparse_sgd's lazy trace, optax.trace's rule): trace; scalars momentum, neg_lr; attribute nesterov
+//     t' = fma(t, momentum, g),  u = t' (Nesterov: fma(t', momentum, g)),  p' = p + neg_lr u
+//   ftrl (sparse_ftrl, TensorFlow's ApplyFtrlV2): accumulator n, linear z; scalars 1 / alpha (alpha with
+//     `divides`), l1, q0 = 2 (l2 + beta / (2 alpha)), 2 l2_shrinkage, c (learning_rate_power); the rows handler
+//     also reads p; attributes shrinks (whether the rule adds the shrinkage), root (0: n^-c with powf, 1:
+//     sqrt(n), 2: sqrt where c == -0.5 and powf elsewhere, as the rule chooses for a traced power), divides
+//     (XLA divides by a learning rate computed at run time, and multiplies by the reciprocal of a constant one)
+//     gs = fma(p, 2 l2_shrinkage, g) (or g),  n' = fma(g, g, n),  s = (root(n') - root(n)) (1 / alpha),
+//     z' = z + fma(-s, p, gs),  p_new = |z'| > l1 ? fma(sign(z'), l1, -z') / fma(root(n'), 1 / alpha, q0) : 0
+//     (with `divides`: s = (root(n') - root(n)) / alpha, and root(n') / alpha + q0 in the last denominator),
+//     u = p_new - p,  p' = p + u (apply_updates' sum: p_new to within a rounding, as on the XLA path).
+// And one fused handler with catch-up:
+//   catch_up_momentum_apply (p, trace, last_step, keys, values, scalars, coefficients, idle, count)
+//       -> (p, trace, last_step)
+//     sparse_sgd(momentum, catch_up=True)'s step: a row whose key says it sat out idle > 0 steps first takes
+//     them in their closed form, from two coefficients per key that the XLA side computes as the XLA path's
+//     replay computes them per row (C, the sum over the idle steps of lr_k momentum^k, times momentum with
+//     Nesterov, and momentum**idle):
+//       q = fma(-C, t, p),  t = t momentum**idle,
+//     then the momentum step from t, and p' = p + ((q + neg_lr u) - p), the update the XLA path rounds and
+//     applies (p' = p + neg_lr u for a row that did not sit out); each touched row's record takes the step's
+//     count in place, last_step = max(last_step, count).
+// Per entry, with the expressions XLA:CPU compiles the XLA path to (it contracts a product into the following
+// add, and turns a division by a broadcast scalar into a multiplication by its reciprocal); built with
+// -ffp-contract=off so that only the fused multiply-adds written here occur. The apply handlers take the
+// global-norm clipping's scalars after the rule's, as rowwise.cc's do (rows.h's Clip). Tables are aliased to
+// results (input_output_aliases), so under donation nothing table-sized is copied. Keys outside [0, num_rows)
+// are padding.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "row_loop.h"
+#include "rows.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace optax_sparse_adam {
+namespace {
+
+// ---- The rules. Each updates a row of its state from the row's summed gradient g; `out` is the parameters
+// (apply) or the step rows (rows, at `slot`).
+
+template <bool kApplies>
+struct AdagradRule {
+  static constexpr bool kApply = kApplies;
+  float eps, neg_lr;
+  float* acc;
+  float* out;
+  int64_t width;
+
+  int64_t Scratch() const { return 0; }
+
+  OSA_ROW_INLINE void Prefetch(int64_t r) const {
+    PrefetchRow(acc + r * width, width);
+    if (kApply) PrefetchRow(out + r * width, width);
+  }
+
+  OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t slot, int64_t, float*) const {
+    const float eps_ = eps, neg_lr_ = neg_lr;  // locals: the rows written might alias the rule's members
+    float* __restrict a = acc + r * width;
+    float* __restrict dst = kApply ? out + r * width : out + slot * width;
+    for (int64_t j = 0; j < width; ++j) {
+      const float an = std::fma(g[j], g[j], a[j]);
+      a[j] = an;
+      const float u = (an > 0.0f ? 1.0f / std::sqrt(an + eps_) : 0.0f) * g[j];
+      if constexpr (kApply) {
+        dst[j] = dst[j] + neg_lr_ * u;
+      } else {
+        dst[j] = u;
+      }
+    }
+  }
+};
+
+template <bool kApplies, bool kNesterov>
+struct MomentumRule {
+  static constexpr bool kApply = kApplies;
+  float momentum, neg_lr;
+  float* trace;
+  float* out;
+  int64_t width;
+
+  int64_t Scratch() const { return 0; }
+
+  OSA_ROW_INLINE void Prefetch(int64_t r) const {
+    PrefetchRow(trace + r * width, width);
+    if (kApply) PrefetchRow(out + r * width, width);
+  }
+
+  OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t slot, int64_t, float*) const {
+    const float mu = momentum, neg_lr_ = neg_lr;
+    float* __restrict t = trace + r * width;
+    float* __restrict dst = kApply ? out + r * width : out + slot * width;
+    for (int64_t j = 0; j < width; ++j) {
+      // XLA:CPU computes the product apart from the sum where it is the step itself (it keeps momentum * t
+      // for the update's fusion), and contracts them where Nesterov's step reads the new trace again.
+      const float tn = kNesterov ? std::fma(t[j], mu, g[j]) : g[j] + mu * t[j];
+      t[j] = tn;
+      const float u = kNesterov ? std::fma(tn, mu, g[j]) : tn;
+      if constexpr (kApply) {
+        dst[j] = dst[j] + neg_lr_ * u;
+      } else {
+        dst[j] = u;
+      }
+    }
+  }
+};
+
+// A touched row's idle steps, from per-key operands (the key's row's), and the step's count for its record.
+struct IdleKeys {
+  const float* coefficients;  // per key: C, momentum**idle
+  const int32_t* idle;        // per key
+  int32_t* last_step;         // per local row, written
+  int32_t count;
+};
+
+template <bool kNesterov>
+struct CatchUpMomentumRule {
+  static constexpr bool kApply = true;
+  float momentum, neg_lr;
+  float* trace;
+  float* out;
+  IdleKeys keys;
+  int64_t width;
+
+  int64_t Scratch() const { return 0; }
+
+  OSA_ROW_INLINE void Prefetch(int64_t r) const {
+    PrefetchRow(trace + r * width, width);
+    PrefetchRow(out + r * width, width);
+    __builtin_prefetch(keys.last_step + r, 1, 3);
+  }
+
+  OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t, int64_t entry, float*) const {
+    const float mu = momentum, neg_lr_ = neg_lr;
+    float* __restrict t = trace + r * width;
+    float* __restrict q = out + r * width;
+    keys.last_step[r] = std::max(keys.last_step[r], keys.count);
+    if (keys.idle[entry] <= 0) {  // up to date: the lazy step
+      for (int64_t j = 0; j < width; ++j) {
+        const float tn = kNesterov ? std::fma(t[j], mu, g[j]) : g[j] + mu * t[j];
+        t[j] = tn;
+        q[j] = q[j] + neg_lr_ * (kNesterov ? std::fma(tn, mu, g[j]) : tn);
+      }
+      return;
+    }
+    const float c = keys.coefficients[2 * entry], decay = keys.coefficients[2 * entry + 1];
+    for (int64_t j = 0; j < width; ++j) {
+      const float p0 = q[j];
+      const float caught = std::fma(-c, t[j], p0);
+      const float m = t[j] * decay;
+      const float tn = kNesterov ? std::fma(m, mu, g[j]) : g[j] + mu * m;
+      t[j] = tn;
+      const float step = neg_lr_ * (kNesterov ? std::fma(tn, mu, g[j]) : tn);
+      q[j] = p0 + ((caught + step) - p0);
+    }
+  }
+};
+
+struct FtrlScalars {
+  float alpha, l1, q0, shrink, power;  // alpha: 1 / alpha where the rule multiplies by it (kDivides false)
+};
+constexpr int64_t kFtrlScalars = 5;
+
+// jnp.sign: -1, 0 or 1, a zero keeping its sign and a NaN staying NaN.
+OSA_ROW_INLINE float Sign(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
+
+template <bool kApplies, bool kSqrt, bool kShrinks, bool kDivides>
+struct FtrlRule {
+  static constexpr bool kApply = kApplies;
+  FtrlScalars s;
+  float* n;
+  float* z;
+  const float* p;  // the parameters (apply: p == out)
+  float* out;
+  int64_t width;
+
+  int64_t Scratch() const { return 0; }
+
+  OSA_ROW_INLINE void Prefetch(int64_t r) const {
+    PrefetchRow(n + r * width, width);
+    PrefetchRow(z + r * width, width);
+    PrefetchRow(p + r * width, width);
+  }
+
+  OSA_ROW_INLINE static float Root(float x, float neg_power) { return kSqrt ? std::sqrt(x) : std::pow(x, neg_power); }
+
+  // x / alpha: a division where alpha is computed at run time, a product by the constant 1 / alpha where it is a
+  // constant (XLA's simplifier turns the division by a constant into that product).
+  OSA_ROW_INLINE static float PerAlpha(float x, float alpha) { return kDivides ? x / alpha : x * alpha; }
+
+  OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t slot, int64_t, float*) const {
+    const float alpha = s.alpha, l1 = s.l1, q0 = s.q0, shrink = s.shrink, neg_power = -s.power;
+    float* __restrict nr = n + r * width;
+    float* __restrict zr = z + r * width;
+    const float* pr = p + r * width;  // may be dst (apply): read before written, entry by entry
+    float* dst = kApply ? out + r * width : out + slot * width;
+    for (int64_t j = 0; j < width; ++j) {
+      const float pj = pr[j];
+      const float gs = kShrinks ? std::fma(pj, shrink, g[j]) : g[j];
+      const float nn = std::fma(g[j], g[j], nr[j]);
+      const float root_new = Root(nn, neg_power);
+      const float sigma = PerAlpha(root_new - Root(nr[j], neg_power), alpha);
+      const float zn = zr[j] + std::fma(-sigma, pj, gs);
+      nr[j] = nn;
+      zr[j] = zn;
+      const float quadratic = kDivides ? PerAlpha(root_new, alpha) + q0 : std::fma(root_new, alpha, q0);
+      const float p_new = std::fabs(zn) > l1 ? std::fma(Sign(zn), l1, -zn) / quadratic : 0.0f;
+      const float u = p_new - pj;
+      if constexpr (kApply) {
+        dst[j] = pj + u;
+      } else {
+        dst[j] = u;
+      }
+    }
+  }
+};
+
+// ---- Checks shared by the handlers.
+
+// The state tables (one value per entry of each local row) and the values: sets the shard's rows and the width.
+ffi::Error CheckTables(ffi::Span<const int64_t> table, ffi::Span<const int64_t> values, int64_t k, Shard& shard,
+                       int64_t& width) {
+  if (table.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
+  shard.local_rows = table[0];
+  if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
+  width = RowWidth(table);
+  if (width < 1) return ffi::Error::InvalidArgument("rows must hold at least one entry");
+  if (values.size() < 1 || values[0] != k || RowWidth(values) != width)
+    return ffi::Error::InvalidArgument("values must have one row of the tables' width per key");
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckSame(const ffi::Buffer<ffi::F32>& a, const ffi::Buffer<ffi::F32>& b) {
+  if (a.element_count() != b.element_count())
+    return ffi::Error::InvalidArgument("the parameters and the state tables must have one shape");
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckScalars(const ffi::BufferR1<ffi::F32>& scalars, int64_t count, bool clips) {
+  if (!ScalarCountOk(static_cast<int64_t>(scalars.element_count()), count, clips))
+    return ffi::Error::InvalidArgument(clips ? "wrong number of scalars (the rule's, then 1 or 2 to clip)"
+                                             : "wrong number of scalars");
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckRowsResults(size_t keys_out, size_t step_out, const ffi::BufferR1<ffi::S32>& keys,
+                            const ffi::Buffer<ffi::F32>& values) {
+  if (step_out != values.element_count() || keys_out != keys.element_count())
+    return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
+  return ffi::Error::Success();
+}
+
+// ---- Adagrad.
+
+ffi::Error AdagradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> acc, ffi::BufferR1<ffi::S32> keys,
+                           ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                           ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> acc_out,
+                           ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
+                           int64_t num_rows, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(acc.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, 2, false); e.failure()) return e;
+  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values); e.failure()) return e;
+  float* a = acc_out->typed_data();
+  CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
+  const float* x = scalars.typed_data();
+  Run(pool, AdagradRule<false>{x[0], x[1], a, step_out->typed_data(), width}, Options{unique, threads},
+      keys.typed_data(), k, shard, values.typed_data(), keys_out->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> acc,
+                            ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                            ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
+                            ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> acc_out, int64_t num_rows,
+                            int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(acc.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckSame(p, acc); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, 2, true); e.failure()) return e;
+  float* q = p_out->typed_data();
+  float* a = acc_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
+  const float* x = scalars.typed_data();
+  Run(pool, AdagradRule<true>{x[0], x[1], a, q, width}, Options{unique, threads, ReadClip(scalars, 2)},
+      keys.typed_data(), k, shard, values.typed_data(), nullptr);
+  return ffi::Error::Success();
+}
+
+// ---- Momentum.
+
+template <bool kApply>
+void RunMomentum(ffi::ThreadPool& pool, bool nesterov, const float* x, float* trace, float* out, int64_t width,
+                 const Options& o, const int32_t* keys, int64_t k, const Shard& shard, const float* values,
+                 int32_t* out_keys) {
+  if (nesterov) {
+    Run(pool, MomentumRule<kApply, true>{x[0], x[1], trace, out, width}, o, keys, k, shard, values, out_keys);
+  } else {
+    Run(pool, MomentumRule<kApply, false>{x[0], x[1], trace, out, width}, o, keys, k, shard, values, out_keys);
+  }
+}
+
+ffi::Error MomentumRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> trace, ffi::BufferR1<ffi::S32> keys,
+                            ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                            ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> trace_out,
+                            ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
+                            int64_t num_rows, int64_t nesterov, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(trace.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, 2, false); e.failure()) return e;
+  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values); e.failure()) return e;
+  float* t = trace_out->typed_data();
+  CopyIfNotAliased(t, trace.typed_data(), trace.element_count());
+  RunMomentum<false>(pool, nesterov != 0, scalars.typed_data(), t, step_out->typed_data(), width,
+                     Options{unique, threads}, keys.typed_data(), k, shard, values.typed_data(),
+                     keys_out->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error MomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> trace,
+                             ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                             ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
+                             ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> trace_out,
+                             int64_t num_rows, int64_t nesterov, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(trace.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckSame(p, trace); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, 2, true); e.failure()) return e;
+  float* q = p_out->typed_data();
+  float* t = trace_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(t, trace.typed_data(), trace.element_count());
+  RunMomentum<true>(pool, nesterov != 0, scalars.typed_data(), t, q, width,
+                    Options{unique, threads, ReadClip(scalars, 2)}, keys.typed_data(), k, shard,
+                    values.typed_data(), nullptr);
+  return ffi::Error::Success();
+}
+
+ffi::Error CatchUpMomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> trace,
+                                    ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::S32> keys,
+                                    ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                                    ffi::BufferR2<ffi::F32> coefficients, ffi::BufferR1<ffi::S32> idle,
+                                    ffi::BufferR1<ffi::S32> count, ffi::BufferR0<ffi::S32> row_begin,
+                                    ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> trace_out,
+                                    ffi::ResultBufferR1<ffi::S32> last_step_out, int64_t num_rows, int64_t nesterov,
+                                    int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(trace.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckSame(p, trace); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, 2, true); e.failure()) return e;
+  const auto dims = coefficients.dimensions();
+  if (dims[0] != k || dims[1] != 2 || static_cast<int64_t>(idle.element_count()) != k)
+    return ffi::Error::InvalidArgument("coefficients must hold 2 values per key, idle one");
+  if (static_cast<int64_t>(last_step.element_count()) != shard.local_rows ||
+      last_step_out->element_count() != last_step.element_count())
+    return ffi::Error::InvalidArgument("last_step must have one entry per row");
+  if (count.element_count() != 1) return ffi::Error::InvalidArgument("count must hold the step's count");
+  float* q = p_out->typed_data();
+  float* t = trace_out->typed_data();
+  int32_t* last = last_step_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(t, trace.typed_data(), trace.element_count());
+  CopyIfNotAliased(last, last_step.typed_data(), last_step.element_count());
+  const IdleKeys idle_keys{coefficients.typed_data(), idle.typed_data(), last, *count.typed_data()};
+  const float* x = scalars.typed_data();
+  const Options o{unique, threads, ReadClip(scalars, 2)};
+  if (nesterov != 0) {
+    Run(pool, CatchUpMomentumRule<true>{x[0], x[1], t, q, idle_keys, width}, o, keys.typed_data(), k, shard,
+        values.typed_data(), nullptr);
+  } else {
+    Run(pool, CatchUpMomentumRule<false>{x[0], x[1], t, q, idle_keys, width}, o, keys.typed_data(), k, shard,
+        values.typed_data(), nullptr);
+  }
+  return ffi::Error::Success();
+}
+
+// ---- FTRL.
+
+FtrlScalars ReadFtrlScalars(const ffi::BufferR1<ffi::F32>& b) {
+  const float* x = b.typed_data();
+  return FtrlScalars{x[0], x[1], x[2], x[3], x[4]};
+}
+
+// Runs the FTRL rule chosen by the handler's attributes, the flags picking the template's.
+struct FtrlCall {
+  FtrlScalars s;
+  float* n;
+  float* z;
+  const float* p;
+  float* out;
+  int64_t width;
+
+  template <bool kApply, bool... kFlags>
+  void Run(ffi::ThreadPool& pool, const Options& o, const int32_t* keys, int64_t k, const Shard& shard,
+           const float* values, int32_t* out_keys) const {
+    optax_sparse_adam::Run(pool, FtrlRule<kApply, kFlags...>{s, n, z, p, out, width}, o, keys, k, shard, values,
+                           out_keys);
+  }
+};
+
+template <bool kApply, bool... kChosen, typename... Flags>
+void RunFtrlWith(const FtrlCall& call, ffi::ThreadPool& pool, const Options& o, const int32_t* keys, int64_t k,
+                 const Shard& shard, const float* values, int32_t* out_keys, bool flag, Flags... rest) {
+  if constexpr (sizeof...(Flags) == 0) {
+    if (flag) {
+      call.Run<kApply, kChosen..., true>(pool, o, keys, k, shard, values, out_keys);
+    } else {
+      call.Run<kApply, kChosen..., false>(pool, o, keys, k, shard, values, out_keys);
+    }
+  } else if (flag) {
+    RunFtrlWith<kApply, kChosen..., true>(call, pool, o, keys, k, shard, values, out_keys, rest...);
+  } else {
+    RunFtrlWith<kApply, kChosen..., false>(call, pool, o, keys, k, shard, values, out_keys, rest...);
+  }
+}
+
+template <bool kApply>
+void RunFtrl(ffi::ThreadPool& pool, int64_t root, bool shrinks, bool divides, const FtrlCall& call,
+             const Options& o, const int32_t* keys, int64_t k, const Shard& shard, const float* values,
+             int32_t* out_keys) {
+  // root 2 chooses as the rule's jnp.where(c == -0.5, sqrt, power) does, once for the call.
+  const bool takes_sqrt = root == 1 || (root == 2 && call.s.power == -0.5f);
+  RunFtrlWith<kApply>(call, pool, o, keys, k, shard, values, out_keys, takes_sqrt, shrinks, divides);
+}
+
+ffi::Error CheckFtrl(const ffi::Buffer<ffi::F32>& n, const ffi::Buffer<ffi::F32>& z, const ffi::Buffer<ffi::F32>& p,
+                     int64_t root) {
+  if (ffi::Error e = CheckSame(p, n); e.failure()) return e;
+  if (ffi::Error e = CheckSame(p, z); e.failure()) return e;
+  if (root < 0 || root > 2) return ffi::Error::InvalidArgument("root must be 0, 1 or 2");
+  return ffi::Error::Success();
+}
+
+ffi::Error FtrlRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> n, ffi::Buffer<ffi::F32> z,
+                        ffi::Buffer<ffi::F32> p, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                        ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
+                        ffi::ResultBuffer<ffi::F32> n_out, ffi::ResultBuffer<ffi::F32> z_out,
+                        ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
+                        int64_t num_rows, int64_t root, int64_t shrinks, int64_t divides, int64_t unique,
+                        int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(n.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckFtrl(n, z, p, root); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, kFtrlScalars, false); e.failure()) return e;
+  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values); e.failure()) return e;
+  float* nn = n_out->typed_data();
+  float* zz = z_out->typed_data();
+  CopyIfNotAliased(nn, n.typed_data(), n.element_count());
+  CopyIfNotAliased(zz, z.typed_data(), z.element_count());
+  RunFtrl<false>(pool, root, shrinks != 0, divides != 0,
+                 FtrlCall{ReadFtrlScalars(scalars), nn, zz, p.typed_data(), step_out->typed_data(), width},
+                 Options{unique, threads}, keys.typed_data(), k, shard, values.typed_data(), keys_out->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error FtrlApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> n,
+                         ffi::Buffer<ffi::F32> z, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                         ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
+                         ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> n_out,
+                         ffi::ResultBuffer<ffi::F32> z_out, int64_t num_rows, int64_t root, int64_t shrinks,
+                         int64_t divides, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(n.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckFtrl(n, z, p, root); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, kFtrlScalars, true); e.failure()) return e;
+  float* q = p_out->typed_data();
+  float* nn = n_out->typed_data();
+  float* zz = z_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(nn, n.typed_data(), n.element_count());
+  CopyIfNotAliased(zz, z.typed_data(), z.element_count());
+  RunFtrl<true>(pool, root, shrinks != 0, divides != 0, FtrlCall{ReadFtrlScalars(scalars), nn, zz, q, q, width},
+                Options{unique, threads, ReadClip(scalars, kFtrlScalars)}, keys.typed_data(), k, shard,
+                values.typed_data(), nullptr);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace optax_sparse_adam
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamAdagradRows, optax_sparse_adam::AdagradRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // acc
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // acc
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // keys, distinct first
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // step rows
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamAdagradApply, optax_sparse_adam::AdagradApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // acc
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // acc
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamMomentumRows, optax_sparse_adam::MomentumRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // trace
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // trace
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // keys, distinct first
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // step rows
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("nesterov")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamMomentumApply, optax_sparse_adam::MomentumApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // trace
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // trace
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("nesterov")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamFtrlRows, optax_sparse_adam::FtrlRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // accumulator
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // linear
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p (read)
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // accumulator
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // linear
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // keys, distinct first
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // step rows
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("root")
+                                  .Attr<int64_t>("shrinks")
+                                  .Attr<int64_t>("divides")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamFtrlApply, optax_sparse_adam::FtrlApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // accumulator
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // linear
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // accumulator
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // linear
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("root")
+                                  .Attr<int64_t>("shrinks")
+                                  .Attr<int64_t>("divides")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumApply, optax_sparse_adam::CatchUpMomentumApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // trace
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last_step: per row, the step recorded
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
+                                  .Arg<ffi::BufferR2<ffi::F32>>()  // coefficients: C, momentum**idle per key
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // count: (1,), the step's, recorded
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // trace
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("nesterov")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
