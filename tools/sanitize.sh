@@ -6,7 +6,8 @@
 # and the kernel tests run from there, so that `import optax_sparse_adam` is the copy and the repository's own
 # in-place optax_sparse_adam/_kernels.so is never touched.
 #
-# The tests: tests/test_kernels.py, tests/test_rowwise_kernels.py, tests/test_catch_up.py, tests/test_row_ops.py
+# The tests: tests/test_kernels.py, tests/test_rowwise_kernels.py, tests/test_elementwise_kernels.py (and every other
+# test module whose name holds "kernel"), tests/test_catch_up.py, tests/test_row_ops.py
 # (the gather and distinct-ids kernels), and every other
 # test under tests/ whose name mentions "kernel" or starts "test_catch_up" (the catch-up kernel's tests in the
 # other optimizers' files), all without the slow ones (-m "not slow"); no -x, so every
