@@ -2,9 +2,10 @@
 
 A two-tower model (user and item tables, a dot product), ``value_and_row_grad`` for the gradients, fresh
 Zipf batches, ``sparse_adam``; the doors: ``nnx.Optimizer`` (two calls) and ``optax_sparse_adam.nnx.Optimizer``
-(fused) in an ``nnx.jit`` step; flax's ``TrainState`` (two calls) and ``optax_sparse_adam.linen.TrainState``
-(fused) in a ``jax.jit`` step of the same model in linen; and ``update_and_apply`` on the nnx model's parameter
-pytree in a ``jax.jit`` step (the bare door). The doors take turns ``--block`` steps at a time in one process
+(fused) in an ``nnx.jit`` step, the fused one also called through ``nnx.cached_partial`` (the Flax guide's
+loop); flax's ``TrainState`` (two calls) and ``optax_sparse_adam.linen.TrainState`` (fused) in a ``jax.jit`` step
+of the same model in linen; and ``update_and_apply`` on the nnx model's parameter pytree in a ``jax.jit`` step (the
+bare door). The doors take turns ``--block`` steps at a time in one process
 (each block's first step left out: it pays for switching between jitted functions); medians after ``--warmup``.
 
     python benchmarks/nnx_step.py --rows 1000000 --width 64 --batch 8192
@@ -78,12 +79,16 @@ def main() -> None:
         _, grads = osa.value_and_row_grad(lambda p, i: loss(nnx.merge(graphdef, p), i), tables)(params, ids)
         optimizer.update(model, grads)
 
-    def nnx_door(cls: type) -> Callable[[tuple[jax.Array, jax.Array]], jax.Array]:
+    def nnx_door(cls: type, cached: bool = False) -> Callable[[tuple[jax.Array, jax.Array]], jax.Array]:
         model = TwoTower(args.rows, args.width, nnx.Rngs(0))
         optimizer = cls(model, tx, wrt=nnx.Param)
+        # nnx.cached_partial: the model and optimizer's graph traversed once, not at every call.
+        step = (
+            nnx.cached_partial(nnx_step, model, optimizer) if cached else functools.partial(nnx_step, model, optimizer)
+        )
 
         def run(ids: tuple[jax.Array, jax.Array]) -> jax.Array:
-            nnx_step(model, optimizer, ids)
+            step(ids)
             return model.user.embedding[...]
 
         return run
@@ -132,6 +137,7 @@ def main() -> None:
         "update_and_apply (bare, jax.jit)": bare_door(),
         "nnx.Optimizer (two calls)": nnx_door(nnx.Optimizer),
         "osa.nnx.Optimizer (fused)": nnx_door(osa_nnx.Optimizer),
+        "osa.nnx.Optimizer (fused, nnx.cached_partial)": nnx_door(osa_nnx.Optimizer, cached=True),
         "flax TrainState (two calls)": linen_door(train_state.TrainState),
         "osa.linen.TrainState (fused)": linen_door(osa_linen.TrainState),
     }

@@ -98,3 +98,30 @@ def test_fused_optimizer_equals_nnx_optimizer_and_runs_the_kernel(kernel_path):
 
     hlo = nnx.jit(step).lower(models[1], optimizers[1], _batch(rng), jnp.zeros(16, jnp.float32)).as_text()
     assert ("sparse_adam_apply" in hlo) == (kernel_path == "native-cpu")
+
+
+def test_the_fused_step_through_cached_partial_equals_the_plain_call(kernel_path):
+    """The Flax guide's loop: the step called through ``nnx.cached_partial`` (its graph walked once) updates the
+    model and the optimizer in place as the plain ``nnx.jit`` call does, bitwise."""
+    from optax_sparse_adam import nnx as osa_nnx
+
+    rng = np.random.default_rng(2)
+    models = [Model(nnx.Rngs(0)) for _ in range(2)]
+    optimizers = [osa_nnx.Optimizer(m, osa.sparse_adam(1e-2), wrt=nnx.Param) for m in models]
+
+    @nnx.jit(donate_argnames=("model", "optimizer"))
+    def step(model, optimizer, bags, labels):
+        graphdef, params = nnx.split(model, nnx.Param)
+        loss, grads = osa.value_and_row_grad(
+            lambda p, b: _loss(nnx.merge(graphdef, p), b, labels), lambda p: p["emb"]["stacks"]
+        )(params, bags)
+        optimizer.update(model, grads)
+        return loss
+
+    cached = nnx.cached_partial(step, models[1], optimizers[1])
+    for _ in range(3):
+        batch, labels = _batch(rng), jnp.asarray(rng.standard_normal(16), jnp.float32)
+        assert_trees_equal(step(models[0], optimizers[0], batch, labels), cached(batch, labels))
+    assert_trees_equal(nnx.state(models[1]), nnx.state(models[0]))
+    assert_trees_equal(nnx.state(optimizers[1]), nnx.state(optimizers[0]))
+    assert int(optimizers[1].step[...]) == 3
