@@ -562,3 +562,18 @@ def test_catch_up_momentum_rows_idle_for_any_count(nesterov):
         assert_trees_equal(native[0], xla[0])
     else:
         assert_trees_equal(native[0], xla[0], atol=4 * float(np.spacing(F32(jnp.max(jnp.abs(xla[0]))))))
+
+
+@needs_kernels
+def test_catch_up_momentum_fuses_after_global_norm_clipping():
+    """``chain(sparse_aware(clip_by_global_norm), sparse_sgd(..., catch_up=True))``: one fused pass, which clips
+    each summed row as it reads the entries; the XLA path's numbers to a rounding (XLA may fuse the clipping's
+    product into the trace's multiply-add)."""
+    tx = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(0.5)), osa.sparse_sgd(LR, MU, True, catch_up=True))
+    rng = np.random.default_rng(32)
+    p = jnp.asarray(rng.standard_normal((100, 6)), jnp.float32)
+    ids = [jnp.asarray((rng.zipf(1.3, 24) - 1) % 100, jnp.int32) for _ in range(12)]
+    batches = [(i, jnp.asarray(rng.standard_normal((24, 6)), jnp.float32)) for i in ids]
+    native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels) for kernels in (True, False))
+    assert_trees_equal(native, xla, rtol=2e-6, atol=1e-6)
+    assert int(optax.tree.get(native[1], "CatchUpSgdState").last_step.max()) == 12
