@@ -61,6 +61,13 @@ class FtrlFusion(NamedTuple):
     hyperparams: tuple[Any, ...]  # l1, l2, l2 shrinkage, beta, learning_rate_power
     shrinks: bool
     root: int
+    native: bool = True  # False where XLA rewrites the power into products (-c of 1, 2 or 3): the XLA path runs
+
+    def rate(self, state: Any) -> Any:
+        """The learning rate of the step from ``state`` (a chain's, holding an :class:`FtrlState`), as the rule
+        takes it: the constant itself, or the schedule's value at the step count."""
+        lr = self.learning_rate
+        return lr(optax.tree.get(state, "FtrlState").count) if callable(lr) else lr
 
     def scalars(self, lr: Any) -> tuple[jax.Array, bool]:
         """The kernels' scalar operand at learning rate ``lr`` and their ``divides`` flag.
@@ -186,7 +193,9 @@ def sparse_ftrl(
     On the CPU native kernels run the rule for float32 tables and state
     with sparse gradients of one sparse axis (see :func:`kernel_path`),
     bitwise the XLA path's, and :func:`~optax_sparse_adam.update_and_apply`
-    runs the step in one pass per touched row.
+    runs the step in one pass per touched row; but for a
+    ``learning_rate_power`` of -1, -2 or -3, whose powers XLA:CPU turns into
+    products rounded its own way: those run the XLA path.
 
     Args:
       learning_rate: A float or an optax schedule (of the step count).
@@ -253,7 +262,9 @@ def sparse_ftrl(
         beta,
         power,
     )
-    fusion = FtrlFusion(learning_rate, hyperparams, shrinks, 2 if static_sqrt is None else int(static_sqrt))
+    # XLA:CPU rewrites x ** 1, x ** 2 and x ** 3 into products, and rounds them and what reads them its own way.
+    native = static_sqrt is None or float(np.asarray(power)) not in (-1.0, -2.0, -3.0)
+    fusion = FtrlFusion(learning_rate, hyperparams, shrinks, 2 if static_sqrt is None else int(static_sqrt), native)
 
     def init_fn(params: optax.Params) -> FtrlState:
         check_params(params, _WHERE)
@@ -315,7 +326,15 @@ def sparse_ftrl(
                     f"has shape {jnp.shape(p)}: the state was built for other parameters; build it with `tx.init`",
                 )
             out, (n, z) = apply_rule(
-                path, g, jnp.shape(p), (n, z), (p,), rule, _WHERE, whole_rows=False, kernel=fusion.kernel(lr)
+                path,
+                g,
+                jnp.shape(p),
+                (n, z),
+                (p,),
+                rule,
+                _WHERE,
+                whole_rows=False,
+                kernel=fusion.kernel(lr) if fusion.native else None,
             )
             return out, n, z
 

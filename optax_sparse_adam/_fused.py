@@ -56,8 +56,10 @@ def update_and_apply(
     :func:`~optax_sparse_adam.sparse_adam` (``catch_up`` too),
     :func:`~optax_sparse_adam.sparse_adamw` (``catch_up`` too),
     :func:`~optax_sparse_adam.sparse_amsgrad` (``catch_up`` too),
-    :func:`~optax_sparse_adam.sparse_rowwise_adam` or
-    :func:`~optax_sparse_adam.sparse_rowwise_adagrad`, or wraps one in a way
+    :func:`~optax_sparse_adam.sparse_rowwise_adam`,
+    :func:`~optax_sparse_adam.sparse_rowwise_adagrad`,
+    :func:`~optax_sparse_adam.sparse_adagrad`, :func:`~optax_sparse_adam.sparse_ftrl` or
+    :func:`~optax_sparse_adam.sparse_sgd` with momentum (``catch_up`` too), or wraps one in a way
     that passes its updates and state through untouched
     (``optax.inject_hyperparams``, stages such as
     ``sparse_aware(clip_by_global_norm(c))`` before it,
@@ -75,7 +77,8 @@ def update_and_apply(
 
     with :math:`u_S` the step of :func:`scale_by_sparse_adam` (of
     :func:`scale_by_rowwise_adam`; of :func:`scale_by_rowwise_adagrad`, plus :math:`\lambda p_S` with decoupled
-    weight decay). It checks
+    weight decay; of the other optimizers' rules; FTRL's update is its new parameter minus the old, and a catch-up
+    optimizer's row first takes the steps it sat out). It checks
     what the two calls check (int8 or uint8 indices too narrow to mark a
     table's padding are refused on every path). Its numbers are those of the
     kernels (see :func:`kernel_path`): from the same state, ``nu`` bitwise
@@ -84,9 +87,11 @@ def update_and_apply(
     plus one of the largest update, because XLA:CPU chooses by shape which
     multiply-adds it fuses (and where ``maximize`` negates the gradient). For
     the row-wise optimizers see :func:`scale_by_rowwise_adam` and
-    :func:`scale_by_rowwise_adagrad` for how their numbers relate to the two calls'. After
+    :func:`scale_by_rowwise_adagrad` for how their numbers relate to the two calls', and the native kernels guide
+    for the element-wise optimizers (Adagrad, FTRL, momentum). After
     ``sparse_aware(optax.clip_by_global_norm(c))``, every fused kernel (lazy Adam, AdamW, AMSGrad, catch-up Adam,
-    AdamW and AMSGrad, row-wise Adam and row-wise Adagrad) sums a table's entries and clips each row itself, bitwise
+    AdamW and AMSGrad, row-wise Adam and row-wise Adagrad, element-wise Adagrad, FTRL and momentum, with catch-up
+    too) sums a table's entries and clips each row itself, bitwise
     as the two calls on the kernels clip them (for the catch-up optimizers on ids given as distinct, as they clip
     them computed on their own: see the native kernels guide). On
     other platforms, for other leaves, under differentiation and in
@@ -455,7 +460,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             clips=True,
             with_clip=lambda scalars, clip: (*scalars, clip),  # the step counts, then the clipping, as catch-up Adam's
         )
-    if isinstance(fusion, FtrlFusion):
+    if isinstance(fusion, FtrlFusion) and fusion.native:
         ftrl = fusion
         return _Fusable(
             ftrl.learning_rate,
@@ -463,7 +468,8 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "FtrlState",
             ("accumulator", "linear"),
             fits=lambda p, st: p.shape == st[0].shape == st[1].shape,
-            scalars=lambda state, new_state, neg_lr: ftrl.scalars(-neg_lr),
+            # The learning rate as given (a constant stays one: XLA multiplies by its reciprocal), not -neg_lr.
+            scalars=lambda state, new_state, neg_lr: ftrl.scalars(ftrl.rate(state)),
             apply=lambda p, st, sp, scalars, _: ftrl.apply(p, st, sp, *scalars),
             count_owner="FtrlState",
             clips=True,
@@ -669,6 +675,8 @@ def _fusable_leaves(fusable: _Fusable, grads: Any, state: Any, params: Any) -> d
         floats = [x for x in st if x.dtype != jnp.int32]  # per-row steps (catch-up's last_step) are int32
         if fusable.half_params and all(x.dtype == jnp.float32 for x in floats) and sp.values.dtype in HALF_FLOATS:
             sp = sp._replace(values=sp.values.astype(jnp.float32))  # as the rule converts them
-        if _kernel_path.supports(p.shape, sp.n_sparse, *floats, sp.values, params=p if fusable.half_params else None):
+        # A kernel that takes float32 parameters only checks them with the other float32 operands.
+        operands = (*floats, sp.values) if fusable.half_params else (*floats, sp.values, p)
+        if _kernel_path.supports(p.shape, sp.n_sparse, *operands, params=p if fusable.half_params else None):
             fused[i] = sp
     return fused

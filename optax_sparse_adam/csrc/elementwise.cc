@@ -12,7 +12,8 @@
 //   adagrad (scale_by_sparse_adagrad, optax.scale_by_rss's rule): acc; scalars eps, neg_lr
 //     a' = fma(g, g, a),  u = (a' > 0 ? 1 / sqrt(a' + eps) : 0) g,  p' = p + neg_lr u
 //   momentum (sparse_sgd's lazy trace, optax.trace's rule): trace; scalars momentum, neg_lr; attribute nesterov
-//     t' = fma(t, momentum, g),  u = t' (Nesterov: fma(t', momentum, g)),  p' = p + neg_lr u
+//     t' = g + momentum t,  u = t',  p' = p + neg_lr u
+//     (Nesterov: t' = fma(t, momentum, g),  u = fma(t', momentum, g), as XLA:CPU contracts them there)
 //   ftrl (sparse_ftrl, TensorFlow's ApplyFtrlV2): accumulator n, linear z; scalars 1 / alpha (alpha with
 //     `divides`), l1, q0 = 2 (l2 + beta / (2 alpha)), 2 l2_shrinkage, c (learning_rate_power); the rows handler
 //     also reads p; attributes shrinks (whether the rule adds the shrinkage), root (0: n^-c with powf, 1:
@@ -34,7 +35,7 @@
 //     applies (p' = p + neg_lr u for a row that did not sit out); each touched row's record takes the step's
 //     count in place, last_step = max(last_step, count).
 // Per entry, with the expressions XLA:CPU compiles the XLA path to (it contracts a product into the following
-// add, and turns a division by a broadcast scalar into a multiplication by its reciprocal); built with
+// add, and turns a division by a constant scalar into a multiplication by its reciprocal); built with
 // -ffp-contract=off so that only the fused multiply-adds written here occur. The apply handlers take the
 // global-norm clipping's scalars after the rule's, as rowwise.cc's do (rows.h's Clip). Tables are aliased to
 // results (input_output_aliases), so under donation nothing table-sized is copied. Keys outside [0, num_rows)
