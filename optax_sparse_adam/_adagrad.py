@@ -15,37 +15,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam import _ffi, _kernel_path
+from optax_sparse_adam import _ffi
 from optax_sparse_adam._checks import check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule
+from optax_sparse_adam._row_engine import apply_rule, elementwise_kernel, map_rule
 from optax_sparse_adam._sparse_aware import sparse_aware
-from optax_sparse_adam._sparse_leaf import SparseLeaf
 
 __all__ = ["scale_by_sparse_adagrad", "sparse_adagrad"]
 
 _WHERE = "scale_by_sparse_adagrad"
-
-
-def adagrad_scalars(eps: Any, neg_lr: Any = 0.0) -> jax.Array:
-    """The element-wise Adagrad kernels' scalar operand, ``[eps, neg_lr]`` in float32 as the rule rounds them
-    (``neg_lr``: the fused step's learning-rate scale, unused by the rows kernel)."""
-    return jnp.stack([jnp.asarray(x).astype(jnp.float32) for x in (eps, neg_lr)])
-
-
-def _kernel(eps: Any) -> Kernel:
-    """The native CPU kernel in the rule's place."""
-
-    def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
-        return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
-
-    def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-        acc, keys, step = _ffi.elementwise_rows(
-            "adagrad", state, leaf.keys[:, 0], leaf.values, adagrad_scalars(eps), unique=_kernel_path.unique_flag(leaf)
-        )
-        return keys[:, None], step, (acc,)
-
-    return Kernel(supports, run)
 
 
 class AdagradFusion(NamedTuple):
@@ -122,12 +100,13 @@ def scale_by_sparse_adagrad(
             inv_sqrt = jnp.where(acc > 0, jax.lax.rsqrt(acc + eps), 0.0)
             return inv_sqrt * g, (acc,)
 
+        # The kernels' scalars: eps, then the fused step's learning-rate scale (unused here).
+        kernel = elementwise_kernel("adagrad", _ffi.float32_scalars(eps, 0.0))
+
         def leaf(path: Any, g: Any, acc: Any) -> tuple[Any, Any]:
             if g is None:
                 return None, acc
-            out, (new,) = apply_rule(
-                path, g, jnp.shape(acc), (acc,), (), rule, _WHERE, whole_rows=False, kernel=_kernel(eps)
-            )
+            out, (new,) = apply_rule(path, g, jnp.shape(acc), (acc,), (), rule, _WHERE, whole_rows=False, kernel=kernel)
             return out, new
 
         out, acc = map_rule(leaf, updates, [(state.sum_of_squares, "sum_of_squares")], _WHERE, 2)

@@ -52,6 +52,11 @@ def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def float32_scalars(*values: Any) -> jax.Array:
+    """A kernel's ``scalars`` operand: ``values`` in order, each rounded to float32 as the rule rounds it."""
+    return jnp.stack([jnp.asarray(x).astype(jnp.float32) for x in values])
+
+
 def _attrs(num_rows: int, **flags: bool | int) -> dict[str, np.int64]:
     attrs = {"num_rows": np.int64(num_rows), **{k: np.int64(v) for k, v in flags.items()}}
     attrs["threads"] = np.int64(threads())

@@ -20,7 +20,7 @@ import optax
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._checks import check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule
+from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, elementwise_kernel, map_rule
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import param_error
 
@@ -83,27 +83,8 @@ class FtrlFusion(NamedTuple):
 
     def kernel(self, lr: Any) -> Kernel:
         """The native CPU kernel in the rule's place at learning rate ``lr`` (it reads the parameters)."""
-
-        def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
-            return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, *reads, leaf.values)
-
-        def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-            scalars, divides = self.scalars(lr)
-            n, z, keys, step = _ffi.elementwise_rows(
-                "ftrl",
-                state,
-                leaf.keys[:, 0],
-                leaf.values,
-                scalars,
-                reads,
-                root=self.root,
-                shrinks=self.shrinks,
-                divides=divides,
-                unique=_kernel_path.unique_flag(leaf),
-            )
-            return keys[:, None], step, (n, z)
-
-        return Kernel(supports, run)
+        scalars, divides = self.scalars(lr)
+        return elementwise_kernel("ftrl", scalars, root=self.root, shrinks=self.shrinks, divides=divides)
 
     def apply(
         self, p: jax.Array, st: Arrays, sp: SparseLeaf, scalars: jax.Array, divides: bool

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
-from optax_sparse_adam._adagrad import AdagradFusion, adagrad_scalars
+from optax_sparse_adam._adagrad import AdagradFusion
 from optax_sparse_adam._adam import AdamFusion, kernel_flags, kernel_scalars
 from optax_sparse_adam._amsgrad import AmsgradFusion, CatchUpAmsgradFusion
 from optax_sparse_adam._apply import apply_updates
@@ -24,9 +24,8 @@ from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
 from optax_sparse_adam._row_engine import Arrays, row_shape
 from optax_sparse_adam._row_ops import HALF_FLOATS
-from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, rowwise_adam_scalars
-from optax_sparse_adam._rowwise import adagrad_scalars as rowwise_adagrad_scalars
-from optax_sparse_adam._sgd import CatchUpMomentumFusion, MomentumFusion, momentum_scalars
+from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, adagrad_scalars, rowwise_adam_scalars
+from optax_sparse_adam._sgd import CatchUpMomentumFusion, MomentumFusion
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._stochastic_rounding import apply_stochastic, leaf_seeds
 from optax_sparse_adam._tree import is_leaf
@@ -380,7 +379,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "ScaleByRowwiseAdagradState",
             ("sum_of_squares",),
             fits=lambda p, st: st[0].shape == row_shape(p.shape),
-            scalars=lambda state, new_state, neg_lr: rowwise_adagrad_scalars(eps, weight_decay, neg_lr),
+            scalars=lambda state, new_state, neg_lr: adagrad_scalars(eps, weight_decay, neg_lr),
             apply=lambda p, st, sp, scalars, _, seeds=None: _ffi.rowwise_adagrad_apply(
                 p, st[0], sp.keys[:, 0], sp.values, scalars, seeds, decay=decay, unique=_kernel_path.unique_flag(sp)
             ),
@@ -416,10 +415,8 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "ScaleByRssState",
             ("sum_of_squares",),
             fits=lambda p, st: p.shape == st[0].shape,
-            scalars=lambda state, new_state, neg_lr: adagrad_scalars(eps, neg_lr),
-            apply=lambda p, st, sp, scalars, _: _ffi.elementwise_apply(
-                "adagrad", p, st, sp.keys[:, 0], sp.values, scalars, unique=_kernel_path.unique_flag(sp)
-            ),
+            scalars=lambda state, new_state, neg_lr: _ffi.float32_scalars(eps, neg_lr),
+            apply=_elementwise_apply("adagrad"),
             clips=True,
         )
     if isinstance(fusion, MomentumFusion):
@@ -430,17 +427,8 @@ def _fusable(fusion: Any) -> _Fusable | None:
             "TraceState",
             ("trace",),
             fits=lambda p, st: p.shape == st[0].shape,
-            scalars=lambda state, new_state, neg_lr: momentum_scalars(momentum, neg_lr),
-            apply=lambda p, st, sp, scalars, _: _ffi.elementwise_apply(
-                "momentum",
-                p,
-                st,
-                sp.keys[:, 0],
-                sp.values,
-                scalars,
-                nesterov=nesterov,
-                unique=_kernel_path.unique_flag(sp),
-            ),
+            scalars=lambda state, new_state, neg_lr: _ffi.float32_scalars(momentum, neg_lr),
+            apply=_elementwise_apply("momentum", nesterov=nesterov),
             clips=True,
         )
     if isinstance(fusion, CatchUpMomentumFusion):
@@ -452,7 +440,7 @@ def _fusable(fusion: Any) -> _Fusable | None:
             ("trace", "last_step"),
             fits=lambda p, st: p.shape == st[0].shape and st[1].shape == row_shape(p.shape),
             scalars=lambda state, new_state, neg_lr: (
-                momentum_scalars(sgd.momentum, neg_lr),
+                _ffi.float32_scalars(sgd.momentum, neg_lr),
                 *_counts(state, new_state, "CatchUpSgdState"),
             ),
             apply=lambda p, st, sp, scalars, _: sgd.apply(p, st, sp, *scalars),
@@ -476,6 +464,16 @@ def _fusable(fusion: Any) -> _Fusable | None:
             with_clip=lambda scalars, clip: (clip.norm_appended_to(scalars[0]), scalars[1]),  # (scalars, divides)
         )
     return None
+
+
+def _elementwise_apply(target: str, **flags: int) -> Callable[..., tuple[jax.Array, ...]]:
+    """A :class:`_Fusable`'s ``apply`` by the element-wise apply kernel ``target``, with the handler's ``flags``."""
+
+    def apply(p: jax.Array, st: Arrays, sp: SparseLeaf, scalars: jax.Array, _: Any) -> tuple[jax.Array, ...]:
+        unique = _kernel_path.unique_flag(sp)
+        return _ffi.elementwise_apply(target, p, st, sp.keys[:, 0], sp.values, scalars, unique=unique, **flags)
+
+    return apply
 
 
 def _seeds(

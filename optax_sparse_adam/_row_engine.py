@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_sparse_adam import _kernel_path
+from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._checks import check_dense_gradient
 from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
@@ -60,6 +60,24 @@ class Kernel(NamedTuple):
 
     supports: Callable[[SparseLeaf, Arrays, Arrays], bool]
     run: Callable[[SparseLeaf, Arrays, Arrays], tuple[jax.Array, jax.Array, Arrays]]
+
+
+def elementwise_kernel(target: str, scalars: jax.Array, **flags: int) -> Kernel:
+    """The element-wise rows kernel ``target`` (``csrc/elementwise.cc``) in a rule's place: its state arrays of the
+    parameter's shape, updated, and the rule's reads (FTRL's parameters) passed on; ``flags`` are the handler's own
+    attributes."""
+
+    def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
+        return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, *reads, leaf.values)
+
+    def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
+        unique = _kernel_path.unique_flag(leaf)
+        *new, keys, step = _ffi.elementwise_rows(
+            target, state, leaf.keys[:, 0], leaf.values, scalars, reads, unique=unique, **flags
+        )
+        return keys[:, None], step, tuple(new)
+
+    return Kernel(supports, run)
 
 
 def row_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -80,8 +80,7 @@ def rowwise_adam_scalars(b1: Any, b2: Any, eps: Any, eps_root: Any, count: Any, 
     """The row-wise Adam kernels' scalar operand at step ``count``, each value rounded to float32 as the rule rounds
     it; ``neg_lr`` is the learning-rate scale of the fused step (:func:`update_and_apply`)."""
     bc1, bc2 = 1 - jnp.power(b1, count), 1 - jnp.power(b2, count)  # as the rule computes them
-    values = (b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, neg_lr)
-    return jnp.stack([jnp.asarray(x).astype(jnp.float32) for x in values])
+    return _ffi.float32_scalars(b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, neg_lr)
 
 
 def rowwise_adam_corrections(b1: Any, b2: Any, row_count: jax.Array, keys: jax.Array) -> jax.Array:
@@ -338,7 +337,7 @@ def adagrad_scalars(eps: Any, weight_decay: Any, neg_lr: Any = 0.0) -> jax.Array
 
     ``neg_lr`` is the learning-rate scale of the fused step (:func:`update_and_apply`).
     """
-    return jnp.stack([jnp.asarray(x).astype(jnp.float32) for x in (eps, weight_decay, neg_lr)])
+    return _ffi.float32_scalars(eps, weight_decay, neg_lr)
 
 
 def _adagrad_kernel(eps: Any, weight_decay: Any, decays: bool) -> Kernel:

@@ -26,7 +26,7 @@ from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._catch_up import CatchUpUpdate, RowReplay, caught_up_update, of_keys, rate_at
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import Clipped, FusableUpdate
-from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule, row_full, stamp
+from optax_sparse_adam._row_engine import Rule, apply_rule, elementwise_kernel, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, param_error
@@ -63,34 +63,6 @@ def _trace_rule(momentum: Any, nesterov: bool) -> Rule:
     return rule
 
 
-def momentum_scalars(momentum: Any, neg_lr: Any = 0.0) -> jax.Array:
-    """The momentum kernels' scalar operand, ``[momentum, neg_lr]`` in float32 as the rule rounds them
-    (``neg_lr``: the fused step's learning-rate scale, unused by the rows kernel)."""
-    return jnp.stack([jnp.asarray(x).astype(jnp.float32) for x in (momentum, neg_lr)])
-
-
-def _trace_kernel(momentum: Any, nesterov: bool) -> Kernel:
-    """The native CPU kernel in the lazy trace rule's place (a float32 trace)."""
-
-    def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
-        return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
-
-    def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-        scalars = momentum_scalars(momentum)
-        trace, keys, step = _ffi.elementwise_rows(
-            "momentum",
-            state,
-            leaf.keys[:, 0],
-            leaf.values,
-            scalars,
-            nesterov=nesterov,
-            unique=_kernel_path.unique_flag(leaf),
-        )
-        return keys[:, None], step, (trace,)
-
-    return Kernel(supports, run)
-
-
 class MomentumFusion(NamedTuple):
     """What :func:`update_and_apply` needs of a lazy ``sparse_sgd(..., momentum)`` to run its step in one pass per
     row."""
@@ -114,7 +86,8 @@ def _lazy_trace(momentum: Any, nesterov: bool, accumulator_dtype: Any) -> optax.
         del params, extra_args
         check_state(state, optax.TraceState, where)
         rule = _trace_rule(momentum, nesterov)
-        kernel = _trace_kernel(momentum, nesterov)
+        # The kernels' scalars: the momentum, then the fused step's learning-rate scale (unused here).
+        kernel = elementwise_kernel("momentum", _ffi.float32_scalars(momentum, 0.0), nesterov=nesterov)
 
         def leaf(path: Any, g: Any, t: Any) -> tuple[Any, Any]:
             if g is None:
