@@ -267,6 +267,50 @@ ffi::Error CheckRowsResults(size_t keys_out, size_t step_out, const ffi::BufferR
   return ffi::Error::Success();
 }
 
+// ---- The handlers of the rules with one state table (Adagrad's accumulators, momentum's trace).
+
+// A rows handler's checks and copy: run(table, step rows, width, shard, keys out), with the table in its result.
+template <typename F>
+ffi::Error OneTableRows(const ffi::Buffer<ffi::F32>& table, const ffi::BufferR1<ffi::S32>& keys,
+                        const ffi::Buffer<ffi::F32>& values, const ffi::BufferR1<ffi::F32>& scalars,
+                        const ffi::BufferR0<ffi::S32>& row_begin, ffi::ResultBuffer<ffi::F32>& table_out,
+                        ffi::Result<ffi::Buffer<ffi::S32>>& keys_out, ffi::ResultBuffer<ffi::F32>& step_out,
+                        int64_t num_rows, F run) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(table.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, 2, false); e.failure()) return e;
+  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values);
+      e.failure())
+    return e;
+  float* t = table_out->typed_data();
+  CopyIfNotAliased(t, table.typed_data(), table.element_count());
+  run(t, step_out->typed_data(), width, shard, keys_out->typed_data());
+  return ffi::Error::Success();
+}
+
+// An apply handler's checks and copies: run(table, parameters, width, shard, clip), with both in their results;
+// run checks what else its handler takes before it writes a row, and returns its error.
+template <typename F>
+ffi::Error OneTableApply(const ffi::Buffer<ffi::F32>& p, const ffi::Buffer<ffi::F32>& table,
+                         const ffi::BufferR1<ffi::S32>& keys, const ffi::Buffer<ffi::F32>& values,
+                         const ffi::BufferR1<ffi::F32>& scalars, const ffi::BufferR0<ffi::S32>& row_begin,
+                         ffi::ResultBuffer<ffi::F32>& p_out, ffi::ResultBuffer<ffi::F32>& table_out,
+                         int64_t num_rows, F run) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(table.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckSame(p, table); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, 2, true); e.failure()) return e;
+  float* q = p_out->typed_data();
+  float* t = table_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(t, table.typed_data(), table.element_count());
+  return run(t, q, width, shard, ReadClip(scalars, 2));
+}
+
 // ---- Adagrad.
 
 ffi::Error AdagradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> acc, ffi::BufferR1<ffi::S32> keys,
@@ -274,18 +318,12 @@ ffi::Error AdagradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> acc, ffi:
                            ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> acc_out,
                            ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
                            int64_t num_rows, int64_t unique, int64_t threads) {
-  const auto k = static_cast<int64_t>(keys.element_count());
-  Shard shard{num_rows, *row_begin.typed_data(), 0};
-  int64_t width = 0;
-  if (ffi::Error e = CheckTables(acc.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
-  if (ffi::Error e = CheckScalars(scalars, 2, false); e.failure()) return e;
-  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values); e.failure()) return e;
-  float* a = acc_out->typed_data();
-  CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
   const float* x = scalars.typed_data();
-  Run(pool, AdagradRule<false>{x[0], x[1], a, step_out->typed_data(), width}, Options{unique, threads},
-      keys.typed_data(), k, shard, values.typed_data(), keys_out->typed_data());
-  return ffi::Error::Success();
+  return OneTableRows(acc, keys, values, scalars, row_begin, acc_out, keys_out, step_out, num_rows,
+                      [&](float* a, float* step, int64_t width, const Shard& shard, int32_t* out_keys) {
+                        Run(pool, AdagradRule<false>{x[0], x[1], a, step, width}, Options{unique, threads},
+                            keys.typed_data(), keys.element_count(), shard, values.typed_data(), out_keys);
+                      });
 }
 
 ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> acc,
@@ -293,32 +331,29 @@ ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
                             ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
                             ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> acc_out, int64_t num_rows,
                             int64_t unique, int64_t threads) {
-  const auto k = static_cast<int64_t>(keys.element_count());
-  Shard shard{num_rows, *row_begin.typed_data(), 0};
-  int64_t width = 0;
-  if (ffi::Error e = CheckTables(acc.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
-  if (ffi::Error e = CheckSame(p, acc); e.failure()) return e;
-  if (ffi::Error e = CheckScalars(scalars, 2, true); e.failure()) return e;
-  float* q = p_out->typed_data();
-  float* a = acc_out->typed_data();
-  CopyIfNotAliased(q, p.typed_data(), p.element_count());
-  CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
   const float* x = scalars.typed_data();
-  Run(pool, AdagradRule<true>{x[0], x[1], a, q, width}, Options{unique, threads, ReadClip(scalars, 2)},
-      keys.typed_data(), k, shard, values.typed_data(), nullptr);
-  return ffi::Error::Success();
+  return OneTableApply(p, acc, keys, values, scalars, row_begin, p_out, acc_out, num_rows,
+                       [&](float* a, float* q, int64_t width, const Shard& shard, const Clip& clip) {
+                         Run(pool, AdagradRule<true>{x[0], x[1], a, q, width}, Options{unique, threads, clip},
+                             keys.typed_data(), keys.element_count(), shard, values.typed_data(), nullptr);
+                         return ffi::Error::Success();
+                       });
 }
 
 // ---- Momentum.
 
 template <bool kApply>
 void RunMomentum(ffi::ThreadPool& pool, bool nesterov, const float* x, float* trace, float* out, int64_t width,
-                 const Options& o, const int32_t* keys, int64_t k, const Shard& shard, const float* values,
-                 int32_t* out_keys) {
+                 const Options& o, const ffi::BufferR1<ffi::S32>& keys, const Shard& shard,
+                 const ffi::Buffer<ffi::F32>& values, int32_t* out_keys) {
+  const int32_t* k = keys.typed_data();
+  const auto n = static_cast<int64_t>(keys.element_count());
   if (nesterov) {
-    Run(pool, MomentumRule<kApply, true>{x[0], x[1], trace, out, width}, o, keys, k, shard, values, out_keys);
+    Run(pool, MomentumRule<kApply, true>{x[0], x[1], trace, out, width}, o, k, n, shard, values.typed_data(),
+        out_keys);
   } else {
-    Run(pool, MomentumRule<kApply, false>{x[0], x[1], trace, out, width}, o, keys, k, shard, values, out_keys);
+    Run(pool, MomentumRule<kApply, false>{x[0], x[1], trace, out, width}, o, k, n, shard, values.typed_data(),
+        out_keys);
   }
 }
 
@@ -327,18 +362,11 @@ ffi::Error MomentumRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> trace, f
                             ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> trace_out,
                             ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
                             int64_t num_rows, int64_t nesterov, int64_t unique, int64_t threads) {
-  const auto k = static_cast<int64_t>(keys.element_count());
-  Shard shard{num_rows, *row_begin.typed_data(), 0};
-  int64_t width = 0;
-  if (ffi::Error e = CheckTables(trace.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
-  if (ffi::Error e = CheckScalars(scalars, 2, false); e.failure()) return e;
-  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values); e.failure()) return e;
-  float* t = trace_out->typed_data();
-  CopyIfNotAliased(t, trace.typed_data(), trace.element_count());
-  RunMomentum<false>(pool, nesterov != 0, scalars.typed_data(), t, step_out->typed_data(), width,
-                     Options{unique, threads}, keys.typed_data(), k, shard, values.typed_data(),
-                     keys_out->typed_data());
-  return ffi::Error::Success();
+  return OneTableRows(trace, keys, values, scalars, row_begin, trace_out, keys_out, step_out, num_rows,
+                      [&](float* t, float* step, int64_t width, const Shard& shard, int32_t* out_keys) {
+                        RunMomentum<false>(pool, nesterov != 0, scalars.typed_data(), t, step, width,
+                                           Options{unique, threads}, keys, shard, values, out_keys);
+                      });
 }
 
 ffi::Error MomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> trace,
@@ -346,20 +374,12 @@ ffi::Error MomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi:
                              ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
                              ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> trace_out,
                              int64_t num_rows, int64_t nesterov, int64_t unique, int64_t threads) {
-  const auto k = static_cast<int64_t>(keys.element_count());
-  Shard shard{num_rows, *row_begin.typed_data(), 0};
-  int64_t width = 0;
-  if (ffi::Error e = CheckTables(trace.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
-  if (ffi::Error e = CheckSame(p, trace); e.failure()) return e;
-  if (ffi::Error e = CheckScalars(scalars, 2, true); e.failure()) return e;
-  float* q = p_out->typed_data();
-  float* t = trace_out->typed_data();
-  CopyIfNotAliased(q, p.typed_data(), p.element_count());
-  CopyIfNotAliased(t, trace.typed_data(), trace.element_count());
-  RunMomentum<true>(pool, nesterov != 0, scalars.typed_data(), t, q, width,
-                    Options{unique, threads, ReadClip(scalars, 2)}, keys.typed_data(), k, shard,
-                    values.typed_data(), nullptr);
-  return ffi::Error::Success();
+  return OneTableApply(p, trace, keys, values, scalars, row_begin, p_out, trace_out, num_rows,
+                       [&](float* t, float* q, int64_t width, const Shard& shard, const Clip& clip) {
+                         RunMomentum<true>(pool, nesterov != 0, scalars.typed_data(), t, q, width,
+                                           Options{unique, threads, clip}, keys, shard, values, nullptr);
+                         return ffi::Error::Success();
+                       });
 }
 
 ffi::Error CatchUpMomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> trace,
@@ -371,35 +391,30 @@ ffi::Error CatchUpMomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
                                     ffi::ResultBufferR1<ffi::S32> last_step_out, int64_t num_rows, int64_t nesterov,
                                     int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
-  Shard shard{num_rows, *row_begin.typed_data(), 0};
-  int64_t width = 0;
-  if (ffi::Error e = CheckTables(trace.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
-  if (ffi::Error e = CheckSame(p, trace); e.failure()) return e;
-  if (ffi::Error e = CheckScalars(scalars, 2, true); e.failure()) return e;
   const auto dims = coefficients.dimensions();
   if (dims[0] != k || dims[1] != 2 || static_cast<int64_t>(idle.element_count()) != k)
     return ffi::Error::InvalidArgument("coefficients must hold 2 values per key, idle one");
-  if (static_cast<int64_t>(last_step.element_count()) != shard.local_rows ||
-      last_step_out->element_count() != last_step.element_count())
-    return ffi::Error::InvalidArgument("last_step must have one entry per row");
   if (count.element_count() != 1) return ffi::Error::InvalidArgument("count must hold the step's count");
-  float* q = p_out->typed_data();
-  float* t = trace_out->typed_data();
-  int32_t* last = last_step_out->typed_data();
-  CopyIfNotAliased(q, p.typed_data(), p.element_count());
-  CopyIfNotAliased(t, trace.typed_data(), trace.element_count());
-  CopyIfNotAliased(last, last_step.typed_data(), last_step.element_count());
-  const IdleKeys idle_keys{coefficients.typed_data(), idle.typed_data(), last, *count.typed_data()};
-  const float* x = scalars.typed_data();
-  const Options o{unique, threads, ReadClip(scalars, 2)};
-  if (nesterov != 0) {
-    Run(pool, CatchUpMomentumRule<true>{x[0], x[1], t, q, idle_keys, width}, o, keys.typed_data(), k, shard,
-        values.typed_data(), nullptr);
-  } else {
-    Run(pool, CatchUpMomentumRule<false>{x[0], x[1], t, q, idle_keys, width}, o, keys.typed_data(), k, shard,
-        values.typed_data(), nullptr);
-  }
-  return ffi::Error::Success();
+  return OneTableApply(
+      p, trace, keys, values, scalars, row_begin, p_out, trace_out, num_rows,
+      [&](float* t, float* q, int64_t width, const Shard& shard, const Clip& clip) {
+        if (static_cast<int64_t>(last_step.element_count()) != shard.local_rows ||
+            last_step_out->element_count() != last_step.element_count())
+          return ffi::Error::InvalidArgument("last_step must have one entry per row");
+        int32_t* last = last_step_out->typed_data();
+        CopyIfNotAliased(last, last_step.typed_data(), last_step.element_count());
+        const IdleKeys idle_keys{coefficients.typed_data(), idle.typed_data(), last, *count.typed_data()};
+        const float* x = scalars.typed_data();
+        const Options o{unique, threads, clip};
+        if (nesterov != 0) {
+          Run(pool, CatchUpMomentumRule<true>{x[0], x[1], t, q, idle_keys, width}, o, keys.typed_data(), k, shard,
+              values.typed_data(), nullptr);
+        } else {
+          Run(pool, CatchUpMomentumRule<false>{x[0], x[1], t, q, idle_keys, width}, o, keys.typed_data(), k, shard,
+              values.typed_data(), nullptr);
+        }
+        return ffi::Error::Success();
+      });
 }
 
 // ---- FTRL.
