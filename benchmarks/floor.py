@@ -1,4 +1,4 @@
-"""The benchmark's memory floor: a native kernel that only reads and writes the rows a step touches.
+"""The benchmark's memory floors: native kernels that only read and write the rows a step touches.
 
 The kernel (``floor/touch_rows.cc``, an XLA FFI handler) is not part of the
 library. It is compiled on first use with the system C++ compiler (``$CXX``,
@@ -6,7 +6,9 @@ else ``c++`` or ``g++``), with the library's flags, against jaxlib's XLA FFI
 headers and the library's ``rows.h`` (``optax_sparse_adam/csrc``, on the
 include path), into ``floor/build/`` (git-ignored); it is rebuilt when the
 source or a header is newer than the built library. It is loaded with ctypes
-and registered, once per process, as the CPU target ``osa_bench_touch_rows``.
+and registered, once per process, as the CPU targets ``osa_bench_touch_rows`` (:func:`touch_rows`: one gradient row a
+distinct id) and ``osa_bench_sum_touch_rows`` (:func:`sum_touch_rows`: every entry of a batch with duplicate ids,
+grouped beforehand).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+from typing import Any
 
 import jax
 import numpy as np
 
 TARGET = "osa_bench_touch_rows"
+SUM_TARGET = "osa_bench_sum_touch_rows"
 _HERE = pathlib.Path(__file__).resolve().parent
 SOURCE = _HERE / "floor" / "touch_rows.cc"
 CSRC = _HERE.parent / "optax_sparse_adam" / "csrc"  # the library's headers (rows.h)
@@ -107,6 +111,7 @@ def _register() -> None:
     if not _registered:
         lib = ctypes.CDLL(str(build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OptaxSparseAdamTouchRows), platform="cpu")
+        jax.ffi.register_ffi_target(SUM_TARGET, jax.ffi.pycapsule(lib.OptaxSparseAdamSumTouchRows), platform="cpu")
         _registered = True
 
 
@@ -126,12 +131,61 @@ def touch_rows(
     Returns:
       The updated tables.
     """
+    return _call(TARGET, tables, (keys,), values, threads)
+
+
+def group(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch's grouping, for :func:`sum_touch_rows`: its distinct in-range ids (``-1``, skipped, past them, so
+    that the keys are as long as the batch), the offsets of each one's entries in ``order``, and ``order`` (the
+    entries' indices, grouped by id). Negative ids are left out."""
+    ids = np.asarray(ids)
+    order = np.argsort(ids, kind="stable").astype(np.int32)
+    order = order[ids[order] >= 0]
+    keys, counts = np.unique(ids[order], return_counts=True)
+    offsets = np.zeros(ids.size + 1, np.int32)
+    offsets[1 : keys.size + 1] = np.cumsum(counts)
+    offsets[keys.size + 1 :] = offsets[keys.size]
+    padded = np.pad(keys, (0, ids.size - keys.size), constant_values=-1).astype(np.int32)
+    return padded, offsets, np.pad(order, (0, ids.size - order.size)).astype(np.int32)
+
+
+def sum_touch_rows(
+    tables: tuple[jax.Array, ...],
+    keys: jax.Array,
+    offsets: jax.Array,
+    order: jax.Array,
+    values: jax.Array,
+    threads: int,
+) -> tuple[jax.Array, ...]:
+    """For each key ``keys[j]``, sums its entries ``values[order[offsets[j]:offsets[j + 1]]]`` and adds the sum (its
+    first entries, for a narrower table) to row ``keys[j]`` of every table (in place when donated): every entry
+    read once, every touched row of every table once. Out-of-range keys are skipped.
+
+    Args:
+      tables: float32 tables with one row count, rows first, as for :func:`touch_rows`.
+      keys: ``(k,)`` int32 distinct row indices (from :func:`group`).
+      offsets: ``(k + 1,)`` int32, rising: where each key's entries start in ``order``.
+      order: ``(n,)`` int32 indices of ``values``' rows, grouped by key.
+      values: ``(n, ...)`` float32 rows, one per entry of the batch, as wide as the widest table.
+      threads: Threads the kernel may use, from XLA's intra-op pool.
+
+    Returns:
+      The updated tables.
+    """
+    return _call(SUM_TARGET, tables, (keys, offsets, order), values, threads)
+
+
+def _call(
+    target: str, tables: tuple[jax.Array, ...], index: tuple[Any, ...], values: jax.Array, threads: int
+) -> tuple[jax.Array, ...]:
+    """``target`` on the index operands, the values as rows and the tables (aliased to its results)."""
     _register()
     rows = values.reshape(values.shape[0], math.prod(values.shape[1:]))
+    operands = (*index, rows)
     out = jax.ffi.ffi_call(
-        TARGET,
+        target,
         tuple(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables),
-        input_output_aliases={2 + i: i for i in range(len(tables))},
+        input_output_aliases={len(operands) + i: i for i in range(len(tables))},
         vmap_method="sequential",
-    )(keys, rows, *tables, threads=np.int64(threads))
+    )(*operands, *tables, threads=np.int64(threads))
     return tuple(out)

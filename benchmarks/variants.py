@@ -27,7 +27,11 @@ floor reads one gradient row per distinct id and sums nothing), timed in the
 same turns; where the floor kernel cannot be built (no C++ compiler), or
 where jax's default device is not the CPU (the floor is a CPU kernel; on a GPU
 the library runs its XLA path and the table is the variants against each
-other), that column is left out.
+other), that column is left out. A second floor, on the step's own input
+(``floor.sum_touch_rows``): it reads every entry of the batch once, summing each
+distinct id's entries (grouped beforehand, out of the timing), then each of the
+id's rows once, so its bytes are the Zipf batch's; what a step costs above it is
+finding the grouping (coalescing the ids) and the optimizer's arithmetic.
 
     python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants.json
     python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants_gpu.json  # on a GPU
@@ -104,6 +108,8 @@ DOORS = ("two calls", "update_and_apply")
 # distinct (unique_indices), so that its ratio to the floor compares the same work's inputs.
 DISTINCT = "update_and_apply, distinct ids"
 FLOOR = "floor"
+# The floor on the step's own batch: every entry read, each id's entries summed (the grouping made beforehand).
+FLOOR_ENTRIES = "floor, every entry"
 
 
 def state_bytes(state: Any) -> int:
@@ -116,15 +122,22 @@ def table_widths(state: Any, rows: int) -> tuple[int, ...]:
     return tuple(math.prod(x.shape[1:]) for x in jax.tree.leaves(state) if x.ndim >= 1 and x.shape[0] == rows)
 
 
-def make_floor(widths: tuple[int, ...], rows: int) -> tuple[Callable[..., Any], list[Any]]:
-    """The floor's jitted, donated step over float32 tables of these widths, and the tables; in the doors' calling
-    convention (the tables in the first slot, nothing in the second)."""
+def make_floor(widths: tuple[int, ...], rows: int) -> tuple[dict[str, Callable[..., Any]], list[Any]]:
+    """The floors' jitted, donated steps over float32 tables of these widths (by door: the distinct ids' rows, and
+    every entry of the batch grouped by id), and the tables they share; in the doors' calling convention (the
+    tables in the first slot, nothing in the second)."""
+    threads = _kernel_path.threads()
 
     @functools.partial(jax.jit, donate_argnums=(0,))
-    def step(tables: tuple[jax.Array, ...], unused: Any, ids: jax.Array, values: jax.Array, i: Any) -> Any:
-        return floor.touch_rows(tables, ids, values, threads=_kernel_path.threads()), unused
+    def touch(tables: tuple[jax.Array, ...], unused: Any, ids: jax.Array, values: jax.Array, i: Any) -> Any:
+        return floor.touch_rows(tables, ids, values, threads=threads), unused
 
-    return step, [tuple(jnp.zeros((rows, w), jnp.float32) for w in widths), None]
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def sum_touch(tables: tuple[jax.Array, ...], unused: Any, grouped: Any, values: jax.Array, i: Any) -> Any:
+        return floor.sum_touch_rows(tables, *grouped, values, threads=threads), unused
+
+    steps = {FLOOR: touch, FLOOR_ENTRIES: sum_touch}
+    return steps, [tuple(jnp.zeros((rows, w), jnp.float32) for w in widths), None]
 
 
 def make_steppers(
@@ -178,6 +191,8 @@ def main() -> None:
     floor_pool = [
         jnp.asarray(np.pad(u, (0, args.batch - u.size), constant_values=-1).astype(np.int32)) for u in uniques
     ]
+    # The every-entry floor's batches: each batch's grouping (distinct ids, offsets, the entries in their order).
+    grouped_pool = [tuple(jnp.asarray(a) for a in floor.group(np.asarray(i))) for i in pool]
     # Their values for the distinct-ids door, made before each step out of the timing: zero on padding, as
     # unique_indices promises.
     zero_padding = jax.jit(lambda ids, values: jnp.where((ids >= 0)[:, None], values, 0.0))
@@ -199,7 +214,7 @@ def main() -> None:
     floors = {} if why_no_floor else {w: make_floor(w, args.rows) for w in set(widths.values())}
     if why_no_floor:
         print(f"no floor column: {why_no_floor}")
-    doors_of = {name: [*DOORS, DISTINCT, *([FLOOR] if floors else [])] for name in steppers}
+    doors_of = {name: [*DOORS, DISTINCT, *([FLOOR, FLOOR_ENTRIES] if floors else [])] for name in steppers}
     times: dict[tuple[str, str], list[float]] = {(name, door): [] for name in steppers for door in doors_of[name]}
     names = list(steppers)
     for cycle, start in enumerate(range(0, len(pool), args.block)):
@@ -207,9 +222,11 @@ def main() -> None:
         for name in names[cycle % len(names) :] + names[: cycle % len(names)]:
             doors, held = steppers[name]
             for door in doors_of[name]:
-                step, state = floors[widths[name]] if door == FLOOR else (doors[door], held)
+                floor_steps, floor_tables = floors.get(widths[name], ({}, None))
+                step, state = (floor_steps[door], floor_tables) if door in floor_steps else (doors[door], held)
                 for i in range(start, min(start + args.block, len(pool))):
-                    ids, vals = (floor_pool[i], values) if door in (FLOOR, DISTINCT) else (pool[i], values)
+                    batch = {FLOOR: floor_pool, DISTINCT: floor_pool, FLOOR_ENTRIES: grouped_pool}.get(door, pool)
+                    ids, vals = batch[i], values
                     if door == DISTINCT:
                         vals = jax.block_until_ready(zero_padding(ids, values))
                     t0 = time.perf_counter()
@@ -228,14 +245,15 @@ def main() -> None:
     print(
         "| variant | two calls (ms) | vs plain fused | update_and_apply (ms) | vs plain fused | "
         "on distinct ids (ms) | floor (ms) | update_and_apply vs floor | on distinct ids vs floor | "
-        "optimizer state (MB) |"
+        "floor, every entry (ms) | update_and_apply vs it | optimizer state (MB) |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     records = []
     for name in steppers:
         two, one, uniq = (med[name, door] for door in (*DOORS, DISTINCT))
-        low = med.get((name, FLOOR))
+        low, every = med.get((name, FLOOR)), med.get((name, FLOOR_ENTRIES))
         cells = f"{low:.2f} | {one / low:.2f}x | {uniq / low:.2f}x" if low else "- | - | -"
+        cells += f" | {every:.2f} | {one / every:.2f}x" if every else " | - | -"
         print(
             f"| {name} | {two:.2f} | {two / base:.2f}x | {one:.2f} | {one / base:.2f}x | {uniq:.2f} | {cells} | "
             f"{sizes[name] / 1e6:.0f} |"
@@ -243,7 +261,7 @@ def main() -> None:
         record = {"variant": name, "two_calls_ms": two, "fused_ms": one, "distinct_ms": uniq}
         record["state_bytes"] = sizes[name]
         if low:
-            record |= {"floor_ms": low, "floor_widths": list(widths[name])}
+            record |= {"floor_ms": low, "floor_entries_ms": every, "floor_widths": list(widths[name])}
         records.append(record)
     if args.json:
         machine["load_average_end"] = os.getloadavg()

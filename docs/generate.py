@@ -416,6 +416,16 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
             "turns, spreads by about as much from one variant to the next.",
             "",
         ]
+    entries = floors and all(r.get("floor_entries_ms") for r in doc["results"])
+    if entries:
+        lines += [
+            "The second floor, *every entry*, takes the step's own batch: it reads every entry once, summing each "
+            "distinct id's entries (grouped by id beforehand, out of the timing), then the id's row of each table "
+            "once, adding the sum, and does nothing else. Its bytes are those a step on the batch must move, so its "
+            "ratio is the one to hold `update_and_apply` to: what a step costs above it is finding the grouping "
+            "(coalescing the batch's ids) and the optimizer's arithmetic.",
+            "",
+        ]
     head = "| variant | two calls (ms) | vs plain | `update_and_apply` (ms) | vs plain |"
     rule = "| --- | ---: | ---: | ---: | ---: |"
     if floors:
@@ -424,6 +434,9 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
             " floor's tables (widths) |"
         )
         rule += " ---: | ---: | ---: | ---: | --- |"
+    if entries:
+        head += " floor, every entry (ms) | `update_and_apply` vs it |"
+        rule += " ---: | ---: |"
     lines += [head + " optimizer state (MB) |", rule + " ---: |"]
     for r in doc["results"]:
         two, one = r["two_calls_ms"], r["fused_ms"]
@@ -432,6 +445,8 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
             widths = ", ".join(str(w) for w in r["floor_widths"])
             low, uniq = r["floor_ms"], r["distinct_ms"]
             row += f" {_ms(low)} | {one / low:.2f}x | {_ms(uniq)} | {uniq / low:.2f}x | {widths} |"
+        if entries:
+            row += f" {_ms(r['floor_entries_ms'])} | {one / r['floor_entries_ms']:.2f}x |"
         lines.append(row + f" {r['state_bytes'] / 1e6:,.0f} |")
     for run in (gpu or {}).get("runs", []):
         lines += ["", *_variants_gpu_section(run)]

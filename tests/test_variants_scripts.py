@@ -78,17 +78,21 @@ def test_variants_benchmark_runs_small_and_its_page_renders(tmp_path: pathlib.Pa
     doors = r"\| ([\d.]+) \| [\d.]+x \| ([\d.]+) \| [\d.]+x \|"
     with_floor = floor.unavailable() is None
     # then the distinct-ids door, the floor and both ratios to it (dashes without a floor)
-    row = doors + r" [\d.]+ \|" + (r" [\d.]+ \| [\d.]+x \| [\d.]+x \|" if with_floor else r" - \| - \| - \|")
+    # then the floor on every entry and the ratio to it
+    cells = r" [\d.]+ \| [\d.]+x \| [\d.]+x \| [\d.]+ \| [\d.]+x \|"
+    row = doors + r" [\d.]+ \|" + (cells if with_floor else r" - \| - \| - \| - \| - \|")
     row += r" \d+ \|$"
     for name in names:
         assert re.search(rf"^\| {re.escape(name)} {row}", out, re.M), out
     doc = json.loads(results.read_text())
     assert all(("floor_ms" in r) == with_floor and r["distinct_ms"] > 0 for r in doc["results"]), doc["results"]
+    assert all(("floor_entries_ms" in r) == with_floor for r in doc["results"]), doc["results"]
     if with_floor:  # the floor's tables: p and each table-shaped part of the state (row-wise Adagrad: one float)
         widths = {r["variant"]: r["floor_widths"] for r in doc["results"]}
         assert widths["sparse_adam (plain)"] == [64, 64, 64] and widths["sparse_rowwise_adagrad"] == [64, 1], widths
     page = generate.variants_page(doc)
-    row = doors + (r" [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+x \| [\d, ]+ \|" if with_floor else "") + r" \d+ \|$"
+    floor_cells = r" [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+x \| [\d, ]+ \| [\d.]+ \| [\d.]+x \|"
+    row = doors + (floor_cells if with_floor else "") + r" \d+ \|$"
     for name in names:
         assert re.search(rf"^\| `{re.escape(name)}` {row}", page, re.M), page
     assert "--steps 2 --warmup 1 --json" in page, page  # the command that made the results

@@ -1,4 +1,4 @@
-// The memory floor of a sparse step, for the benchmarks only (not part of the
+// The memory floors of a sparse step, for the benchmarks only (not part of the
 // library; built and registered by benchmarks/floor.py):
 //   osa_bench_touch_rows  (keys, values, tables...) -> (tables...)
 // reads and writes the row of every table (p and each table-shaped part of an
@@ -6,8 +6,15 @@
 // row-wise Adagrad) at every in-range key, adding the gradient row (its first
 // entries for a narrower table) so the work cannot be skipped, and does
 // nothing else: no coalescing, no optimizer arithmetic. A step that moves
-// those tables cannot cost less than this. It
-// splits rows over threads as the step kernels do (rows.h, the library's
+// those tables cannot cost less than this.
+//   osa_bench_sum_touch_rows  (keys, offsets, order, values, tables...) -> (tables...)
+// is the same for a batch with duplicate ids: `keys` are its distinct ids and
+// the entries of keys[j] are values[order[offsets[j]:offsets[j + 1]]] (the
+// grouping computed beforehand); it reads every entry once, summing a key's
+// entries, and then each table's row of the key once, adding the sum. A step
+// on the batch reads those bytes too; what it costs above this is finding the
+// grouping and the optimizer's arithmetic.
+// Both split rows over threads as the step kernels do (rows.h, the library's
 // header in optax_sparse_adam/csrc/, found on the include path).
 #include <cstdint>
 #include <vector>
@@ -47,12 +54,37 @@ OSA_TARGET_CLONES void TouchRows(const int32_t* entries, int64_t count, const in
   }
 }
 
-ffi::Error TouchImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
-                     ffi::RemainingArgs ins, ffi::RemainingRets outs, int64_t threads) {
-  const auto k = static_cast<int64_t>(keys.element_count());
-  auto vdims = values.dimensions();
-  if (vdims.size() < 1 || vdims[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
-  const int64_t width = RowWidth(vdims);
+// Sums each key's entries (values[order[offsets[j]:offsets[j + 1]]]) into one row, then adds it to the key's
+// row of every table.
+OSA_TARGET_CLONES void SumTouchRows(const int32_t* entries, int64_t count, const int32_t* keys,
+                                    const int32_t* offsets, const int32_t* order, const float* values,
+                                    const std::vector<Table>& tables, int64_t width) {
+  std::vector<float> sum(static_cast<size_t>(width));
+  for (int64_t n = 0; n < count; ++n) {
+    if (n + kPrefetchDistance < count) {
+      const int64_t r = keys[entries[n + kPrefetchDistance]];
+      for (const Table& t : tables) PrefetchRow(t.data + r * t.width, t.width);
+    }
+    const int64_t j = entries[n];
+    float* __restrict s = sum.data();
+    for (int64_t c = 0; c < width; ++c) s[c] = 0.0f;
+    for (int32_t e = offsets[j]; e < offsets[j + 1]; ++e) {
+      const float* __restrict g = values + static_cast<int64_t>(order[e]) * width;
+      for (int64_t c = 0; c < width; ++c) s[c] += g[c];
+    }
+    const int64_t r = keys[j];
+    for (const Table& t : tables) {
+      float* __restrict row = t.data + r * t.width;
+      for (int64_t c = 0; c < t.width; ++c) row[c] += s[c];
+    }
+  }
+}
+
+// Checks the tables (one row count, none wider than the gradient rows), copies them into the results where they
+// are not aliased, and calls `touch(entries, count, tables)` on each thread's share of the keys.
+template <typename F>
+ffi::Error TouchEachPart(ffi::ThreadPool& pool, ffi::BufferR1<ffi::S32> keys, ffi::RemainingArgs ins,
+                         ffi::RemainingRets outs, int64_t width, int64_t threads, F touch) {
   if (ins.size() != outs.size() || ins.size() == 0) return ffi::Error::InvalidArgument("one result per table");
   std::vector<Table> tables;
   int64_t num_rows = -1;
@@ -70,11 +102,47 @@ ffi::Error TouchImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Bu
     CopyIfNotAliased((*out)->typed_data(), in->typed_data(), in->element_count());
     tables.push_back(Table{(*out)->typed_data(), w});
   }
-  const int32_t* key = keys.typed_data();
-  ForEachKeyPart(pool, key, k, Shard{num_rows, 0, num_rows}, threads, [&](const int32_t* entries, int64_t count) {
-    TouchRows(entries, count, key, values.typed_data(), tables, width);
-  });
+  const auto k = static_cast<int64_t>(keys.element_count());
+  ForEachKeyPart(pool, keys.typed_data(), k, Shard{num_rows, 0, num_rows}, threads,
+                 [&](const int32_t* entries, int64_t count) { touch(entries, count, tables); });
   return ffi::Error::Success();
+}
+
+ffi::Error TouchImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                     ffi::RemainingArgs ins, ffi::RemainingRets outs, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  auto vdims = values.dimensions();
+  if (vdims.size() < 1 || vdims[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
+  const int64_t width = RowWidth(vdims);
+  return TouchEachPart(pool, keys, ins, outs, width, threads,
+                       [&](const int32_t* entries, int64_t count, const std::vector<Table>& tables) {
+                         TouchRows(entries, count, keys.typed_data(), values.typed_data(), tables, width);
+                       });
+}
+
+ffi::Error SumTouchImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::BufferR1<ffi::S32> offsets,
+                        ffi::BufferR1<ffi::S32> order, ffi::Buffer<ffi::F32> values, ffi::RemainingArgs ins,
+                        ffi::RemainingRets outs, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  const auto n = static_cast<int64_t>(order.element_count());
+  auto vdims = values.dimensions();
+  if (vdims.size() < 1 || vdims[0] != n) return ffi::Error::InvalidArgument("values must have one row per entry");
+  if (static_cast<int64_t>(offsets.element_count()) != k + 1)
+    return ffi::Error::InvalidArgument("offsets must have one more element than keys");
+  const int32_t* off = offsets.typed_data();
+  const int32_t* ord = order.typed_data();
+  for (int64_t j = 0; j < k; ++j) {
+    if (off[j] < 0 || off[j] > off[j + 1] || off[j + 1] > n)
+      return ffi::Error::InvalidArgument("offsets must rise within the entries");
+  }
+  for (int64_t e = 0; e < n; ++e) {
+    if (ord[e] < 0 || ord[e] >= n) return ffi::Error::InvalidArgument("order must index the entries");
+  }
+  const int64_t width = RowWidth(vdims);
+  return TouchEachPart(pool, keys, ins, outs, width, threads,
+                       [&](const int32_t* entries, int64_t count, const std::vector<Table>& tables) {
+                         SumTouchRows(entries, count, keys.typed_data(), off, ord, values.typed_data(), tables, width);
+                       });
 }
 
 }  // namespace
@@ -85,6 +153,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamTouchRows, optax_sparse_adam::Touch
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()     // values
+                                  .RemainingArgs()                  // the tables
+                                  .RemainingRets()                  // the tables, updated
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamSumTouchRows, optax_sparse_adam::SumTouchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys: the batch's distinct ids
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // offsets: keys[j]'s entries in order
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // order: the entries grouped by key
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // values: one row per entry
                                   .RemainingArgs()                  // the tables
                                   .RemainingRets()                  // the tables, updated
                                   .Attr<int64_t>("threads"));
