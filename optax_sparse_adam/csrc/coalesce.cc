@@ -49,15 +49,6 @@ OSA_TARGET_CLONES void SumRows(const Coalesced& c, const float* values, float* o
   }
 }
 
-// The distinct keys [lo, hi): each one's row summed as SumRows sums it (SumEntries: from 0, in entry order),
-// then its sum of squares into its slot of `squares`.
-OSA_TARGET_CLONES void StreamSquares(const int32_t* row_of, int64_t k, const float* values, double* squares,
-                                     int64_t width, int64_t lo, int64_t hi) {
-  std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
-  SumEntries(row_of, k, values, width, lo, hi, sums.data());
-  for (int64_t d = lo; d < hi; ++d) squares[d] = RowSquares(sums.data() + (d - lo) * width, width);
-}
-
 // Checks a batch of k keys with their values (one row each) for a table of num_rows rows; sets the row width.
 ffi::Error CheckBatch(int64_t k, ffi::Span<const int64_t> dims, int64_t num_rows, int64_t& width) {
   if (num_rows < 0 || num_rows > INT32_MAX) return ffi::Error::InvalidArgument("at most 2**31 - 1 rows");
@@ -119,7 +110,9 @@ ffi::Error SumSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ff
   Coalesce(keys.typed_data(), k, num_rows, 0, c);
   std::vector<double> squares(static_cast<size_t>(c.size));
   ParallelForRows(pool, c, k, 1, threads, [&](int64_t lo, int64_t hi) {
-    StreamSquares(c.entry.data(), k, values.typed_data(), squares.data(), width, lo, hi);
+    // Each row summed as SumRows sums it (SumEntries: from 0, in entry order), then squared.
+    const ScratchFloats sums(static_cast<size_t>((hi - lo) * width));
+    SumAndSquareRows(c.entry.data(), k, values.typed_data(), width, lo, hi, sums.data(), squares.data());
   });
   *sum_of_squares->typed_data() = TotalSquares(squares);
   return ffi::Error::Success();
