@@ -17,8 +17,9 @@
 
 #include "xla/ffi/api/ffi.h"
 
-// Portable code with AVX2/FMA and AVX-512 versions picked at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Portable code with AVX2/FMA and AVX-512 versions picked at load time (OSA_BASELINE_ONLY: the portable code
+// alone; setup.py defines it for OPTAX_SPARSE_ADAM_BUILD_KERNELS=baseline). The clones compute the same numbers.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(OSA_BASELINE_ONLY)
 #define OSA_TARGET_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
 #else
 #define OSA_TARGET_CLONES
