@@ -8,7 +8,7 @@ include path), into ``floor/build/`` (git-ignored); it is rebuilt when the
 source or a header is newer than the built library. It is loaded with ctypes
 and registered, once per process, as the CPU targets ``osa_bench_touch_rows`` (:func:`touch_rows`: one gradient row a
 distinct id) and ``osa_bench_sum_touch_rows`` (:func:`sum_touch_rows`: every entry of a batch with duplicate ids,
-grouped beforehand).
+its grouping computed beforehand).
 """
 
 from __future__ import annotations
@@ -134,45 +134,35 @@ def touch_rows(
     return _call(TARGET, tables, (keys,), values, threads)
 
 
-def group(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A batch's grouping, for :func:`sum_touch_rows`: its distinct in-range ids (``-1``, skipped, past them, so
-    that the keys are as long as the batch), the offsets of each one's entries in ``order``, and ``order`` (the
-    entries' indices, grouped by id). Negative ids are left out."""
+def group(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's grouping, for :func:`sum_touch_rows`: its distinct non-negative ids (``-1``, skipped, past them,
+    so that the keys are as long as the batch), and each entry's index among them (``-1`` for a negative id)."""
     ids = np.asarray(ids)
-    order = np.argsort(ids, kind="stable").astype(np.int32)
-    order = order[ids[order] >= 0]
-    keys, counts = np.unique(ids[order], return_counts=True)
-    offsets = np.zeros(ids.size + 1, np.int32)
-    offsets[1 : keys.size + 1] = np.cumsum(counts)
-    offsets[keys.size + 1 :] = offsets[keys.size]
-    padded = np.pad(keys, (0, ids.size - keys.size), constant_values=-1).astype(np.int32)
-    return padded, offsets, np.pad(order, (0, ids.size - order.size)).astype(np.int32)
+    keys, inverse = np.unique(ids, return_inverse=True)
+    negative = int(np.count_nonzero(keys < 0))
+    slots = np.where(ids >= 0, inverse - negative, -1).astype(np.int32)
+    keys = keys[negative:]
+    return np.pad(keys, (0, ids.size - keys.size), constant_values=-1).astype(np.int32), slots
 
 
 def sum_touch_rows(
-    tables: tuple[jax.Array, ...],
-    keys: jax.Array,
-    offsets: jax.Array,
-    order: jax.Array,
-    values: jax.Array,
-    threads: int,
+    tables: tuple[jax.Array, ...], keys: jax.Array, slots: jax.Array, values: jax.Array, threads: int
 ) -> tuple[jax.Array, ...]:
-    """For each key ``keys[j]``, sums its entries ``values[order[offsets[j]:offsets[j + 1]]]`` and adds the sum (its
-    first entries, for a narrower table) to row ``keys[j]`` of every table (in place when donated): every entry
-    read once, every touched row of every table once. Out-of-range keys are skipped.
+    """For each key ``keys[j]``, sums its entries (the rows ``values[i]`` with ``slots[i] == j``, in entry order)
+    and adds the sum (its first entries, for a narrower table) to row ``keys[j]`` of every table (in place when
+    donated): every entry read once, every touched row of every table once. Out-of-range keys are skipped.
 
     Args:
       tables: float32 tables with one row count, rows first, as for :func:`touch_rows`.
       keys: ``(k,)`` int32 distinct row indices (from :func:`group`).
-      offsets: ``(k + 1,)`` int32, rising: where each key's entries start in ``order``.
-      order: ``(n,)`` int32 indices of ``values``' rows, grouped by key.
+      slots: ``(n,)`` int32: the index in ``keys`` of each entry's id, or ``-1``.
       values: ``(n, ...)`` float32 rows, one per entry of the batch, as wide as the widest table.
       threads: Threads the kernel may use, from XLA's intra-op pool.
 
     Returns:
       The updated tables.
     """
-    return _call(SUM_TARGET, tables, (keys, offsets, order), values, threads)
+    return _call(SUM_TARGET, tables, (keys, slots), values, threads)
 
 
 def _call(

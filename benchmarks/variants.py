@@ -28,10 +28,11 @@ same turns; where the floor kernel cannot be built (no C++ compiler), or
 where jax's default device is not the CPU (the floor is a CPU kernel; on a GPU
 the library runs its XLA path and the table is the variants against each
 other), that column is left out. A second floor, on the step's own input
-(``floor.sum_touch_rows``): it reads every entry of the batch once, summing each
-distinct id's entries (grouped beforehand, out of the timing), then each of the
-id's rows once, so its bytes are the Zipf batch's; what a step costs above it is
-finding the grouping (coalescing the ids) and the optimizer's arithmetic.
+(``floor.sum_touch_rows``): given each entry's place among the batch's distinct
+ids (computed beforehand, out of the timing), it reads every entry of the batch
+once, summing each distinct id's, then each of the id's rows once, so its bytes
+are the Zipf batch's; what a step costs above it is finding the grouping
+(coalescing the ids) and the optimizer's arithmetic.
 
     python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants.json
     python benchmarks/variants.py --steps 200 --warmup 300 --json benchmarks/results/variants_gpu.json  # on a GPU
@@ -191,7 +192,7 @@ def main() -> None:
     floor_pool = [
         jnp.asarray(np.pad(u, (0, args.batch - u.size), constant_values=-1).astype(np.int32)) for u in uniques
     ]
-    # The every-entry floor's batches: each batch's grouping (distinct ids, offsets, the entries in their order).
+    # The every-entry floor's batches: each batch's grouping (its distinct ids, and each entry's index among them).
     grouped_pool = [tuple(jnp.asarray(a) for a in floor.group(np.asarray(i))) for i in pool]
     # Their values for the distinct-ids door, made before each step out of the timing: zero on padding, as
     # unique_indices promises.

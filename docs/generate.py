@@ -419,11 +419,13 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
     entries = floors and all(r.get("floor_entries_ms") for r in doc["results"])
     if entries:
         lines += [
-            "The second floor, *every entry*, takes the step's own batch: it reads every entry once, summing each "
-            "distinct id's entries (grouped by id beforehand, out of the timing), then the id's row of each table "
-            "once, adding the sum, and does nothing else. Its bytes are those a step on the batch must move, so its "
-            "ratio is the one to hold `update_and_apply` to: what a step costs above it is finding the grouping "
-            "(coalescing the batch's ids) and the optimizer's arithmetic.",
+            "The second floor, *every entry*, takes the step's own batch: given each entry's place among the "
+            "batch's distinct ids (computed beforehand, out of the timing), each thread reads the batch's entries "
+            "in order, summing those of its share of the ids (split by their entries and rows, as the library's "
+            "row loop splits them), then each of its ids' row of each table once, adding the sum, and does nothing "
+            "else. Its bytes are those a step on the batch must move, so its ratio is the one to hold "
+            "`update_and_apply` to: what a step costs above it is finding the grouping (coalescing the batch's "
+            "ids) and the optimizer's arithmetic.",
             "",
         ]
     head = "| variant | two calls (ms) | vs plain | `update_and_apply` (ms) | vs plain |"

@@ -50,10 +50,11 @@ def _sum_reference(ids: np.ndarray, values: np.ndarray, tables: tuple[np.ndarray
 @pytest.mark.parametrize("n", [0, 1, 64, 2000])
 def test_sum_touch_rows_reads_every_entry_and_each_row_once(n: int, threads: int) -> None:
     ids, values, tables = _batch(n, n)
-    keys, offsets, order = floor.group(ids)
-    assert keys.shape == order.shape == (n,) and offsets.shape == (n + 1,)
+    keys, slots = floor.group(ids)
+    assert keys.shape == slots.shape == (n,)
+    assert np.array_equal(keys[slots[ids >= 0]], ids[ids >= 0]) and np.all(slots[ids < 0] == -1)
     got = jax.jit(floor.sum_touch_rows, static_argnames="threads")(
-        tuple(map(jnp.asarray, tables)), keys, offsets, order, values, threads=threads
+        tuple(map(jnp.asarray, tables)), keys, slots, values, threads=threads
     )
     for g, want in zip(got, _sum_reference(ids, values, tables), strict=True):
         np.testing.assert_array_equal(np.asarray(g), want)
@@ -76,9 +77,9 @@ def test_touch_rows_adds_one_gradient_row_per_key(threads: int) -> None:
         np.testing.assert_array_equal(np.asarray(g), w)
 
 
-def test_sum_touch_rows_rejects_offsets_outside_the_entries() -> None:
+def test_sum_touch_rows_rejects_slots_outside_the_keys() -> None:
     ids, values, tables = _batch(2, 64)
-    keys, offsets, order = floor.group(ids)
-    offsets[1] = 65
-    with pytest.raises(Exception, match="offsets must rise within the entries"):
-        floor.sum_touch_rows(tuple(map(jnp.asarray, tables)), keys, offsets, order, values, threads=1)
+    keys, slots = floor.group(ids)
+    slots[5] = 64
+    with pytest.raises(Exception, match="slots must index the keys"):
+        floor.sum_touch_rows(tuple(map(jnp.asarray, tables)), keys, slots, values, threads=1)

@@ -7,15 +7,19 @@
 // entries for a narrower table) so the work cannot be skipped, and does
 // nothing else: no coalescing, no optimizer arithmetic. A step that moves
 // those tables cannot cost less than this.
-//   osa_bench_sum_touch_rows  (keys, offsets, order, values, tables...) -> (tables...)
+//   osa_bench_sum_touch_rows  (keys, slots, values, tables...) -> (tables...)
 // is the same for a batch with duplicate ids: `keys` are its distinct ids and
-// the entries of keys[j] are values[order[offsets[j]:offsets[j + 1]]] (the
-// grouping computed beforehand); it reads every entry once, summing a key's
-// entries, and then each table's row of the key once, adding the sum. A step
-// on the batch reads those bytes too; what it costs above this is finding the
-// grouping and the optimizer's arithmetic.
-// Both split rows over threads as the step kernels do (rows.h, the library's
+// entry i of the batch is keys[slots[i]]'s (slots[i] < 0: padding), the
+// grouping computed beforehand. Each thread takes a range of the keys (split
+// by their entries and rows, as the library's row loop splits them), reads
+// the batch's entries in order, summing those of its keys, then each table's
+// row of each of its keys once, adding the sum: every entry read, every
+// touched row of every table read and written once. A step on the batch moves
+// those bytes too; what it costs above this is finding the grouping and the
+// optimizer's arithmetic.
+// They split rows over threads as the step kernels do (rows.h, the library's
 // header in optax_sparse_adam/csrc/, found on the include path).
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -54,25 +58,27 @@ OSA_TARGET_CLONES void TouchRows(const int32_t* entries, int64_t count, const in
   }
 }
 
-// Sums each key's entries (values[order[offsets[j]:offsets[j + 1]]]) into one row, then adds it to the key's
-// row of every table.
-OSA_TARGET_CLONES void SumTouchRows(const int32_t* entries, int64_t count, const int32_t* keys,
-                                    const int32_t* offsets, const int32_t* order, const float* values,
-                                    const std::vector<Table>& tables, int64_t width) {
-  std::vector<float> sum(static_cast<size_t>(width));
-  for (int64_t n = 0; n < count; ++n) {
-    if (n + kPrefetchDistance < count) {
-      const int64_t r = keys[entries[n + kPrefetchDistance]];
+// The keys [lo, hi): the entries of each (slots[i] == its index) summed, in entry order, then the sum added to the
+// key's row of every table.
+OSA_TARGET_CLONES void SumTouchRows(const int32_t* keys, const int32_t* slots, int64_t n, const float* values,
+                                    const std::vector<Table>& tables, int64_t num_rows, int64_t width, int64_t lo,
+                                    int64_t hi) {
+  std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = slots[i];
+    if (d < lo || d >= hi) continue;
+    float* __restrict s = sums.data() + (d - lo) * width;
+    const float* __restrict g = values + i * width;
+    for (int64_t c = 0; c < width; ++c) s[c] = s[c] + g[c];
+  }
+  for (int64_t d = lo; d < hi; ++d) {
+    if (d + kPrefetchDistance < hi && InRange(keys[d + kPrefetchDistance], num_rows)) {
+      const int64_t r = keys[d + kPrefetchDistance];
       for (const Table& t : tables) PrefetchRow(t.data + r * t.width, t.width);
     }
-    const int64_t j = entries[n];
-    float* __restrict s = sum.data();
-    for (int64_t c = 0; c < width; ++c) s[c] = 0.0f;
-    for (int32_t e = offsets[j]; e < offsets[j + 1]; ++e) {
-      const float* __restrict g = values + static_cast<int64_t>(order[e]) * width;
-      for (int64_t c = 0; c < width; ++c) s[c] += g[c];
-    }
-    const int64_t r = keys[j];
+    if (!InRange(keys[d], num_rows)) continue;
+    const int64_t r = keys[d];
+    const float* __restrict s = sums.data() + (d - lo) * width;
     for (const Table& t : tables) {
       float* __restrict row = t.data + r * t.width;
       for (int64_t c = 0; c < t.width; ++c) row[c] += s[c];
@@ -81,13 +87,11 @@ OSA_TARGET_CLONES void SumTouchRows(const int32_t* entries, int64_t count, const
 }
 
 // Checks the tables (one row count, none wider than the gradient rows), copies them into the results where they
-// are not aliased, and calls `touch(entries, count, tables)` on each thread's share of the keys.
-template <typename F>
-ffi::Error TouchEachPart(ffi::ThreadPool& pool, ffi::BufferR1<ffi::S32> keys, ffi::RemainingArgs ins,
-                         ffi::RemainingRets outs, int64_t width, int64_t threads, F touch) {
+// are not aliased, and lists them; sets their row count.
+ffi::Error Tables(ffi::RemainingArgs ins, ffi::RemainingRets outs, int64_t width, std::vector<Table>& tables,
+                  int64_t& num_rows) {
   if (ins.size() != outs.size() || ins.size() == 0) return ffi::Error::InvalidArgument("one result per table");
-  std::vector<Table> tables;
-  int64_t num_rows = -1;
+  num_rows = -1;
   for (size_t t = 0; t < ins.size(); ++t) {
     auto in = ins.get<ffi::Buffer<ffi::F32>>(t);
     auto out = outs.get<ffi::Buffer<ffi::F32>>(t);
@@ -102,9 +106,6 @@ ffi::Error TouchEachPart(ffi::ThreadPool& pool, ffi::BufferR1<ffi::S32> keys, ff
     CopyIfNotAliased((*out)->typed_data(), in->typed_data(), in->element_count());
     tables.push_back(Table{(*out)->typed_data(), w});
   }
-  const auto k = static_cast<int64_t>(keys.element_count());
-  ForEachKeyPart(pool, keys.typed_data(), k, Shard{num_rows, 0, num_rows}, threads,
-                 [&](const int32_t* entries, int64_t count) { touch(entries, count, tables); });
   return ffi::Error::Success();
 }
 
@@ -114,35 +115,52 @@ ffi::Error TouchImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::Bu
   auto vdims = values.dimensions();
   if (vdims.size() < 1 || vdims[0] != k) return ffi::Error::InvalidArgument("values must have one row per key");
   const int64_t width = RowWidth(vdims);
-  return TouchEachPart(pool, keys, ins, outs, width, threads,
-                       [&](const int32_t* entries, int64_t count, const std::vector<Table>& tables) {
-                         TouchRows(entries, count, keys.typed_data(), values.typed_data(), tables, width);
-                       });
+  std::vector<Table> tables;
+  int64_t num_rows;
+  if (ffi::Error error = Tables(ins, outs, width, tables, num_rows); error.failure()) return error;
+  const int32_t* key = keys.typed_data();
+  ForEachKeyPart(pool, key, k, Shard{num_rows, 0, num_rows}, threads,
+                 [&](const int32_t* entries, int64_t count) {
+                   TouchRows(entries, count, key, values.typed_data(), tables, width);
+                 });
+  return ffi::Error::Success();
 }
 
-ffi::Error SumTouchImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::BufferR1<ffi::S32> offsets,
-                        ffi::BufferR1<ffi::S32> order, ffi::Buffer<ffi::F32> values, ffi::RemainingArgs ins,
-                        ffi::RemainingRets outs, int64_t threads) {
+ffi::Error SumTouchImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi::BufferR1<ffi::S32> slots,
+                        ffi::Buffer<ffi::F32> values, ffi::RemainingArgs ins, ffi::RemainingRets outs,
+                        int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
-  const auto n = static_cast<int64_t>(order.element_count());
+  const auto n = static_cast<int64_t>(slots.element_count());
   auto vdims = values.dimensions();
   if (vdims.size() < 1 || vdims[0] != n) return ffi::Error::InvalidArgument("values must have one row per entry");
-  if (static_cast<int64_t>(offsets.element_count()) != k + 1)
-    return ffi::Error::InvalidArgument("offsets must have one more element than keys");
-  const int32_t* off = offsets.typed_data();
-  const int32_t* ord = order.typed_data();
-  for (int64_t j = 0; j < k; ++j) {
-    if (off[j] < 0 || off[j] > off[j + 1] || off[j + 1] > n)
-      return ffi::Error::InvalidArgument("offsets must rise within the entries");
-  }
-  for (int64_t e = 0; e < n; ++e) {
-    if (ord[e] < 0 || ord[e] >= n) return ffi::Error::InvalidArgument("order must index the entries");
+  const int32_t* slot = slots.typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    if (slot[i] < -1 || slot[i] >= k) return ffi::Error::InvalidArgument("slots must index the keys, or be -1");
   }
   const int64_t width = RowWidth(vdims);
-  return TouchEachPart(pool, keys, ins, outs, width, threads,
-                       [&](const int32_t* entries, int64_t count, const std::vector<Table>& tables) {
-                         SumTouchRows(entries, count, keys.typed_data(), off, ord, values.typed_data(), tables, width);
-                       });
+  std::vector<Table> tables;
+  int64_t num_rows;
+  if (ffi::Error error = Tables(ins, outs, width, tables, num_rows); error.failure()) return error;
+  // The keys split into contiguous ranges of about equal work, a key weighing its entries plus 12 (its rows), as
+  // the library's row loop splits a coalesced batch (rows.h's ParallelForRows, row_loop.h's kRowWork).
+  std::vector<int64_t> work(static_cast<size_t>(k) + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (slot[i] >= 0) ++work[slot[i] + 1];
+  }
+  for (int64_t d = 0; d < k; ++d) work[d + 1] += work[d] + (InRange(keys.typed_data()[d], num_rows) ? 12 : 0);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, k / 256 + 1));
+  std::vector<int64_t> bounds(static_cast<size_t>(parts) + 1, k);
+  bounds[0] = 0;
+  for (int64_t p = 1; p < parts; ++p)
+    bounds[p] = std::lower_bound(work.begin(), work.end() - 1, work[k] * p / parts) - work.begin();
+  ParallelFor(pool, parts, parts, [&](int64_t part_lo, int64_t part_hi) {
+    for (int64_t p = part_lo; p < part_hi; ++p) {
+      if (bounds[p] < bounds[p + 1])
+        SumTouchRows(keys.typed_data(), slot, n, values.typed_data(), tables, num_rows, width, bounds[p],
+                     bounds[p + 1]);
+    }
+  });
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -161,8 +179,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamSumTouchRows, optax_sparse_adam::Su
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys: the batch's distinct ids
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // offsets: keys[j]'s entries in order
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // order: the entries grouped by key
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // slots: each entry's key, or -1
                                   .Arg<ffi::Buffer<ffi::F32>>()     // values: one row per entry
                                   .RemainingArgs()                  // the tables
                                   .RemainingRets()                  // the tables, updated
