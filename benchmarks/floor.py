@@ -75,6 +75,8 @@ def unavailable() -> str | None:
         return None
     if _compiler() is None:
         return "the floor contender needs a C++17 compiler (c++ or g++, or $CXX) to build its kernel; none was found"
+    if not (CSRC / "rows.h").exists():
+        return f"the floor contender needs the library's headers ({CSRC / 'rows.h'}, in a checkout); none were found"
     if _ffi_include() is None:
         return "the floor contender needs jaxlib's XLA FFI headers (jaxlib/include/xla/ffi/api/ffi.h); none were found"
     return None
