@@ -17,12 +17,13 @@
 // touched row of every table read and written once. A step on the batch moves
 // those bytes too; what it costs above this is finding the grouping and the
 // optimizer's arithmetic.
-// They split rows over threads as the step kernels do (rows.h, the library's
-// header in optax_sparse_adam/csrc/, found on the include path).
+// They split rows over threads as the step kernels do (rows.h and row_loop.h,
+// the library's headers in optax_sparse_adam/csrc/, found on the include path).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "row_loop.h"
 #include "rows.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -30,8 +31,6 @@ namespace ffi = xla::ffi;
 
 namespace optax_sparse_adam {
 namespace {
-
-constexpr int kPrefetchDistance = 4;
 
 // A table the step reads and writes a row of per touched key: `width` floats a
 // row (the parameter's width for p and element-wise moments, 1 for a row-wise
@@ -64,13 +63,7 @@ OSA_TARGET_CLONES void SumTouchRows(const int32_t* keys, const int32_t* slots, i
                                     const std::vector<Table>& tables, int64_t num_rows, int64_t width, int64_t lo,
                                     int64_t hi) {
   std::vector<float> sums(static_cast<size_t>((hi - lo) * width), 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t d = slots[i];
-    if (d < lo || d >= hi) continue;
-    float* __restrict s = sums.data() + (d - lo) * width;
-    const float* __restrict g = values + i * width;
-    for (int64_t c = 0; c < width; ++c) s[c] = s[c] + g[c];
-  }
+  SumEntries(slots, n, values, width, lo, hi, sums.data());
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && InRange(keys[d + kPrefetchDistance], num_rows)) {
       const int64_t r = keys[d + kPrefetchDistance];
@@ -141,24 +134,13 @@ ffi::Error SumTouchImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ffi:
   std::vector<Table> tables;
   int64_t num_rows;
   if (ffi::Error error = Tables(ins, outs, width, tables, num_rows); error.failure()) return error;
-  // The keys split into contiguous ranges of about equal work, a key weighing its entries plus 12 (its rows), as
-  // the library's row loop splits a coalesced batch (rows.h's ParallelForRows, row_loop.h's kRowWork).
-  std::vector<int64_t> work(static_cast<size_t>(k) + 1, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    if (slot[i] >= 0) ++work[slot[i] + 1];
-  }
-  for (int64_t d = 0; d < k; ++d) work[d + 1] += work[d] + (InRange(keys.typed_data()[d], num_rows) ? 12 : 0);
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, k / 256 + 1));
-  std::vector<int64_t> bounds(static_cast<size_t>(parts) + 1, k);
-  bounds[0] = 0;
-  for (int64_t p = 1; p < parts; ++p)
-    bounds[p] = std::lower_bound(work.begin(), work.end() - 1, work[k] * p / parts) - work.begin();
-  ParallelFor(pool, parts, parts, [&](int64_t part_lo, int64_t part_hi) {
-    for (int64_t p = part_lo; p < part_hi; ++p) {
-      if (bounds[p] < bounds[p + 1])
-        SumTouchRows(keys.typed_data(), slot, n, values.typed_data(), tables, num_rows, width, bounds[p],
-                     bounds[p + 1]);
-    }
+  // The keys split as the library's row loop splits a coalesced batch's rows (each key weighing its entries and
+  // its rows); the keys past the last one an entry falls in are padding.
+  const int32_t* key = keys.typed_data();
+  int64_t size = 0;
+  for (int64_t i = 0; i < n; ++i) size = std::max<int64_t>(size, slot[i] + 1);
+  ParallelForSlots(pool, slot, n, size, kRowWork, threads, [&](int64_t lo, int64_t hi) {
+    SumTouchRows(key, slot, n, values.typed_data(), tables, num_rows, width, lo, hi);
   });
   return ffi::Error::Success();
 }

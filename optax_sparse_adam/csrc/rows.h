@@ -482,27 +482,27 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t parts, F fn) {
   while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
 }
 
-// Runs fn(lo, hi) over the distinct rows [0, c.size) of a batch of k entries coalesced as `c`, split into
-// contiguous ranges of about equal work for up to `threads` threads, a row weighing its entries plus `row_weight`
-// (what reading and writing its state costs, in entries read). Split by rows alone, the thread holding a Zipf
-// batch's first rows (its hot ids, first seen early) would add most of the batch's entries while the other read
-// and wrote as many rows with few entries each. Each row is still one thread's, so the numbers do not depend on the
-// split.
+// Runs fn(lo, hi) over the slots [0, size) that a batch's k entries fall in (slot_of[i]: entry i's slot, or -1 for
+// none), split into contiguous ranges of about equal work for up to `threads` threads, a slot weighing its entries
+// plus `row_weight` (what reading and writing its state costs, in entries read). Split by slots alone, the thread
+// holding a Zipf batch's first rows (its hot ids, first seen early) would add most of the batch's entries while the
+// other read and wrote as many rows with few entries each. Each slot is still one thread's, so the numbers do not
+// depend on the split.
 template <typename F>
-void ParallelForRows(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, int64_t row_weight, int64_t threads,
-                     F fn) {
-  // work[d + 1]: the work of the rows up to d.
-  std::vector<int64_t> work(static_cast<size_t>(c.size) + 1, 0);
+void ParallelForSlots(xla::ffi::ThreadPool& pool, const int32_t* slot_of, int64_t k, int64_t size,
+                      int64_t row_weight, int64_t threads, F fn) {
+  // work[d + 1]: the work of the slots up to d.
+  std::vector<int64_t> work(static_cast<size_t>(size) + 1, 0);
   for (int64_t i = 0; i < k; ++i) {
-    if (c.entry[i] >= 0) ++work[c.entry[i] + 1];
+    if (slot_of[i] >= 0) ++work[slot_of[i] + 1];
   }
-  for (int64_t d = 0; d < c.size; ++d) work[d + 1] += work[d] + row_weight;
-  const int64_t total = work[c.size];
+  for (int64_t d = 0; d < size; ++d) work[d + 1] += work[d] + row_weight;
+  const int64_t total = work[size];
   // A thread is worth its scheduling past a few dozen rows.
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, c.size / 32 + 1));
-  // The first row whose work starts in part p's share of it.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, size / 32 + 1));
+  // The first slot whose work starts in part p's share of it.
   const auto bound = [&](int64_t p) {
-    return p == parts ? c.size
+    return p == parts ? size
                       : static_cast<int64_t>(std::lower_bound(work.begin(), work.end() - 1, total * p / parts) -
                                              work.begin());
   };
@@ -512,6 +512,14 @@ void ParallelForRows(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, 
       if (lo < hi) fn(lo, hi);
     }
   });
+}
+
+// Runs fn(lo, hi) over the distinct rows [0, c.size) of a batch of k entries coalesced as `c`, split as
+// ParallelForSlots splits them (each row its slot).
+template <typename F>
+void ParallelForRows(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, int64_t row_weight, int64_t threads,
+                     F fn) {
+  ParallelForSlots(pool, c.entry.data(), k, c.size, row_weight, threads, fn);
 }
 
 // A step's padding slots [size, k) (k slots of width floats at out, the first `size` of them the distinct rows
