@@ -262,6 +262,8 @@ def _stepped(
             p, m, v, last, idle, limits, neg_rates, corrections, cap=plan.cap, torch_eps=hp.eps_placement == "torch"
         )
         flagged = flags > 0
+        if not _may_flag(plan, replayer, decay):
+            return stepped
         return jax.lax.cond(
             jnp.any(flagged),
             lambda: jnp.where(
@@ -485,30 +487,52 @@ def _window(
     gathered: bool = True,
 ) -> jax.Array:
     """``C_j`` of rows idle ``d <= K`` steps, in row ``d - 1``, shape ``(K, terms)`` (``K >= 1``): ``C_j(d) =
-    sum_{o < d} h_j(done - o) rho_j^(d - o)``, as the recurrence ``C(d) = rho (h(done - d + 1) + C(d - 1))``, one
-    associative scan over the last ``K`` steps; ``gathered``: whether rows' reads gather from it in XLA (rather than
-    a kernel reading it as an operand)."""
-    rho = jnp.asarray(plan.rho, jnp.float32)
+    sum_{o < d} h_j(done - o) rho_j^(d - o)``, the recurrence ``C(d) = rho (h(done - d + 1) + C(d - 1))`` taken in
+    blocks of about ``sqrt(K)`` steps (:func:`_window_powers`): each block's own sum, then the blocks' ends carried
+    forward; ``gathered``: whether rows' reads gather from it in XLA (rather than a kernel reading it as an
+    operand)."""
     tau = done - jnp.arange(plan.cap, dtype=jnp.int32)
     h = jnp.where((tau >= 1)[:, None], plan.rates(tau, lr(jnp.maximum(tau, 1) - 1), jnp), 0.0)
     if weights is not None:
         h = h * weights.after[:, None]
-    a = jnp.broadcast_to(rho, h.shape)
 
-    def combine(x: tuple[jax.Array, jax.Array], y: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return x[0] * y[0], y[0] * x[1] + y[1]
-
-    def scan() -> jax.Array:
-        return jax.lax.associative_scan(combine, (a, a * h))[1]  # window[d - 1] = C(d)
+    def blocked() -> jax.Array:
+        within, across, into = (jnp.asarray(x) for x in _window_powers(tuple(plan.rho), plan.cap))
+        blocks, size = across.shape[1], within.shape[1]
+        x = jnp.pad(h, ((0, blocks * size - plan.cap), (0, 0))).reshape(blocks, size, -1)
+        dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+        local = dot("jro,boj->brj", within, x)  # each block's sum over its own steps
+        ends = dot("jbc,cj->bj", across, local[:, -1])  # C at each block's last step
+        before = jnp.concatenate([jnp.zeros_like(ends[:1]), ends[:-1]])  # C at the step before each block
+        out = local + into.T[None] * before[:, None]
+        return out.reshape(blocks * size, -1)[: plan.cap]
 
     if not gathered:  # a kernel's operand, a buffer already
-        return scan()
+        return blocked()
     # The window is computed once, into a buffer the rows' reads read: left to fusion, XLA:CPU recomputes the
-    # scan's last level inside a gather for each row's read (a fifth of sparse_adam(catch_up=True)'s fused step at
+    # window's last sum inside a gather for each row's read (a fifth of sparse_adam(catch_up=True)'s fused step at
     # 8,192 Zipf ids when it gathered them; jax.lax.optimization_barrier does not stop it, XLA:CPU expands barriers
     # before fusing). A conditional's result is a buffer fusion does not reach into; its predicate always holds.
     # (Where a kernel reads the window, the conditional would only cost its step some 30 microseconds on the CPU.)
-    return jax.lax.cond(done >= 0, scan, lambda: jnp.zeros_like(h))
+    return jax.lax.cond(done >= 0, blocked, lambda: jnp.zeros_like(h))
+
+
+@functools.lru_cache(maxsize=64)
+def _window_powers(rho: tuple[float, ...], cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The powers of ``rho`` :func:`_window` sums with, in double rounded once to float32, for ``cap`` steps in
+    ``blocks`` blocks of ``size``: ``within[j, r, o] = rho_j^(r - o + 1)`` (``o <= r``, else 0), the weight of a
+    block's step ``o`` at its step ``r``; ``across[j, b, c] = rho_j^(size (b - c))`` (``c <= b``), that of block
+    ``c``'s last step at block ``b``'s; ``into[j, r] = rho_j^(r + 1)``, that of the step before a block at its step
+    ``r``. (A scan over the steps instead: some 400 more operations, half of a catch-up step's compile time.)"""
+    size = math.isqrt(cap - 1) + 1  # ceil(sqrt(cap))
+    blocks = -(-cap // size)
+    r = np.array(rho, np.float64)[:, None, None]
+    steps = np.arange(size)
+    within = np.where(steps[:, None] >= steps[None, :], r ** (steps[:, None] - steps[None, :] + 1), 0.0)
+    gaps = np.arange(blocks)[:, None] - np.arange(blocks)[None, :]
+    across = np.where(gaps >= 0, r ** (size * np.maximum(gaps, 0)), 0.0)
+    into = r[:, 0] ** (steps + 1)
+    return within.astype(np.float32), across.astype(np.float32), into.astype(np.float32)
 
 
 def _far(
@@ -796,7 +820,17 @@ def fused_apply(
         out, new = apply_rule((), g.to_leaf(), p.shape, tables, (p,), rule, where, whole_rows=True)
         return apply_updates(p, out), *new
 
+    if not _may_flag(plan, replayer, decay):
+        return p, *tables
     return jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, *tables))
+
+
+def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> bool:
+    """Whether the kernels can flag a row, that is leave its idle steps to the XLA rule: catch_up_adam.cc's
+    ``IdleSteps::CanStep`` fails only without a table of bias corrections, or for a row idle longer than the
+    window under a schedule (``long_neg_lr`` NaN) or with AdamW's decay. Where it cannot, the step holds no XLA
+    fallback for flagged rows (a third of a catch-up step's program)."""
+    return plan.corrections is None or decay is not None or callable(replayer.learning_rate)
 
 
 def of_keys(record: jax.Array, keys: jax.Array) -> jax.Array:
