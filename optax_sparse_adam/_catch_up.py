@@ -665,11 +665,14 @@ def table_power(table: np.ndarray, n: jax.Array) -> jax.Array:
     entries of ``n``'s four base-256 digits, lowest first, each product below float32's smallest normal number
     taken as 0 (the same whether or not denormals are flushed). Rounded three times from correctly rounded
     entries: within two ulps or so of ``b ** n``. catch_up_adam.cc's ``TablePower`` computes it alike, bitwise."""
-    t = jnp.asarray(table)
     k = jnp.maximum(n, 0)
-    out = t[0, k & 255]
+    # The four entries in one gather (a gather each made a third of AdamW's catch-up program).
+    lanes = np.arange(4, dtype=np.int32).reshape((1,) * k.ndim + (4,))
+    digits = ((k[..., None] >> (8 * lanes)) & 255) + 256 * lanes
+    entries = jnp.asarray(table).reshape(-1).at[digits].get(mode="promise_in_bounds")
+    out = entries[..., 0]
     for i in (1, 2, 3):
-        out = out * t[i, (k >> (8 * i)) & 255]
+        out = out * entries[..., i]
         out = jnp.where(out < np.finfo(np.float32).tiny, jnp.float32(0.0), out)
     return out
 
