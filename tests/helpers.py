@@ -59,3 +59,8 @@ def jit_once(fn: Callable[..., Any], *, jit: Callable[..., Any] = jax.jit, **jit
         return fn(*args, **kwargs)
 
     return jit(counted, **jit_kwargs)
+
+
+# Why a test of the native kernels skips: they were not built (no C++ compiler at install time), or
+# OPTAX_SPARSE_ADAM_KERNELS=0 turned them off for the run (the suite then tests the XLA path alone).
+KERNELS_OFF = "the native kernels were not built, or OPTAX_SPARSE_ADAM_KERNELS=0 turned them off"

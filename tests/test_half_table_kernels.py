@@ -22,7 +22,7 @@ import pytest
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._stochastic_rounding import _draws, _round_with, leaf_seeds
-from tests.helpers import assert_trees_equal, jit_once, spread
+from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, spread
 
 ROWS, WIDTH, K = 48, 24, 96
 HALF = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -35,7 +35,7 @@ OPTIMIZERS = {
 }
 KERNEL = {"adagrad": "rowwise_adagrad_apply", "rowwise": "rowwise_adam_apply"}
 
-needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
 
 
 @functools.cache

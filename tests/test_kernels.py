@@ -16,7 +16,7 @@ import pytest
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _kernel_path
-from tests.helpers import assert_trees_equal, jit_once, spread
+from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, spread
 
 NUM_ROWS, WIDTH = 97, 5
 # The optimizers on the Adam kernels: plain lazy Adam, lazy AdamW (the decay of each touched row fused in) and
@@ -38,7 +38,7 @@ ADAM_OPTIONS = [
     if adam != "adamw catch_up" or (placement == "torch") == maximize
 ]
 
-needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
 
 
 # The fused step's kernel, where it is not sparse_{adam}_apply.

@@ -33,9 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path, _routing
+from tests.helpers import KERNELS_OFF
 
 N, D, K = 512, 4, 256  # rows, width, ids per step (global)
-needs_kernels = pytest.mark.skipif(not _kernel_path.available(), reason="the native kernels were not built")
+needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
 AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
 
 
