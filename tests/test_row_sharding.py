@@ -33,10 +33,14 @@ from jax.sharding import PartitionSpec as P
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path, _routing
-from tests.helpers import KERNELS_OFF
 
 N, D, K = 512, 4, 256  # rows, width, ids per step (global)
-needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
+# tests.helpers' KERNELS_OFF: this file also runs as a script (the multi-process test), before JAX's backends start,
+# and tests.helpers starts them.
+needs_kernels = pytest.mark.skipif(
+    not _kernel_path.enabled(),
+    reason="the native kernels were not built, or OPTAX_SPARSE_ADAM_KERNELS=0 turned them off",
+)
 AXIS_TYPES = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
 
 
