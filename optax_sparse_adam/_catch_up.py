@@ -532,7 +532,10 @@ def _window_powers(rho: tuple[float, ...], cap: int) -> tuple[np.ndarray, np.nda
     gaps = np.arange(blocks)[:, None] - np.arange(blocks)[None, :]
     across = np.where(gaps >= 0, r ** (size * np.maximum(gaps, 0)), 0.0)
     into = r[:, 0] ** (steps + 1)
-    return within.astype(np.float32), across.astype(np.float32), into.astype(np.float32)
+    out = within.astype(np.float32), across.astype(np.float32), into.astype(np.float32)
+    for x in out:  # shared by every step traced with these powers (the cache)
+        x.flags.writeable = False
+    return out
 
 
 def _far(

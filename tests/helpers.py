@@ -1,4 +1,4 @@
-"""What the tests share: one tree comparison, and one check that a step compiles once."""
+"""What the tests share: one tree comparison, one check that a step compiles once, and the kernel tests' skip."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Any
 
 import jax
 import numpy as np
+import pytest
+
+from optax_sparse_adam import _kernel_path
 
 # Comparisons with optax of steps that sum duplicate ids or contract multiply-adds: on the CPU both programs do
 # these in one order; XLA:GPU sums the colliding ids of a scatter-add (optax's dense gradient) in another order
@@ -64,3 +67,4 @@ def jit_once(fn: Callable[..., Any], *, jit: Callable[..., Any] = jax.jit, **jit
 # Why a test of the native kernels skips: they were not built (no C++ compiler at install time), or
 # OPTAX_SPARSE_ADAM_KERNELS=0 turned them off for the run (the suite then tests the XLA path alone).
 KERNELS_OFF = "the native kernels were not built, or OPTAX_SPARSE_ADAM_KERNELS=0 turned them off"
+needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)

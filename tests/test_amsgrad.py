@@ -13,10 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _kernel_path
 from optax_sparse_adam._amsgrad import idle_cap
 from tests import variant_checks
-from tests.helpers import KERNELS_OFF, assert_trees_equal
+from tests.helpers import assert_trees_equal, needs_kernels
 from tests.variant_checks import LR
 
 COMPARE_STATE = True  # the same ScaleByAmsgradState as optax's
@@ -181,7 +180,7 @@ FUSED_CASES = {
 }
 
 
-@pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
+@needs_kernels
 @pytest.mark.parametrize("case", FUSED_CASES)
 def test_the_fused_catch_up_step_on_the_kernel_equals_the_xla_path(case: str) -> None:
     """``update_and_apply`` of ``sparse_amsgrad(catch_up=True)`` runs one kernel call that catches each touched row

@@ -20,9 +20,9 @@ import optax
 import pytest
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _kernel_path
+from optax_sparse_adam import _adam, _catch_up, _kernel_path
 from optax_sparse_adam._catch_up import idle_cap
-from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once
+from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, needs_kernels
 
 ROWS, WIDTH, BATCH, STEPS = 2000, 8, 64, 400
 
@@ -217,8 +217,6 @@ def test_the_window_is_within_a_few_ulps_of_its_recurrence_in_double(b1, b2, lea
     """The window of the idle steps' coefficients, ``C(d) = rho (h(d) + C(d - 1))`` over the last ``K =
     idle_cap`` steps, summed in blocks: within 8 units of ``2**-24`` (relative) of the recurrence in double on the
     same float32 ``h``, at every ``d`` and term (an associative scan's tree of products was 51 at ``b1 = 0.99``)."""
-    from optax_sparse_adam import _adam, _catch_up
-
     lr = 0.01 if learning_rate == "constant" else optax.linear_schedule(0.01, 0.001, 3000)
     replayer = _catch_up.Replayer(lr, _adam._hyperparams(b1, b2, 1e-8, 0.0, False, "optax"))
     plan = _catch_up._series_plan(replayer, jnp.float32)
@@ -332,7 +330,7 @@ def test_dense_leaves_are_optax_adam_and_inject_hyperparams_agrees() -> None:
     assert_trees_equal(pi, p, rtol=1e-6, atol=3e-7)
 
 
-@pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
+@needs_kernels
 @pytest.mark.parametrize(
     "case",
     [
@@ -449,7 +447,7 @@ def _idle_start(init: Any, rng: np.random.Generator) -> tuple[jax.Array, Any, np
     return p, jax.tree.map(idle, init(p), is_leaf=lambda x: isinstance(x, kinds)), last
 
 
-@pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
+@needs_kernels
 @pytest.mark.parametrize("case", ["optax", "torch", "schedule", "adamw", "adamw schedule"])
 def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Elements with ``sqrt(v)`` near ``eps`` (the series in ``eps / sqrt(v)`` does not reach float32 resolution)
@@ -511,7 +509,7 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
         assert not flags.any()
 
 
-@pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
+@needs_kernels
 def test_a_clipped_step_sums_and_clips_the_rows_it_leaves_to_the_xla_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """chain(sparse_aware(clip_by_global_norm), sparse_adam(schedule, catch_up=True)) under update_and_apply, ids
     repeated: the kernel sums and clips each row as it reads the entries, and the rows it flags (idle longer than
@@ -689,7 +687,7 @@ def test_the_fused_step_copies_no_per_row_record_and_its_temporaries_do_not_grow
     assert temps[0] == temps[1], temps
 
 
-@pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
+@needs_kernels
 @pytest.mark.parametrize("name", ["adam", "adamw", "amsgrad"])
 def test_the_fused_step_at_the_saturated_step_count_is_the_xla_paths(name: str) -> None:
     """Past 2**31 - 1 steps the count saturates (``optax.safe_increment``): the XLA path replays up to the state's
@@ -727,7 +725,7 @@ def test_the_fused_step_at_the_saturated_step_count_is_the_xla_paths(name: str) 
     np.testing.assert_allclose(np.asarray(pn), np.asarray(px), rtol=0, atol=2 * 2.0**-23 * np.abs(px).max())
 
 
-@pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
+@needs_kernels
 @pytest.mark.parametrize("name", ["adam", "adam b2=0.99999", "adamw", "adamw schedule", "amsgrad"])
 def test_rows_idle_for_any_count_decay_on_the_kernel_as_on_the_xla_path(name: str) -> None:
     """Rows idle from 1 to 2**30 steps, the four base-256 digits of their idle counts all taken: the kernel reads

@@ -24,7 +24,7 @@ import pytest
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path
-from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, spread
+from tests.helpers import assert_trees_equal, jit_once, needs_kernels, spread
 from tests.test_rowwise_kernels import ROWS, _batch, _coalesced, _fma, _step
 
 LR, EPS, MU = 0.05, 1e-7, 0.9
@@ -46,8 +46,6 @@ KERNEL = {"adagrad": "adagrad", "momentum": "momentum", "nesterov": "momentum", 
 SCHEDULE = optax.linear_schedule(0.1, 0.01, 12)
 # Adagrad's update, in ulps of itself: 1 / sqrt rounded twice (up to 1.5 ulps) against XLA:CPU's estimate (1.3).
 ADAGRAD_ULPS = 3
-
-needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
 
 
 @functools.cache  # one object for equal arguments: the tests share their compiled steps (see _step)

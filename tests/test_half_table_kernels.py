@@ -20,9 +20,9 @@ import optax
 import pytest
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _ffi, _kernel_path
+from optax_sparse_adam import _ffi
 from optax_sparse_adam._stochastic_rounding import _draws, _round_with, leaf_seeds
-from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, spread
+from tests.helpers import assert_trees_equal, jit_once, needs_kernels, spread
 
 ROWS, WIDTH, K = 48, 24, 96
 HALF = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -34,8 +34,6 @@ OPTIMIZERS = {
     "rowwise-adam-per-row": lambda: osa.sparse_rowwise_adam(0.01, mu_dtype=jnp.float32, per_row_bias_correction=True),
 }
 KERNEL = {"adagrad": "rowwise_adagrad_apply", "rowwise": "rowwise_adam_apply"}
-
-needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
 
 
 @functools.cache

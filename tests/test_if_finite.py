@@ -16,8 +16,7 @@ import optax
 import pytest
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _kernel_path
-from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once
+from tests.helpers import assert_trees_equal, jit_once, needs_kernels
 
 ROWS, WIDTH, K = 40, 8, 12
 INNER = {
@@ -27,7 +26,7 @@ INNER = {
 }
 # What each step's gradient holds: finite, or a non-finite value where named.
 PLAN = ["finite", "nan row", "finite", "inf dense", "nan padding", "nan row", "inf row", "finite", "finite"]
-PATHS = ["xla", pytest.param("native-cpu", marks=pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF))]
+PATHS = ["xla", pytest.param("native-cpu", marks=needs_kernels)]
 
 
 def _batches() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -97,7 +96,7 @@ def test_update_is_optax_apply_if_finite_bitwise():
     assert_trees_equal(ours, theirs)
 
 
-@pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
+@needs_kernels
 def test_fused_in_place_under_the_cond():
     """The inner step runs in lax.cond's accepting branch: fused, and the donated tables are not copied."""
     tx = osa.apply_if_finite(osa.sparse_adam(0.05), 3)

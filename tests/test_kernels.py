@@ -16,7 +16,7 @@ import pytest
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _kernel_path
-from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, spread
+from tests.helpers import assert_trees_equal, jit_once, needs_kernels, spread
 
 NUM_ROWS, WIDTH = 97, 5
 # The optimizers on the Adam kernels: plain lazy Adam, lazy AdamW (the decay of each touched row fused in) and
@@ -37,9 +37,6 @@ ADAM_OPTIONS = [
     # The catch-up AdamW kernel's placement and maximize are the lazy kernels' templates: each value once.
     if adam != "adamw catch_up" or (placement == "torch") == maximize
 ]
-
-needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
-
 
 # The fused step's kernel, where it is not sparse_{adam}_apply.
 _APPLY_KERNELS = {"amsgrad catch_up": "catch_up_amsgrad_apply", "adamw catch_up": "catch_up_adam_apply"}

@@ -12,10 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
-from optax_sparse_adam import _kernel_path
 from optax_sparse_adam._row_grad import distinct_ids
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
-from tests.helpers import KERNELS_OFF
+from tests.helpers import needs_kernels
 
 
 def _gather_reference(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -144,7 +143,7 @@ def test_lookup_on_both_paths_reads_the_same_rows(kernel_path):
     np.testing.assert_array_equal(np.asarray(lk.rows)[np.asarray(lk.inverse)], want)
 
 
-@pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
+@needs_kernels
 def test_the_gather_kernel_refuses_sub_byte_dtypes():
     """XLA packs int4 two to a byte; the kernel, which copies whole bytes, refuses it rather than overrun."""
     from optax_sparse_adam import _ffi

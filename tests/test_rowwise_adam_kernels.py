@@ -21,7 +21,7 @@ import pytest
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._rowwise import rowwise_adam_corrections, rowwise_adam_scalars
-from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once
+from tests.helpers import assert_trees_equal, jit_once, needs_kernels
 from tests.test_rowwise_kernels import _batch, _fma, _row_sum_of_squares, _spacing
 
 ROWS, LR, B1, B2, EPS = 37, 0.05, 0.9, 0.999, 1e-8
@@ -29,8 +29,6 @@ F32 = np.float32
 NU_ULPS = 6  # nu against the XLA path (scale_by_rowwise_adam states 3, measured; half as much again allowed)
 STEP_ULPS = 6  # the step, of itself (nu's few ulps reach it halved, through the square root)
 MODES = {"global": False, "per_row": True}
-
-needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
 
 
 @functools.cache  # one object for equal arguments: the tests share their compiled steps (see _step)

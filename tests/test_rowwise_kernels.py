@@ -19,7 +19,7 @@ import pytest
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._rowwise import adagrad_scalars
-from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once
+from tests.helpers import assert_trees_equal, jit_once, needs_kernels
 
 ROWS, LR, WD, EPS = 37, 0.05, 0.3, 1e-10
 F32 = np.float32
@@ -34,8 +34,6 @@ MODES = {
     "decoupled": {"weight_decay": WD, "weight_decay_mode": "decoupled"},
 }
 DECAY = {"none": 0, "l2": 1, "decoupled": 2}
-
-needs_kernels = pytest.mark.skipif(not _kernel_path.enabled(), reason=KERNELS_OFF)
 
 
 @functools.cache  # one object for equal arguments: the tests share their compiled steps (see _step)
