@@ -55,13 +55,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 # --compile-times N: how much of each test's time went to JAX's backend compile (XLA compiling an executable, or
 # loading it from the persistent cache: OPTAX_SPARSE_ADAM_TEST_CACHE= turns the cache off, as on a fresh machine),
-# to find where the suite's time goes. Each worker times its own tests; the times reach the report in the tests'
-# user_properties.
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiled = [0.0, 0]  # seconds and compiles since the running test's setup began
-_times: dict[str, list[float]] = {}  # by test: [seconds, compile seconds, compiles]
-
-
+# to find where the suite's time goes. The hooks that time it are registered only where it is asked for. Each worker
+# times its own tests; the times reach the report in the tests' user_properties.
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--compile-times",
@@ -72,45 +67,49 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _on_duration(event: str, duration: float, **_: object) -> None:
-    if event == _COMPILE_EVENT:
-        _compiled[0] += duration
-        _compiled[1] += 1
-
-
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("compile_times"):
-        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        config.pluginmanager.register(_CompileTimes(config.getoption("compile_times")), "compile-times")
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    _compiled[:] = [0.0, 0]
+class _CompileTimes:
+    EVENT = "/jax/core/compile/backend_compile_duration"
 
+    def __init__(self, longest: int) -> None:
+        self.longest = longest
+        self.compiled = (0.0, 0)  # seconds and compiles since the running test's setup began
+        self.times: dict[str, list[float]] = {}  # by test: [seconds, compile seconds, compiles]
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
-    if call.when == "teardown" and item.config.getoption("compile_times"):
-        item.user_properties.append(("compiled", tuple(_compiled)))
-    return (yield)
+    def _on_duration(self, event: str, duration: float, **_: object) -> None:
+        if event == self.EVENT:
+            self.compiled = (self.compiled[0] + duration, self.compiled[1] + 1)
 
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        self.compiled = (0.0, 0)
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    times = _times.setdefault(report.nodeid, [0.0, 0.0, 0])
-    times[0] += report.duration
-    for name, value in report.user_properties:
-        if name == "compiled" and report.when == "teardown":
-            times[1], times[2] = value
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+        if call.when == "teardown":
+            item.user_properties.append(("compiled", self.compiled))
+        return (yield)
 
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        times = self.times.setdefault(report.nodeid, [0.0, 0.0, 0])
+        times[0] += report.duration
+        for name, value in report.user_properties:
+            if name == "compiled" and report.when == "teardown":
+                times[1], times[2] = value
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    n = config.getoption("compile_times")
-    if not n or not _times:
-        return
-    total, compiling, compiles = (sum(t[i] for t in _times.values()) for i in range(3))
-    terminalreporter.section(f"XLA compile times ({n} longest)")
-    terminalreporter.write_line(
-        f"{compiling:.1f} s of the tests' {total:.1f} s went to {int(compiles)} compiles ({compiling / total:.0%}; "
-        "with the persistent cache on, a load counts as one)"
-    )
-    for nodeid, (seconds, compile_s, count) in sorted(_times.items(), key=lambda kv: -kv[1][1])[:n]:
-        terminalreporter.write_line(f"{compile_s:7.2f} s of {seconds:7.2f} s, {count:4d} compiles  {nodeid}")
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if not self.times:
+            return
+        total, compiling, compiles = (sum(t[i] for t in self.times.values()) for i in range(3))
+        terminalreporter.section(f"XLA compile times ({self.longest} longest)")
+        terminalreporter.write_line(
+            f"{compiling:.1f} s of the tests' {total:.1f} s went to {int(compiles)} compiles "
+            f"({compiling / total:.0%}; with the persistent cache on, a load counts as one)"
+        )
+        by_compile_time = sorted(self.times.items(), key=lambda kv: -kv[1][1])
+        for nodeid, (seconds, compile_s, count) in by_compile_time[: self.longest]:
+            terminalreporter.write_line(f"{compile_s:7.2f} s of {seconds:7.2f} s, {count:4d} compiles  {nodeid}")

@@ -35,8 +35,9 @@ import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path, _routing
 
 N, D, K = 512, 4, 256  # rows, width, ids per step (global)
-# tests.helpers' KERNELS_OFF: this file also runs as a script (the multi-process test), before JAX's backends start,
-# and tests.helpers starts them.
+# tests.helpers' KERNELS_OFF, spelled out: this file also runs as a script (the multi-process test), where the tests
+# package is not importable (and importing tests.helpers would start JAX's backends before the script sets its
+# device count).
 needs_kernels = pytest.mark.skipif(
     not _kernel_path.enabled(),
     reason="the native kernels were not built, or OPTAX_SPARSE_ADAM_KERNELS=0 turned them off",
