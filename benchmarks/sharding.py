@@ -257,16 +257,17 @@ def ideal_bytes(ids: dict[str, np.ndarray], rows: list[int], n: int, width: int)
     return total / n
 
 
-def run_tables(max_rows: int, width: int, batch: int, steps: int, record: int) -> dict[str, Any]:
-    """DLRM's 26 tables (capped at ``max_rows``) on the all-to-all route, one id per example and table, laid out
-    two ways: 26 separate tables (each its own buckets) and an :class:`EmbeddingCollection` with ``shards=8`` (one
+def run_tables(max_rows: int, width: int, batch: int, steps: int, record: int, count: int = 26) -> dict[str, Any]:
+    """DLRM's 26 tables (the first ``count``, capped at ``max_rows``) on the all-to-all route, one id per example
+    and table, laid out two ways: separate tables (each its own buckets) and an :class:`EmbeddingCollection` with
+    ``shards=8`` (one
     stack, each device a share of every table, one bucket per owner for all). For each, the compiled step's
     collectives and bytes received per device (the common path), against :func:`ideal_bytes` over fresh batches, at
     the default capacity and at :meth:`RowSharding.suggest_capacity` learned from ``record`` other batches; and over
     ``steps`` fresh batches, the steps that overflowed into a second round or fell back to the all-gather route."""
     n = 8
     mesh = jax.make_mesh((n,), ("x",))
-    rows = [-(-min(c, max_rows) // n) * n for c in CARDINALITIES]  # capped, padded to a multiple of 8 rows
+    rows = [-(-min(c, max_rows) // n) * n for c in CARDINALITIES[:count]]  # capped, padded to a multiple of 8 rows
     rng = np.random.default_rng(0)
     perms = [rng.permutation(r).astype(np.int32) for r in rows]
     names = [f"t{t}" for t in range(len(rows))]
@@ -288,7 +289,7 @@ def run_tables(max_rows: int, width: int, batch: int, steps: int, record: int) -
         return jnp.mean((pooled @ p["w"] - y) ** 2)
 
     layouts = {
-        "26 tables": (
+        f"{len(rows)} tables": (
             {"tables": tables, "w": w},
             osa.RowSharding(mesh, "x", lambda p: p["tables"], batch_axis="x", routing="all_to_all"),
             loss,
@@ -406,6 +407,7 @@ def main() -> None:
     parser.add_argument("--table-batch", type=int, default=2048, help="examples a step (many tables)")
     parser.add_argument("--record", type=int, default=200, help="batches suggest_capacity learns from")
     parser.add_argument("--tables-only", action="store_true", help="only the many-tables measurement")
+    parser.add_argument("--tables", type=int, default=26, help="how many of the 26 tables (many tables)")
     args = parser.parse_args()
     machine = machine_info(threads=0)
     print(f"jax {jax.__version__}, {jax.device_count()} devices, width {WIDTH}, {IDS} ids a step", flush=True)
@@ -416,7 +418,7 @@ def main() -> None:
     paper = [on_paper(n, IDS // 8) for n in (8, 64, 512)]
     for p in paper:
         print(json.dumps(p), flush=True)
-    tables = run_tables(args.table_rows, 16, args.table_batch, args.steps, args.record)
+    tables = run_tables(args.table_rows, 16, args.table_batch, args.steps, args.record, args.tables)
     if args.json:
         with open(args.json, "w") as f:
             machine["load_average_end"] = os.getloadavg()

@@ -152,6 +152,14 @@ class Decay:
         assert self.far_log is not None, "a schedule's decay needs the state's record"
         return jnp.exp(self.far_log)
 
+    def rest(self, idle: jax.Array, n: jax.Array, through: jax.Array) -> jax.Array:
+        """The product of ``gamma`` over each row's idle steps after its first ``n`` (``n <= idle``), whose log
+        is ``through``: with a constant learning rate ``gamma ** (idle - n)`` (:func:`table_power`, as the native
+        kernels compute it), else ``far(idle) * exp(-through)``."""
+        if self.log_gamma is not None:
+            return table_power(power_table(self.log_gamma), idle - n)
+        return self.far(idle) * jnp.exp(-through)
+
 
 def idle_cap(b1: Any, b2: Any) -> jax.Array:
     r"""The number of idle steps :func:`replay` takes one by one.
@@ -262,7 +270,7 @@ def _stepped(
             p, m, v, last, idle, limits, neg_rates, corrections, cap=plan.cap, torch_eps=hp.eps_placement == "torch"
         )
         flagged = flags > 0
-        if not _may_flag(plan, replayer, decay):
+        if not _may_flag(plan, replayer):
             return stepped
         return jax.lax.cond(
             jnp.any(flagged),
@@ -625,7 +633,7 @@ def _replay_steps(
     start = (jnp.zeros([], jnp.int32), p, m, v, jnp.zeros_like(idle, jnp.float32))  # varying as idle is (shard_map)
     _, p, m, v, through = jax.lax.while_loop(cond, body, start)
     if decay is not None:  # the idle steps past the first K decay the row, and move it by less than 2**-24
-        rest_decay = jnp.where(idle > n, decay.far(idle) * jnp.exp(-through), 1.0)
+        rest_decay = jnp.where(idle > n, decay.rest(idle, n, through), 1.0)
         p = (broadcast_rows(rest_decay, p.ndim) * p).astype(p.dtype)
     m = (m * broadcast_rows(_power(hp.b1, idle - n), m.ndim)).astype(m.dtype)
     v = (v * broadcast_rows(_power(hp.b2, idle - n), v.ndim)).astype(v.dtype)
@@ -744,7 +752,7 @@ def fused_apply(
     per key) as :func:`_coefficients` does. The kernel replays and steps each touched row in one pass, taking the
     idle steps one by one for the elements the series does not take (from the window's learning rates and the plan's
     bias corrections), and records it in place (its last step; AdamW's decay mark). Rows it flags (such steps of a
-    row idle longer than the window under a schedule, or with AdamW's decay; no table of corrections) keep their
+    row idle longer than the window under a schedule; no table of corrections) keep their
     records and take the XLA rule on those rows alone, which reads and writes them. With a global-norm ``clip``,
     ``leaf`` is the table's entries, which the kernel sums and clips row by row (its two scalars after Adam's), and
     which are summed and clipped alike for the flagged rows.
@@ -826,17 +834,17 @@ def fused_apply(
         out, new = apply_rule((), g.to_leaf(), p.shape, tables, (p,), rule, where, whole_rows=True)
         return apply_updates(p, out), *new
 
-    if not _may_flag(plan, replayer, decay):
+    if not _may_flag(plan, replayer):
         return p, *tables
     return jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, *tables))
 
 
-def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> bool:
+def _may_flag(plan: _SeriesPlan, replayer: Replayer) -> bool:
     """Whether the kernels can flag a row, that is leave its idle steps to the XLA rule: catch_up_adam.cc's
     ``IdleSteps::CanStep`` fails only without a table of bias corrections, or for a row idle longer than the
-    window under a schedule (``long_neg_lr`` NaN) or with AdamW's decay. Where it cannot, the step holds no XLA
-    fallback for flagged rows (a third of a catch-up step's program)."""
-    return plan.corrections is None or decay is not None or callable(replayer.learning_rate)
+    window under a schedule (``long_neg_lr`` NaN; with AdamW's decay also no table of ``gamma``'s powers). Where
+    it cannot, the step holds no XLA fallback for flagged rows (most of AdamW's catch-up program)."""
+    return plan.corrections is None or callable(replayer.learning_rate)
 
 
 def of_keys(record: jax.Array, keys: jax.Array) -> jax.Array:

@@ -49,10 +49,10 @@
 // products over the last steps), gamma**idle for one idle longer; the weight
 // gamma**idle. Under a schedule (no table of gamma's powers) the XLA side
 // computes both from the state's log, per key (per_key: W and the weight).
-// the idle steps one by one add wd p to each step, as _replay_steps does, and
-// are taken here only within the window (idle <= cap: past it their decay is
-// read from a log the XLA path sums; such rows are flagged); the current step
-// is AdamW's (p += neg_lr fma(wd, p, step)). Rows idle since step 0 (never
+// The idle steps one by one add wd p to each step, as _replay_steps does; a
+// row idle longer than the window takes its first cap steps so, then the
+// decay of the rest, gamma**(idle - cap) from gamma's table (under a schedule
+// such rows are flagged, as without decay); the current step is AdamW's (p += neg_lr fma(wd, p, step)). Rows idle since step 0 (never
 // moved) decay too: their idle steps are the count before the step (last == 0).
 #include <algorithm>
 #include <cfloat>
@@ -80,6 +80,19 @@ constexpr int64_t kRowWork = 16;
 
 constexpr int64_t kTerms = 8;  // _catch_up._TERMS
 
+// b ** n for an int32 n (1 where n <= 0) from b's table (t[256 i + j] = b ** (j 256**i)), as
+// _catch_up.table_power computes it: the entries of n's base-256 digits multiplied lowest first, a product below
+// float32's smallest normal number taken as 0 (the same whether or not denormals are flushed).
+OSA_ROW_INLINE float TablePower(const float* t, int32_t n) {
+  const uint32_t k = n > 0 ? static_cast<uint32_t>(n) : 0u;
+  float x = t[k & 255u];
+  for (int i = 1; i < 4; ++i) {
+    x = x * t[256 * i + ((k >> (8 * i)) & 255u)];
+    x = x < FLT_MIN ? 0.0f : x;
+  }
+  return x;
+}
+
 // What taking a row's idle steps one by one needs beyond the row: the rates and the bias corrections.
 struct IdleSteps {
   float b1, b2, eps;
@@ -90,17 +103,19 @@ struct IdleSteps {
   int64_t cap;
   const float* corrections;   // (corrections_len, 2): the bias corrections of the idle step with that count
   int64_t corrections_len;
+  const float* gamma_powers;  // with kDecay at a constant rate, gamma's table (TablePower); else nullptr
 
-  // Whether the first min(idle, cap) idle steps of a row can be taken here (with decay, the row's idle steps past
-  // the window decay it by a product this does not have: only rows idle within the window).
+  // Whether the first min(idle, cap) idle steps of a row can be taken here: a row idle longer than the window
+  // needs the constant rate (and with decay gamma's table, for the decay of its steps past the window).
   template <bool kDecay>
   bool CanStep(int32_t idle) const {
-    return has_corrections && (idle <= cap || (!kDecay && !std::isnan(long_neg_lr)));
+    return has_corrections && (idle <= cap || (!std::isnan(long_neg_lr) && (!kDecay || gamma_powers != nullptr)));
   }
 
   // The row's first min(idle, cap) idle steps one by one, from (p, m, v) into (ps, ms, vs), as
   // _catch_up._replay_steps takes them (dense Adam's arithmetic, with zero gradients, eps_root 0; with kDecay
-  // AdamW's, the step plus weight_decay times the row).
+  // AdamW's, the step plus weight_decay times the row, and the steps past the first cap decaying the row by
+  // gamma ** (idle - cap) after them).
   template <bool kTorch, bool kDecay = false>
   OSA_ROW_INLINE void Replay(int32_t last, int32_t idle, const float* __restrict p, const float* __restrict m,
               const float* __restrict v, float* __restrict ps, float* __restrict ms, float* __restrict vs,
@@ -125,6 +140,12 @@ struct IdleSteps {
         ps[j] = std::fma(neg_lr, step, ps[j]);  // XLA:CPU contracts _replay_steps' p + (-lr) * step
       }
     }
+    if constexpr (kDecay) {
+      if (idle > n) {  // CanStep: a constant rate, gamma's table at hand
+        const float rest = TablePower(gamma_powers, static_cast<int32_t>(idle - n));
+        for (int64_t j = 0; j < width; ++j) ps[j] = rest * ps[j];
+      }
+    }
   }
 };
 
@@ -137,19 +158,6 @@ inline ffi::Error CheckSteps(int64_t cap, const ffi::BufferR1<ffi::F32>& neg_rat
   if (table[0] < 1 || table[1] != 2)
     return ffi::Error::InvalidArgument("corrections must hold two bias corrections for each of at least one count");
   return ffi::Error::Success();
-}
-
-// b ** n for an int32 n (1 where n <= 0) from b's table (t[256 i + j] = b ** (j 256**i)), as
-// _catch_up.table_power computes it: the entries of n's base-256 digits multiplied lowest first, a product below
-// float32's smallest normal number taken as 0 (the same whether or not denormals are flushed).
-OSA_ROW_INLINE float TablePower(const float* t, int32_t n) {
-  const uint32_t k = n > 0 ? static_cast<uint32_t>(n) : 0u;
-  float x = t[k & 255u];
-  for (int i = 1; i < 4; ++i) {
-    x = x * t[256 * i + ((k >> (8 * i)) & 255u)];
-    x = x < FLT_MIN ? 0.0f : x;
-  }
-  return x;
 }
 
 // What a touched row's idle steps come to: their number, the row's last step, the moments' decays, and with
@@ -457,7 +465,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   if (decay != 0) s.weight_decay = scalars.typed_data()[kNumScalars];
   s.clip = ReadClip(scalars, num_scalars);
   const IdleSteps steps{s.b1,   s.b2, s.eps, s.weight_decay, limit[2], limit[3] != 0.0f, neg_rates.typed_data(),
-                        cap, corrections.typed_data(), table[0]};
+                        cap, corrections.typed_data(), table[0],
+                        decay != 0 && !by_key ? powers.typed_data() + 2048 : nullptr};
   const CatchUp cu{window.typed_data(),
                    far.typed_data(),
                    far_dims[0],
@@ -550,7 +559,7 @@ ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(rows));
   const float* limit = limits.typed_data();
   const IdleSteps steps{limit[0], limit[1], limit[2], 0.0f, limit[3], limit[4] != 0.0f, neg_rates.typed_data(),
-                        cap, corrections.typed_data(), table[0]};
+                        cap, corrections.typed_data(), table[0], nullptr};
   if (torch_eps != 0) {
     StepRows<true>(pool, steps, last.typed_data(), idle.typed_data(), mu.typed_data(), nu.typed_data(), q,
                    flags->typed_data(), rows, width, threads);
