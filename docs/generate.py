@@ -288,7 +288,8 @@ def tables_section(t: dict[str, Any]) -> list[str]:
         f"{max(t['rows']):,} rows (padded to a multiple of 8), width {t['width']}, "
         f"float32, one id per example and table, {t['batch']:,} examples a step split over 8 devices, Zipf(1.15) ids "
         'scattered over each table; `RowSharding(..., routing="all_to_all")` with `sparse_adam`, one step = '
-        f"`value_and_row_grad`, the update and `apply_updates`. Two layouts of the same rows: {t['tables']} separate tables "
+        "`value_and_row_grad`, the update and `apply_updates`. Two layouts of the same rows: "
+        f"{t['tables']} separate tables "
         "(each its own buckets), and one stack of an `EmbeddingCollection(..., shards=8)` (each device a share of "
         "every table; one bucket per owner for all of them; the features pooled from `coll.bags`). The ideal is the "
         "bytes a device must receive, averaged over the devices and the measured steps: each distinct id another "

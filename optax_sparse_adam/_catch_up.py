@@ -245,29 +245,39 @@ def _stepped(
     decay: Decay | None,
 ) -> jax.Array:
     """The rows ``p`` after their idle steps one by one (:func:`_replay_steps`; rows with ``idle == 0`` as they
-    are), nothing run where no row has any. On the CPU, Adam's (not AdamW's) steps run in a native kernel, which
-    takes the window's rates and the plan's bias corrections; the rows it cannot take (a schedule's steps beyond
-    the window) it flags, and the XLA loop takes those."""
+    are), nothing run where no row has any. On the CPU, Adam's and AdamW's steps run in a native kernel, which
+    takes the window's rates and the plan's bias corrections (and AdamW's weight decay, with ``gamma``'s powers
+    at a constant rate); the rows it cannot take (a schedule's steps beyond the window) it flags, and the XLA
+    loop takes those."""
 
     def xla(p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, idle: jax.Array) -> jax.Array:
         return jax.lax.cond(
             jnp.any(idle > 0), lambda: _replay_steps(p, m, v, last, idle, replayer, decay)[0], lambda: p
         )
 
-    if (
-        decay is not None
-        or plan.corrections is None
-        or p.shape[0] == 0
-        or not _kernel_path.supports(p.shape, 1, p, m, v)
-    ):
+    if plan.corrections is None or p.shape[0] == 0 or not _kernel_path.supports(p.shape, 1, p, m, v):
         return xla(p, m, v, last, idle)
 
     def native(p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, idle: jax.Array) -> jax.Array:
         hp = replayer.hp
         long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
-        limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (hp.b1, hp.b2, hp.eps, long_neg_lr, 1.0)])
+        wd = () if decay is None else (decay.weight_decay,)
+        limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (hp.b1, hp.b2, hp.eps, long_neg_lr, 1.0, *wd)])
+        log_gamma = None if decay is None else decay.log_gamma  # a constant rate's decay: gamma's table
+        powers = jnp.asarray(power_table(log_gamma) if log_gamma is not None else np.zeros((0, 256), np.float32))
         stepped, flags = _ffi.catch_up_adam_steps(
-            p, m, v, last, idle, limits, neg_rates, corrections, cap=plan.cap, torch_eps=hp.eps_placement == "torch"
+            p,
+            m,
+            v,
+            last,
+            idle,
+            limits,
+            neg_rates,
+            corrections,
+            powers,
+            cap=plan.cap,
+            torch_eps=hp.eps_placement == "torch",
+            decay=decay is not None,
         )
         flagged = flags > 0
         if not _may_flag(plan, replayer):

@@ -428,15 +428,20 @@ def catch_up_adam_steps(
     limits: jax.Array,
     neg_rates: jax.Array,
     corrections: jax.Array,
+    powers: jax.Array,
     *,
     cap: int,
     torch_eps: bool,
+    decay: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Rows ``p`` (with their moments) after their first ``min(idle, cap)`` idle steps, one by one, as
     :func:`._catch_up._replay_steps` takes them: ``(p, flags)``. ``limits`` is ``(b1, b2, eps, long_neg_lr,
-    has_corrections)``; ``neg_rates`` and ``corrections`` as :func:`catch_up_adam_apply` takes them. Rows with
-    ``idle == 0`` are left as they are; rows whose steps are not at hand too, flagged."""
-    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps)
+    has_corrections)``, and with ``decay`` (AdamW's) the weight decay after them; ``neg_rates`` and
+    ``corrections`` as :func:`catch_up_adam_apply` takes them; ``powers``, ``(4, 256)``: with ``decay`` at a
+    constant rate, ``gamma``'s :func:`._catch_up.power_table` (rows idle longer than the window decay by
+    ``gamma ** (idle - cap)`` after their first ``cap`` steps), else ``(0, 256)``. Rows with ``idle == 0`` are
+    left as they are; rows whose steps are not at hand too, flagged."""
+    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, decay=decay)
 
     def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, *rest: jax.Array):
         rows = jax.ShapeDtypeStruct(p.shape, p.dtype)
@@ -445,9 +450,9 @@ def catch_up_adam_steps(
             PREFIX + "catch_up_adam_steps", (rows, flags), input_output_aliases={0: 0}, vmap_method="sequential"
         )(p, m, v, *rest, row_begin, **attrs)
 
-    rule = "n w, n w, n w, n, n, l, r, t b -> n w, n"
+    rule = "n w, n w, n w, n, n, l, r, t b, g c -> n w, n"
     new_p, flags = _by_row_shards(fn, rule)(
-        _rows2d(p), _rows2d(m), _rows2d(v), last, idle, limits, neg_rates, corrections
+        _rows2d(p), _rows2d(m), _rows2d(v), last, idle, limits, neg_rates, corrections, powers
     )
     return new_p.reshape(p.shape), flags
 

@@ -82,7 +82,8 @@ def test_sharding_benchmark_many_tables_smoke(tmp_path: pathlib.Path) -> None:
     a program of its own to compile): the tables share three all-to-alls a step, the buckets receive at least the
     ideal bytes, no step falls back at the suggested capacity, and the page renders."""
     out = tmp_path / "sharding.json"
-    args = ("--tables-only", "--table-rows", "4000", "--table-batch", "256", "--steps", "3", "--record", "8", "--tables", "6")
+    args = ("--tables-only", "--tables", "6", "--table-rows", "4000", "--table-batch", "256", "--steps", "3")
+    args += ("--record", "8")
     _run_script("sharding.py", *args, "--json", str(out))
     doc = json.loads(out.read_text())
     tables = doc["tables"]

@@ -504,42 +504,46 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
 
 // The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
 //   optax_sparse_adam_v2_catch_up_adam_steps
-//     (p, mu, nu, last, idle, limits, neg_rates, corrections) -> (p, flags)
+//     (p, mu, nu, last, idle, limits, neg_rates, corrections, powers) -> (p, flags)
 // Each row with idle > 0 takes its first min(idle, cap) idle steps as IdleSteps::Replay takes them, every
 // element (the caller keeps the ones it needs); the moments are read, not written. limits: b1, b2, eps,
-// long_neg_lr, has_corrections. A row whose steps are not at hand is left as it is and flagged.
-template <bool kTorch>
+// long_neg_lr, has_corrections, and with `decay` (AdamW's, sparse_adamw(catch_up=True)) the weight decay: each
+// step then adds wd p, and a row idle longer than the window decays by gamma**(idle - cap) after its first cap
+// steps, from gamma's table in `powers` (TablePower; empty under a schedule, where such rows have no constant
+// rate either). A row whose steps are not at hand is left as it is and flagged.
+template <bool kTorch, bool kDecay>
 OSA_TARGET_CLONES void StepRange(const IdleSteps& steps, const int32_t* last, const int32_t* idle, const float* m,
                                  const float* v, float* q, int32_t* flags, int64_t width, int64_t lo, int64_t hi) {
   std::vector<float> work(3 * static_cast<size_t>(width));
   for (int64_t r = lo; r < hi; ++r) {
     if (idle[r] <= 0) continue;
-    if (!steps.CanStep<false>(idle[r])) {
+    if (!steps.CanStep<kDecay>(idle[r])) {
       flags[r] = 1;
       continue;
     }
     float* row = q + r * width;
-    steps.Replay<kTorch>(last[r], idle[r], row, m + r * width, v + r * width, work.data(), work.data() + width,
+    steps.Replay<kTorch, kDecay>(last[r], idle[r], row, m + r * width, v + r * width, work.data(), work.data() + width,
                          work.data() + 2 * width, width);
     std::memcpy(row, work.data(), sizeof(float) * static_cast<size_t>(width));
   }
 }
 
-template <bool kTorch>
+template <bool kTorch, bool kDecay>
 void StepRows(ffi::ThreadPool& pool, const IdleSteps& steps, const int32_t* last, const int32_t* idle,
               const float* m, const float* v, float* q, int32_t* flags, int64_t rows, int64_t width,
               int64_t threads) {
   ParallelFor(pool, rows, std::min<int64_t>(threads, rows / 32 + 1), [&](int64_t lo, int64_t hi) {
-    StepRange<kTorch>(steps, last, idle, m, v, q, flags, width, lo, hi);
+    StepRange<kTorch, kDecay>(steps, last, idle, m, v, q, flags, width, lo, hi);
   });
 }
 
 ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
                      ffi::Buffer<ffi::F32> nu, ffi::BufferR1<ffi::S32> last, ffi::BufferR1<ffi::S32> idle,
                      ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
-                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR0<ffi::S32> row_begin,
-                     ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
-                     int64_t cap, int64_t torch_eps, int64_t threads) {
+                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR2<ffi::F32> powers,
+                     ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
+                     ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t torch_eps,
+                     int64_t decay, int64_t threads) {
   (void)row_begin;
   (void)num_rows;
   const auto dims = p.dimensions();
@@ -551,21 +555,39 @@ ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   if (static_cast<int64_t>(last.element_count()) != rows || static_cast<int64_t>(idle.element_count()) != rows ||
       static_cast<int64_t>(flags->element_count()) != rows)
     return ffi::Error::InvalidArgument("last, idle and flags must have one entry per row");
-  if (limits.element_count() != 5) return ffi::Error::InvalidArgument("limits must hold 5 values");
+  if (limits.element_count() != (decay != 0 ? 6u : 5u))
+    return ffi::Error::InvalidArgument("limits must hold 5 values (6 with decay)");
   if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
   const auto table = corrections.dimensions();
+  const int64_t gamma_tables = powers.dimensions()[0];
+  if (powers.dimensions()[1] != 256 || (gamma_tables != 0 && (gamma_tables != 4 || decay == 0)))
+    return ffi::Error::InvalidArgument("powers must be empty, or with decay gamma's table (4, 256)");
   float* q = p_out->typed_data();
   CopyIfNotAliased(q, p.typed_data(), p.element_count());
   std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(rows));
   const float* limit = limits.typed_data();
-  const IdleSteps steps{limit[0], limit[1], limit[2], 0.0f, limit[3], limit[4] != 0.0f, neg_rates.typed_data(),
-                        cap, corrections.typed_data(), table[0], nullptr};
+  const IdleSteps steps{limit[0],
+                        limit[1],
+                        limit[2],
+                        decay != 0 ? limit[5] : 0.0f,
+                        limit[3],
+                        limit[4] != 0.0f,
+                        neg_rates.typed_data(),
+                        cap,
+                        corrections.typed_data(),
+                        table[0],
+                        gamma_tables != 0 ? powers.typed_data() : nullptr};
+  auto run = [&](auto torch, auto decays) {
+    StepRows<decltype(torch)::value, decltype(decays)::value>(pool, steps, last.typed_data(), idle.typed_data(),
+                                                             mu.typed_data(), nu.typed_data(), q,
+                                                             flags->typed_data(), rows, width, threads);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
   if (torch_eps != 0) {
-    StepRows<true>(pool, steps, last.typed_data(), idle.typed_data(), mu.typed_data(), nu.typed_data(), q,
-                   flags->typed_data(), rows, width, threads);
+    decay != 0 ? run(T{}, T{}) : run(T{}, F{});
   } else {
-    StepRows<false>(pool, steps, last.typed_data(), idle.typed_data(), mu.typed_data(), nu.typed_data(), q,
-                    flags->typed_data(), rows, width, threads);
+    decay != 0 ? run(F{}, T{}) : run(F{}, F{});
   }
   return ffi::Error::Success();
 }
@@ -619,12 +641,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpSteps, optax_sparse_adam::St
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // last: per row
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per row (0: no steps)
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // limits: b1, b2, eps, long_neg_lr, has table
+                                                                    // (and wd with decay)
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // neg_rates: the window's -lr, by offset
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // corrections: (c1, c2) by the step's count
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // powers: gamma's table (decay), or empty
                                   .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin (unused: rows are independent)
                                   .Ret<ffi::Buffer<ffi::F32>>()     // p
                                   .Ret<ffi::BufferR1<ffi::S32>>()  // flags: per row
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("cap")
                                   .Attr<int64_t>("torch_eps")
+                                  .Attr<int64_t>("decay")
                                   .Attr<int64_t>("threads"));
