@@ -409,6 +409,8 @@ def main() -> None:
     parser.add_argument("--tables-only", action="store_true", help="only the many-tables measurement")
     parser.add_argument("--tables", type=int, default=26, help="how many of the 26 tables (many tables)")
     args = parser.parse_args()
+    if not 1 <= args.tables <= len(CARDINALITIES):
+        parser.error(f"--tables must be between 1 and {len(CARDINALITIES)}")
     machine = machine_info(threads=0)
     print(f"jax {jax.__version__}, {jax.device_count()} devices, width {WIDTH}, {IDS} ids a step", flush=True)
     results = []

@@ -280,7 +280,7 @@ def _stepped(
             decay=decay is not None,
         )
         flagged = flags > 0
-        if not _may_flag(plan, replayer):
+        if not _may_flag(plan, replayer, decay):
             return stepped
         return jax.lax.cond(
             jnp.any(flagged),
@@ -844,17 +844,19 @@ def fused_apply(
         out, new = apply_rule((), g.to_leaf(), p.shape, tables, (p,), rule, where, whole_rows=True)
         return apply_updates(p, out), *new
 
-    if not _may_flag(plan, replayer):
+    if not _may_flag(plan, replayer, decay):
         return p, *tables
     return jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, *tables))
 
 
-def _may_flag(plan: _SeriesPlan, replayer: Replayer) -> bool:
+def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> bool:
     """Whether the kernels can flag a row, that is leave its idle steps to the XLA rule: catch_up_adam.cc's
     ``IdleSteps::CanStep`` fails only without a table of bias corrections, or for a row idle longer than the
-    window under a schedule (``long_neg_lr`` NaN; with AdamW's decay also no table of ``gamma``'s powers). Where
-    it cannot, the step holds no XLA fallback for flagged rows (most of AdamW's catch-up program)."""
-    return plan.corrections is None or callable(replayer.learning_rate)
+    window under a schedule (``long_neg_lr`` NaN) or, with AdamW's decay, without a table of ``gamma``'s powers
+    (a rate or decay not known when the step is traced: ``inject_hyperparams``, arrays). Where it cannot, the
+    step holds no XLA fallback for flagged rows (most of AdamW's catch-up program)."""
+    no_gamma = decay is not None and decay.log_gamma is None
+    return plan.corrections is None or callable(replayer.learning_rate) or no_gamma
 
 
 def of_keys(record: jax.Array, keys: jax.Array) -> jax.Array:

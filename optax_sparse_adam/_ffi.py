@@ -377,8 +377,9 @@ def catch_up_adam_apply(
     terms (``far`` times it; the window's terms carry the decay of the steps
     after theirs, as :func:`._catch_up.replay` computes them); under a
     schedule ``per_key`` (``(k, 2)``, else ``None``) holds the two per key.
-    The kernel takes idle steps one by one only for rows idle within the
-    window, and flags the others that need them.
+    The kernel takes idle steps one by one for rows idle within the window,
+    and for rows idle longer where it has gamma's table (their first ``cap``
+    steps, then ``gamma**(idle - cap)``); it flags the others that need them.
     """
     attrs = _attrs(
         p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key

@@ -209,7 +209,7 @@ def test_the_fused_catch_up_step_on_the_kernel_equals_the_xla_path(case: str) ->
 
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
-    assert text.count("optax_sparse_adam_v2_catch_up_amsgrad_apply") == 1 and "amsgrad_rows" not in text
+    assert text.count("optax_sparse_adam_v3_catch_up_amsgrad_apply") == 1 and "amsgrad_rows" not in text
     idle = []
     for _ in range(60):
         # Distinct ids, or Zipf ids with duplicates and padding.

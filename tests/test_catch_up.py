@@ -384,7 +384,7 @@ def test_native_step_equals_the_xla_path(case: str) -> None:
 
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
-    assert ("optax_sparse_adam_v2_catch_up_adam_apply" in text) == (case != "no series (eps_root)")
+    assert ("optax_sparse_adam_v3_catch_up_adam_apply" in text) == (case != "no series (eps_root)")
     for t in range(150):
         if case == "unique":
             ids = rng.permutation(rows)[:k]
@@ -450,7 +450,8 @@ def _idle_start(init: Any, rng: np.random.Generator) -> tuple[jax.Array, Any, np
 def _adamw64_after_idle(p: jax.Array, state: Any, last: np.ndarray, g: osa.IndexedRows, lr: float, wd: float) -> Any:
     """The rows of ``g`` (distinct) after dense AdamW (optax's defaults, float32's bias corrections) in float64
     from ``_idle_start``'s state: each row's idle steps since ``last`` with zero gradients, then the step."""
-    (s0,) = (x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, osa.CatchUpAdamWState)))
+    kind = osa.CatchUpAdamWState
+    (s0,) = (x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(x, kind))
     ids = np.asarray(g.indices)
     p, m, v = (np.asarray(x, np.float64)[ids] for x in (p, s0.mu, s0.nu))
     b1, b2, eps, done = 0.9, 0.999, 1e-8, int(s0.count)
@@ -466,7 +467,7 @@ def _adamw64_after_idle(p: jax.Array, state: Any, last: np.ndarray, g: osa.Index
 
 
 @needs_kernels
-@pytest.mark.parametrize("case", ["optax", "torch", "schedule", "adamw", "adamw schedule"])
+@pytest.mark.parametrize("case", ["optax", "torch", "schedule", "adamw", "adamw schedule", "adamw injected"])
 def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Elements with ``sqrt(v)`` near ``eps`` (the series in ``eps / sqrt(v)`` does not reach float32 resolution)
     replay their idle steps one by one inside the kernel, for rows idle within the window and longer: nothing is
@@ -479,14 +480,18 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     optax's placement of ``eps``, within an ulp with torch's. With AdamW's decay (``sparse_adamw(catch_up=True)``)
     each of those steps also decays the row, and a row idle longer than the window decays by ``gamma ** (idle -
     K)`` after its first ``K`` steps, from the same table on both paths: at a constant rate nothing is flagged,
-    and the touched rows are within 8 ulps of their scale of dense AdamW in float64 (the XLA path, and this
-    kernel, take up to ``K = 221`` float32 steps one by one: 7.5 here); under a schedule the long-idle rows that
-    need steps are flagged, as without decay. ``catch_up``'s kernel takes AdamW's steps alike, within an ulp (as
-    with torch's placement)."""
+    and the touched rows are within 16 ulps of their scale of dense AdamW in float64 (the XLA path, and this
+    kernel, take up to ``K = 221`` float32 steps one by one, each rounded: 7.5 here, about ``sqrt(K) / 2``);
+    under a schedule the long-idle rows that need steps are flagged, as without decay, and so they are where the
+    rate and the decay are not known when the step is traced (``inject_hyperparams``: no table of ``gamma``'s
+    powers). ``catch_up``'s kernel takes AdamW's steps alike, within an ulp (as with torch's placement)."""
     flagged = _record_flags(monkeypatch)
     rows, width, k, count = _IDLE_SHAPE
     lr = optax.cosine_decay_schedule(1e-2, 1000) if case.endswith("schedule") else 1e-2
-    if case.startswith("adamw"):
+    if case == "adamw injected":
+        static = ("catch_up", "b1", "b2", "eps", "eps_root")  # the closed form's, and so the kernel's
+        tx = optax.inject_hyperparams(osa.sparse_adamw, static_args=static)(lr, weight_decay=0.3, catch_up=True)
+    elif case.startswith("adamw"):
         tx = osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True)
     else:
         tx = osa.sparse_adam(lr, catch_up=True, eps_placement="torch" if case == "torch" else "optax")
@@ -508,12 +513,15 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     assert moved[np.asarray(ids)].all()
     (flags,) = flagged
     long_idle = np.isin(np.arange(rows), np.asarray(ids)) & (count - 1 - last > cap)
-    if case == "adamw":
-        assert long_idle.any() and not flags.any()
+    if case in ("adamw", "adamw injected"):
+        assert long_idle.any()
         want = _adamw64_after_idle(p, state, last, g, lr, 0.3)
         scale = 2.0**-23 * np.abs(want).max(axis=1, keepdims=True)
         off = np.abs(pn[np.asarray(ids)] - want) / scale
-        assert np.all(off <= 8), off.max()
+        assert np.all(off <= 16), off.max()
+    if case == "adamw injected":  # catch_up takes the optimizer itself, not wrapped
+        np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])
+        return
     # Bringing every row up to date (the lookups' replay too) takes those steps in the row kernel: the XLA path's
     # bits, every row, where the schedule's long-idle rows fall back to the XLA loop.
     caught = jax.jit(lambda p, s: osa.catch_up(tx, p, s))
@@ -529,7 +537,7 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
         assert np.all(np.abs(pc - pcx) <= np.spacing(np.abs(pcx))), np.abs(pc - pcx).max()
     else:
         assert_trees_equal(pc, pcx)
-    assert "optax_sparse_adam_v2_catch_up_adam_steps" in caught.lower(p, state).as_text()
+    assert "optax_sparse_adam_v3_catch_up_adam_steps" in caught.lower(p, state).as_text()
     if case.endswith("schedule"):  # the long-idle rows (each with tiny elements) are flagged, the others not
         np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])
     else:

@@ -164,7 +164,7 @@ def test_the_native_kernel_sums_as_the_xla_path(kind):
         with osa.use_kernels(kernels):
             compiled = jax.jit(step).lower(jnp.asarray(keys), jnp.asarray(values)).compile()
             if len(keys):  # XLA folds a call with empty results away
-                assert ("optax_sparse_adam_v2_coalesce" in compiled.as_text()) is kernels
+                assert ("optax_sparse_adam_v3_coalesce" in compiled.as_text()) is kernels
             results[kernels] = [np.asarray(x) for x in compiled(jnp.asarray(keys), jnp.asarray(values))]
     dense = {}
     for kernels, (got_keys, got_values) in results.items():
@@ -314,7 +314,7 @@ def test_coalescing_with_squares_adds_the_squares_of_the_summed_rows(kind):
     for kernels in (True, False):
         with osa.use_kernels(kernels):
             text = jax.jit(leaf_squares).lower(keys, values).compile().as_text()
-            assert ("optax_sparse_adam_v2_coalesce_squares" in text) is kernels
+            assert ("optax_sparse_adam_v3_coalesce_squares" in text) is kernels
             xla = np.asarray(jax.jit(leaf_squares)(keys, values))
         assert np.abs(xla - want) <= 1e-6 * want + np.spacing(want), (kernels, xla, want)
 

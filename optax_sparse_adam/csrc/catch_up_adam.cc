@@ -1,7 +1,7 @@
 // Lazy Adam with exact catch-up (sparse_adam(catch_up=True), and with
 // decay sparse_adamw(catch_up=True)) and its application, as an XLA FFI
 // handler for the CPU:
-//   optax_sparse_adam_v2_catch_up_adam_apply
+//   optax_sparse_adam_v3_catch_up_adam_apply
 //     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers, through, limits,
 //      neg_rates, corrections, counts) -> (p, mu, nu, last_step, decay_mark, flags)
 // (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
@@ -47,13 +47,15 @@
 //   p = fma(W, p, (-(m i)) S)
 // W is through[idle - 1] for a row idle within the window (`through`, the
 // products over the last steps), gamma**idle for one idle longer; the weight
-// gamma**idle. Under a schedule (no table of gamma's powers) the XLA side
-// computes both from the state's log, per key (per_key: W and the weight).
+// gamma**idle. Under a schedule, or a rate or decay not known when the step
+// is traced (no table of gamma's powers), the XLA side computes both from the
+// state's log, per key (per_key: W and the weight).
 // The idle steps one by one add wd p to each step, as _replay_steps does; a
 // row idle longer than the window takes its first cap steps so, then the
-// decay of the rest, gamma**(idle - cap) from gamma's table (under a schedule
-// such rows are flagged, as without decay); the current step is AdamW's (p += neg_lr fma(wd, p, step)). Rows idle since step 0 (never
-// moved) decay too: their idle steps are the count before the step (last == 0).
+// decay of the rest, gamma**(idle - cap) from gamma's table (without the
+// table such rows are flagged); the current step is AdamW's
+// (p += neg_lr fma(wd, p, step)). Rows idle since step 0 (never moved) decay
+// too: their idle steps are the count before the step (last == 0).
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -503,7 +505,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
 }
 
 // The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
-//   optax_sparse_adam_v2_catch_up_adam_steps
+//   optax_sparse_adam_v3_catch_up_adam_steps
 //     (p, mu, nu, last, idle, limits, neg_rates, corrections, powers) -> (p, flags)
 // Each row with idle > 0 takes its first min(idle, cap) idle steps as IdleSteps::Replay takes them, every
 // element (the caller keeps the ones it needs); the moments are read, not written. limits: b1, b2, eps,
