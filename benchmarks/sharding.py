@@ -260,11 +260,11 @@ def ideal_bytes(ids: dict[str, np.ndarray], rows: list[int], n: int, width: int)
 def run_tables(max_rows: int, width: int, batch: int, steps: int, record: int, count: int = 26) -> dict[str, Any]:
     """DLRM's 26 tables (the first ``count``, capped at ``max_rows``) on the all-to-all route, one id per example
     and table, laid out two ways: separate tables (each its own buckets) and an :class:`EmbeddingCollection` with
-    ``shards=8`` (one
-    stack, each device a share of every table, one bucket per owner for all). For each, the compiled step's
-    collectives and bytes received per device (the common path), against :func:`ideal_bytes` over fresh batches, at
-    the default capacity and at :meth:`RowSharding.suggest_capacity` learned from ``record`` other batches; and over
-    ``steps`` fresh batches, the steps that overflowed into a second round or fell back to the all-gather route."""
+    ``shards=8`` (one stack, each device a share of every table, one bucket per owner for all). For each, the
+    compiled step's collectives and bytes received per device (the common path), against :func:`ideal_bytes` over
+    fresh batches, at the default capacity and at :meth:`RowSharding.suggest_capacity` learned from ``record``
+    other batches; and over ``steps`` fresh batches, the steps that overflowed into a second round or fell back to
+    the all-gather route."""
     n = 8
     mesh = jax.make_mesh((n,), ("x",))
     rows = [-(-min(c, max_rows) // n) * n for c in CARDINALITIES[:count]]  # capped, padded to a multiple of 8 rows

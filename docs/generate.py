@@ -280,12 +280,12 @@ def sharding_page(doc: dict[str, Any]) -> str:
 def tables_section(t: dict[str, Any]) -> list[str]:
     """The many-tables measurement of ``sharding.json`` (``run_tables``): bytes against the ideal, collectives, and
     the steps that overflowed."""
+    which = "The" if t["tables"] == 26 else f"The first {t['tables']} of the"
     lines = [
         "",
         f"## Many tables: DLRM's {t['tables']}",
         "",
-        f"{'The' if t['tables'] == 26 else 'The first ' + str(t['tables']) + ' of the'} 26 Criteo tables capped at "
-        f"{max(t['rows']):,} rows (padded to a multiple of 8), width {t['width']}, "
+        f"{which} 26 Criteo tables capped at {max(t['rows']):,} rows (padded to a multiple of 8), width {t['width']}, "
         f"float32, one id per example and table, {t['batch']:,} examples a step split over 8 devices, Zipf(1.15) ids "
         'scattered over each table; `RowSharding(..., routing="all_to_all")` with `sparse_adam`, one step = '
         "`value_and_row_grad`, the update and `apply_updates`. Two layouts of the same rows: "

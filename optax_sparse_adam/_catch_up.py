@@ -153,9 +153,10 @@ class Decay:
         return jnp.exp(self.far_log)
 
     def rest(self, idle: jax.Array, n: jax.Array, through: jax.Array) -> jax.Array:
-        """The product of ``gamma`` over each row's idle steps after its first ``n`` (``n <= idle``), whose log
-        is ``through``: with a constant learning rate ``gamma ** (idle - n)`` (:func:`table_power`, as the native
-        kernels compute it), else ``far(idle) * exp(-through)``."""
+        """The product of ``gamma`` over each row's idle steps after its first ``n`` (``n <= idle``): with a
+        constant learning rate ``gamma ** (idle - n)`` (:func:`table_power`, as the native kernels compute it),
+        else ``far(idle) * exp(-through)``, ``through`` the log of the product over the first ``n`` (unread at a
+        constant rate)."""
         if self.log_gamma is not None:
             return table_power(power_table(self.log_gamma), idle - n)
         return self.far(idle) * jnp.exp(-through)
@@ -635,7 +636,8 @@ def _replay_steps(
         step = _idle_step(m_new, v_new, tau, hp)
         if decay is not None:  # as optax.add_decayed_weights
             step = step + decay.weight_decay * p.astype(step.dtype)
-            through = jnp.where(k <= n, through + decay.log(replayer, tau), through)
+            if decay.log_gamma is None:  # the log Decay.rest reads under a schedule (not at a constant rate)
+                through = jnp.where(k <= n, through + decay.log(replayer, tau), through)
         lr = replayer.lr(tau - 1)
         p_new = (p + broadcast_rows(-lr, p.ndim).astype(step.dtype) * step).astype(p.dtype)
         return k, jnp.where(active, p_new, p), jnp.where(active, m_new, m), jnp.where(active, v_new, v), through

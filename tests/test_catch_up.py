@@ -22,6 +22,7 @@ import pytest
 import optax_sparse_adam as osa
 from optax_sparse_adam import _adam, _catch_up, _kernel_path
 from optax_sparse_adam._catch_up import idle_cap
+from optax_sparse_adam._kernel_path import PREFIX
 from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, needs_kernels
 
 ROWS, WIDTH, BATCH, STEPS = 2000, 8, 64, 400
@@ -394,7 +395,7 @@ def test_native_step_equals_the_xla_path(case: str) -> None:
 
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
-    assert ("optax_sparse_adam_v3_catch_up_adam_apply" in text) == (case != "no series (eps_root)")
+    assert (PREFIX + "catch_up_adam_apply" in text) == (case != "no series (eps_root)")
     for t in range(150):
         if case == "unique":
             ids = rng.permutation(rows)[:k]
@@ -547,7 +548,7 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
         assert np.all(np.abs(pc - pcx) <= np.spacing(np.abs(pcx))), np.abs(pc - pcx).max()
     else:
         assert_trees_equal(pc, pcx)
-    assert "optax_sparse_adam_v3_catch_up_adam_steps" in caught.lower(p, state).as_text()
+    assert PREFIX + "catch_up_adam_steps" in caught.lower(p, state).as_text()
     if case.endswith("schedule"):  # the long-idle rows (each with tiny elements) are flagged, the others not
         np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])
     else:

@@ -15,6 +15,7 @@ from jax.experimental import sparse as jsparse
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._coalesce import _coalesce_sorted, _pack_sorted, _sorted_sum, coalesce, sum_into_slots
+from optax_sparse_adam._kernel_path import PREFIX
 from optax_sparse_adam._sparse_leaf import GPU_ONE_PASS_SLOTS, padding_key, to_sparse_leaf
 from tests.helpers import jit_once
 
@@ -164,7 +165,7 @@ def test_the_native_kernel_sums_as_the_xla_path(kind):
         with osa.use_kernels(kernels):
             compiled = jax.jit(step).lower(jnp.asarray(keys), jnp.asarray(values)).compile()
             if len(keys):  # XLA folds a call with empty results away
-                assert ("optax_sparse_adam_v3_coalesce" in compiled.as_text()) is kernels
+                assert (PREFIX + "coalesce" in compiled.as_text()) is kernels
             results[kernels] = [np.asarray(x) for x in compiled(jnp.asarray(keys), jnp.asarray(values))]
     dense = {}
     for kernels, (got_keys, got_values) in results.items():
@@ -314,7 +315,7 @@ def test_coalescing_with_squares_adds_the_squares_of_the_summed_rows(kind):
     for kernels in (True, False):
         with osa.use_kernels(kernels):
             text = jax.jit(leaf_squares).lower(keys, values).compile().as_text()
-            assert ("optax_sparse_adam_v3_coalesce_squares" in text) is kernels
+            assert (PREFIX + "coalesce_squares" in text) is kernels
             xla = np.asarray(jax.jit(leaf_squares)(keys, values))
         assert np.abs(xla - want) <= 1e-6 * want + np.spacing(want), (kernels, xla, want)
 

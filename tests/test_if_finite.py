@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import optax_sparse_adam as osa
+from optax_sparse_adam._kernel_path import PREFIX
 from tests.helpers import assert_trees_equal, jit_once, needs_kernels
 
 ROWS, WIDTH, K = 40, 8, 12
@@ -151,5 +152,5 @@ def test_the_finiteness_check_is_optaxs(kernel_path):
     got = [bool(jax.jit(is_finite)(t)) for t in cases]
     assert got == want
     assert want[0] and not any(want[1:])
-    kernels = set(re.findall(r"optax_sparse_adam_v3_(\w+)", jax.jit(is_finite).lower(base).as_text()))
+    kernels = set(re.findall(PREFIX + r"(\w+)", jax.jit(is_finite).lower(base).as_text()))
     assert kernels == ({"all_finite"} if kernel_path == "native-cpu" else set()), kernels  # the two large arrays'

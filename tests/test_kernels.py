@@ -16,6 +16,7 @@ import pytest
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _kernel_path
+from optax_sparse_adam._kernel_path import PREFIX
 from tests.helpers import assert_trees_equal, jit_once, needs_kernels, spread
 
 NUM_ROWS, WIDTH = 97, 5
@@ -285,7 +286,7 @@ def _kernel_calls(jitted, *args) -> collections.Counter[str]:
     """How many of the library's custom calls the compiled HLO of ``jitted`` (a jitted function) holds, by
     handler name."""
     text = jitted.lower(*args).compile().as_text()
-    return collections.Counter(re.findall(r'custom_call_target="optax_sparse_adam_v3_(\w+)"', text))
+    return collections.Counter(re.findall(f'custom_call_target="{PREFIX}(\\w+)"', text))
 
 
 def _kernel_targets(jitted, *args) -> set[str]:
@@ -612,9 +613,9 @@ def test_lowers_for_gpu_and_tpu_without_the_cpu_kernel(fused, platform):
     table = jnp.zeros((NUM_ROWS, WIDTH), jnp.float32)
     args = (table, tx.init(table), jnp.zeros((8,), jnp.int32), jnp.ones((8, WIDTH), jnp.float32))
     traced = jax.jit(_step_fn(tx, fused)).trace(*args)
-    assert ("optax_sparse_adam_v3" in traced.lower(lowering_platforms=("cpu",)).as_text()) == _kernel_path.enabled()
+    assert (PREFIX in traced.lower(lowering_platforms=("cpu",)).as_text()) == _kernel_path.enabled()
     text = traced.lower(lowering_platforms=(platform,)).as_text()
-    assert "optax_sparse_adam_v3" not in text
+    assert PREFIX not in text
     assert "scatter" in text  # the XLA path
 
 
@@ -633,8 +634,8 @@ def test_in_place_and_compiled_once(fused, adam):
         step = traced_once if rows == 1_000 else jax.jit(_step_fn(tx, fused, rows), donate_argnums=(0, 1))
         compiled = step.lower(*args).compile()
         text = compiled.as_text()
-        assert "optax_sparse_adam_v3" in text
-        assert not fused or f"optax_sparse_adam_v3_{_APPLY_KERNELS.get(adam, f'sparse_{adam}_apply')}" in text
+        assert PREFIX in text
+        assert not fused or f"{PREFIX}{_APPLY_KERNELS.get(adam, f'sparse_{adam}_apply')}" in text
         sizes[rows] = compiled.memory_analysis().temp_size_in_bytes
     assert sizes[100_000] == sizes[1_000] < 100_000 * 16 * 4 / 10  # independent of the table, and small
 
@@ -761,12 +762,12 @@ def test_exported_step_runs_the_xla_path(kernel_path, fused):
     args = (table, tx.init(table), *map(jnp.asarray, steps[0]))
     step = jax.jit(_step_fn(tx, fused))
     exported = jax.export.export(step)(*args)
-    assert "optax_sparse_adam_v3" not in exported.mlir_module()
+    assert PREFIX not in exported.mlir_module()
     with osa.use_kernels(False):
         expected = jax.jit(_step_fn(tx, fused))(*args)
     assert_trees_equal(exported.call(*args), expected)
     # Jitted as usual, the same step still runs the kernel.
-    assert ("optax_sparse_adam_v3" in step.lower(*args).as_text()) == (kernel_path == "native-cpu")
+    assert (PREFIX in step.lower(*args).as_text()) == (kernel_path == "native-cpu")
 
 
 # --- One rule for what every path accepts. ---

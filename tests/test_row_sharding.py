@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path, _routing
+from optax_sparse_adam._kernel_path import PREFIX
 
 N, D, K = 512, 4, 256  # rows, width, ids per step (global)
 # tests.helpers' KERNELS_OFF, spelled out: this file also runs as a script (the multi-process test), where the tests
@@ -188,7 +189,7 @@ def test_a_row_sharded_table_clipped_alone_takes_the_whole_batchs_norm_in_each_s
         sharded = jax.jit(step)
         hlo = sharded.lower(params, tx.init(params), ids, values).compile().as_text()
         out = sharded(params, tx.init(params), ids, values)
-    calls = set(re.findall(r'custom_call_target="optax_sparse_adam_v3_(\w+)"', hlo))
+    calls = set(re.findall(f'custom_call_target="{PREFIX}(\\w+)"', hlo))
     assert calls == {kernel}, calls
     jax.tree.map(np.testing.assert_array_equal, out, ref)
     _assert_row_sharded(out, mesh)
@@ -336,8 +337,8 @@ def test_routed_steps_run_the_kernels_on_each_device(fused):
             # test's time).
             run = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, *batches[0]).compile()
             calls = _custom_calls(run.as_text())
-            rule = "optax_sparse_adam_v3_sparse_adam_" + ("apply" if fused else "rows")
-            assert (rule in calls) is kernels and ("optax_sparse_adam_v3_gather" in calls) is kernels, calls
+            rule = PREFIX + "sparse_adam_" + ("apply" if fused else "rows")
+            assert (rule in calls) is kernels and (PREFIX + "gather" in calls) is kernels, calls
             for ids, y in batches:
                 params, state, _ = run(params, state, ids, y)
             results[kernels] = (params, state)

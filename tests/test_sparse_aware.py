@@ -29,6 +29,7 @@ from flax import traverse_util
 from jax.experimental import sparse as jsparse
 
 import optax_sparse_adam as osa
+from optax_sparse_adam._kernel_path import PREFIX
 from tests.helpers import assert_trees_equal, jit_once
 
 R, D = 10, 3  # every table is (R, D)
@@ -491,7 +492,7 @@ def test_clip_by_global_norm_is_recognized_and_keeps_optaxs_numbers(max_norm):
                 step = jax.jit(lambda g, tx=tx: tx.update(g, tx.init(_params()))[0])
                 text = step.lower(grads).compile().as_text()
                 native = osa.kernel_path() == "native-cpu"  # False also where the kernels were not built
-                assert ("optax_sparse_adam_v3_coalesce_squares" in text) is (native and name == "recognized")
+                assert (PREFIX + "coalesce_squares" in text) is (native and name == "recognized")
                 out[kernels, name] = _dense(step(grads))
     assert_trees_equal(out[False, "recognized"], out[False, "generic"])
     for a, b in zip(jax.tree.leaves(out[True, "recognized"]), jax.tree.leaves(out[True, "generic"]), strict=True):

@@ -524,8 +524,8 @@ OSA_TARGET_CLONES void StepRange(const IdleSteps& steps, const int32_t* last, co
       continue;
     }
     float* row = q + r * width;
-    steps.Replay<kTorch, kDecay>(last[r], idle[r], row, m + r * width, v + r * width, work.data(), work.data() + width,
-                         work.data() + 2 * width, width);
+    steps.Replay<kTorch, kDecay>(last[r], idle[r], row, m + r * width, v + r * width, work.data(),
+                                 work.data() + width, work.data() + 2 * width, width);
     std::memcpy(row, work.data(), sizeof(float) * static_cast<size_t>(width));
   }
 }
