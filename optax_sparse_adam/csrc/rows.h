@@ -27,7 +27,11 @@
 
 // Row functions called from the loops of OSA_TARGET_CLONES are inlined into
 // them, so that each clone vectorizes them for its own ISA (a call would reach
-// the baseline build, and std::fma there is a library call).
+// the baseline build, and std::fma there is a library call). GCC does not
+// inline a plain `inline` function into a clone built for another -march: the
+// clones called F16::Nearest out of line, once per element of their scalar
+// loops, and a helper that only prefetches was dropped from them whole (a call
+// without effects).
 #define OSA_ROW_INLINE inline __attribute__((always_inline))
 
 namespace optax_sparse_adam {
@@ -97,8 +101,8 @@ inline float FromBits(uint32_t u) {
 
 // bfloat16: the top half of a float32.
 struct Bf16 {
-  static float Widen(uint16_t h) { return FromBits(uint32_t{h} << 16); }
-  static uint16_t Nearest(float x) {  // round to nearest even; a NaN stays a (quiet) NaN
+  OSA_ROW_INLINE static float Widen(uint16_t h) { return FromBits(uint32_t{h} << 16); }
+  OSA_ROW_INLINE static uint16_t Nearest(float x) {  // round to nearest even; a NaN stays a (quiet) NaN
     const uint32_t u = Bits(x);
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
@@ -118,7 +122,7 @@ struct Bf16 {
 // round to nearest even, overflow to infinity, a NaN kept a quiet NaN. Branch-free float32 and integer arithmetic,
 // so that the row loops vectorize on any ISA (the compiler's _Float16 conversions do not).
 struct F16 {
-  static float Widen(uint16_t h) {
+  OSA_ROW_INLINE static float Widen(uint16_t h) {
     const uint32_t w = uint32_t{h} << 16;
     const uint32_t sign = w & 0x80000000u;
     const uint32_t two_w = w + w;
@@ -127,7 +131,7 @@ struct F16 {
     const uint32_t denormalized_bits = Bits(denormalized), normalized_bits = Bits(normalized);
     return FromBits(sign | (two_w < (1u << 27) ? denormalized_bits : normalized_bits));
   }
-  static uint16_t Nearest(float x) {
+  OSA_ROW_INLINE static uint16_t Nearest(float x) {
     const float base = (std::fabs(x) * 0x1p+112f) * 0x1p-110f;
     const uint32_t w = Bits(x);
     const uint32_t shl1_w = w + w;
@@ -142,7 +146,7 @@ struct F16 {
   OSA_ROW_INLINE static uint16_t Stochastic(float x, uint32_t bits);
 };
 
-inline bool IsFinite(float x) { return (Bits(x) & 0x7F800000u) != 0x7F800000u; }
+OSA_ROW_INLINE bool IsFinite(float x) { return (Bits(x) & 0x7F800000u) != 0x7F800000u; }
 
 // _round_with for float16: x rounded up or down at random (u uniform in [0, 1)), unbiased; to nearest where the
 // dtype holds x, where x is not finite, and where a neighbour is not. Branch-free, so that the row loops vectorize:
