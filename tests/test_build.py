@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,7 @@ STEP = (
     STEPS
     + """
 import json
+import re
 print(json.dumps({"file": osa.__file__, "path": osa.kernel_path(), "steps": run()}))
 """
 )
@@ -166,3 +168,39 @@ def test_wheel_holds_the_kernels_for_any_python_3_and_runs_them(tmp_path):
     got = _step(target, tmp_path)
     assert got["path"] == "native-cpu"
     _same_step_here(got, kernels=True)
+
+
+# What the kernels' AVX2 and AVX-512 clones may call: the C library, the C++ runtime, powf (the per-row bias
+# corrections call it as XLA:CPU does) and other clones of their own ISA. Any other call is a row helper that was
+# not inlined into them (rows.h's OSA_ROW_INLINE), running the baseline build, or reached through the PLT, once
+# per element.
+_CLONE_MAY_CALL = re.compile(
+    r"<(?:(?:memset|memcpy|memmove|powf|_Unwind_Resume)@plt|operator new|operator delete|std::__throw_\w+"
+    r"|.*\[clone \.arch_x86_64_v[34]\])"
+)
+
+
+def out_of_line_calls(library: str) -> tuple[int, dict[str, set[str]]]:
+    """The AVX2 and AVX-512 clones in ``library``'s disassembly, and for each that calls anything else, the callees."""
+    text = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", "-C", library], capture_output=True, text=True, check=True, timeout=300
+    ).stdout
+    clones, found, clone = 0, {}, None
+    for line in text.splitlines():
+        if line.endswith(">:"):
+            clone = line if re.search(r"\[clone \.arch_x86_64_v[34]\]>:$", line) else None
+            clones += clone is not None
+        elif clone is not None and "\tcall " in line and not _CLONE_MAY_CALL.search(line):
+            found.setdefault(clone.split(" <", 1)[1][:160], set()).add(line.split("<", 1)[1].rstrip(">"))
+    return clones, found
+
+
+def test_the_kernels_isa_clones_call_no_row_helper_out_of_line():
+    if not osa._kernel_path.available():
+        pytest.skip("the native kernels were not built here (no C++ compiler at install time)")
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump (binutils) is not installed")
+    clones, found = out_of_line_calls(osa._kernel_path._LIB._name)
+    if clones == 0:
+        pytest.skip("the kernels were built without ISA clones (not GCC on x86-64, or the baseline build)")
+    assert not found, found
