@@ -351,6 +351,17 @@ struct Coalesced : CoalescedBuffers {
   Coalesced& operator=(const Coalesced&) = delete;
 };
 
+// Distinct row d's first two entries' gradient rows, read ahead of SumChain: a chain visits the batch's entries out
+// of order, where the hardware's prefetcher does not follow, and most of a Zipf batch's rows have one or two entries.
+// With the batch out of the caches, the chain's loads took about two thirds of the plain Adam kernel's time.
+OSA_ROW_INLINE void PrefetchChain(const Coalesced& c, int64_t d, const float* values, int64_t width) {
+  const int32_t first = c.first[d];
+  for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(values + first * width + j, 0, 3);
+  if (const int32_t second = c.next[first]; second >= 0) {
+    for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(values + second * width + j, 0, 3);
+  }
+}
+
 // Distinct row d's gradient into g: its entries summed from 0 in entry order,
 // as XLA's scatter-add sums duplicates.
 OSA_ROW_INLINE void SumChain(const Coalesced& c, int64_t d, const float* values, int64_t width, float* __restrict g) {

@@ -118,6 +118,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
         if (idle != nullptr) __builtin_prefetch(idle->last_step + r, 1, 3);
       }
       if constexpr (kApply) PrefetchRow(out + r * width, width);
+      if (sums == nullptr) PrefetchChain(c, d + kPrefetchDistance, values, width);
     }
     if (!shard.Owns(c.row[d])) {  // another shard's row
       if constexpr (!kApply) std::memset(out + d * width, 0, sizeof(float) * static_cast<size_t>(width));
