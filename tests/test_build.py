@@ -65,7 +65,6 @@ STEP = (
     STEPS
     + """
 import json
-import re
 print(json.dumps({"file": osa.__file__, "path": osa.kernel_path(), "steps": run()}))
 """
 )

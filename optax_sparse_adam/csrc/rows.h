@@ -70,9 +70,10 @@ inline void CopyIfNotAliased(T* dst, const T* src, size_t count) {
   if (dst != src && count > 0) std::memcpy(dst, src, sizeof(T) * count);
 }
 
-template <typename T>
-inline void PrefetchRow(const T* row, int64_t width) {
-  for (int64_t j = 0; j < width; j += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(row + j, 1, 3);
+// A row's cache lines, ahead of time: to be written (kWrite 1) or only read (0).
+template <int kWrite = 1, typename T>
+OSA_ROW_INLINE void PrefetchRow(const T* row, int64_t width) {
+  for (int64_t j = 0; j < width; j += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(row + j, kWrite, 3);
 }
 
 inline uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
@@ -356,10 +357,8 @@ struct Coalesced : CoalescedBuffers {
 // With the batch out of the caches, the chain's loads took about two thirds of the plain Adam kernel's time.
 OSA_ROW_INLINE void PrefetchChain(const Coalesced& c, int64_t d, const float* values, int64_t width) {
   const int32_t first = c.first[d];
-  for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(values + first * width + j, 0, 3);
-  if (const int32_t second = c.next[first]; second >= 0) {
-    for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(values + second * width + j, 0, 3);
-  }
+  PrefetchRow<0>(values + first * width, width);
+  if (const int32_t second = c.next[first]; second >= 0) PrefetchRow<0>(values + second * width, width);
 }
 
 // Distinct row d's gradient into g: its entries summed from 0 in entry order,
