@@ -348,6 +348,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
       PrefetchRow(v + r * width, width);
       PrefetchRow(q + r * width, width);
       cu.Prefetch(r);
+      PrefetchChain(c, d + kPrefetchDistance, values, width);
     }
     if (!shard.Owns(c.row[d])) continue;
     const int64_t r = shard.Local(c.row[d]);
