@@ -15,8 +15,9 @@
 namespace optax_sparse_adam {
 
 // What reading and writing a row of p (and of m) and its scalars costs, in gradient entries read: the weight of a row
-// beside its entries when the coalesced rows are split over threads (ParallelForRows). Measured on a 1e6 x 64
-// table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from 8 to 24).
+// beside its entries when an update handler's coalesced rows are split over threads (ParallelForRows; the apply
+// handlers split the keys, ForEachCoalescedPart). Measured on a 1e6 x 64 table and 8,192 Zipf ids a step: the
+// step's time is flat around it (within noise from 8 to 24).
 constexpr int64_t kRowWork = 12;
 
 constexpr int kPrefetchDistance = 4;
@@ -127,21 +128,25 @@ void Run(xla::ffi::ThreadPool& pool, const Rule& rule, const Options& o, const i
                      [&](int64_t lo, int64_t hi) { UniqueRows(rule, o.clip, keys, shard, values, lo, hi); });
     return;
   }
-  // The step rows are packed over all rows (so every shard packs alike); the
-  // tables only need this shard's.
-  constexpr bool kApply = Rule::kApply;
-  Coalesced c;
-  Coalesce(keys, k, kApply ? shard.begin + shard.local_rows : shard.num_rows, kApply ? shard.begin : 0, c);
-  if (out_keys != nullptr) {
-    for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
-  }
-  if constexpr (!kApply) {
+  if constexpr (Rule::kApply) {
+    // The tables only need this shard's rows: each thread coalesces its share of them (ForEachCoalescedPart).
+    ForEachCoalescedPart(pool, keys, k, shard.begin + shard.local_rows, shard.begin, o.threads,
+                         [&](const Coalesced& c) {
+                           CoalescedRows(rule, o.clip, c, c.entry.data(), k, shard, values, 0, c.size);
+                         });
+  } else {
+    // The step rows are packed over all rows, in order of first occurrence (so every shard packs alike).
+    Coalesced c;
+    Coalesce(keys, k, shard.num_rows, 0, c);
+    if (out_keys != nullptr) {
+      for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
+    }
     if (c.size == 0) ZeroPadding(rule.out, width, 0, k, 0, 0);  // no part runs
+    ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
+      ZeroPadding(rule.out, width, c.size, k, lo, hi);  // the padding slots of the step
+      CoalescedRows(rule, o.clip, c, c.entry.data(), k, shard, values, lo, hi);
+    });
   }
-  ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
-    if constexpr (!kApply) ZeroPadding(rule.out, width, c.size, k, lo, hi);  // the padding slots of the step
-    CoalescedRows(rule, o.clip, c, c.entry.data(), k, shard, values, lo, hi);
-  });
 }
 
 // The parameters of an apply handler, checked: of the dtype `p_out` has, one row of `width` entries per local row.
