@@ -516,6 +516,41 @@ def test_global_norm_clipping_in_the_kernel_is_the_two_calls_at_any_width(width,
 
 
 @needs_kernels
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
+def test_global_norm_in_the_kernel_adds_the_squares_in_order_of_first_occurrence_on_any_thread_count(optimizer):
+    """The fused step's norm, taken over the threads' own rows, adds the rows' squares in the order of their first
+    entries, as the two calls' sum_squares adds them: on batches where that order decides the norm, the moments
+    are the two calls' bitwise on 1 to 4 threads. A big row (square S = 4096**2 + 109**2, a tie between two floats
+    whose roots are two floats) comes first, then 8,192 small rows (square 2**-38) and duplicates: added after the
+    big row, each small square is lost in double (below half its ulp, 2**-29) and the total rounds to float as a
+    tie, down to S - 1; a few thousand of them added first tip it up to S + 1, and the norm (its root) one float
+    up. (Taken part by part rather than merged, a thread's share of small rows would come first wherever the big
+    row is another thread's: one of the big row's ids below is.)"""
+    rows, small, width = 12_000, 8192, 2
+    tx = _clip_chain(1.0, optimizer)
+    params = {"table": jnp.zeros((rows, width), jnp.float32)}
+    with osa.use_kernels(True):
+        state = tx.init(params)
+    two_calls = jax.jit(lambda p, s, g: tx.update(g, s, p)[1])  # the state: the moments (bitwise)
+    fused = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p)[1])
+    for big in range(9000, 9008):
+        ids = np.concatenate([[big], np.arange(small), np.arange(64)]).astype(np.int32)
+        values = np.zeros((ids.size, width), np.float32)
+        values[0] = [4096.0, 109.0]
+        values[1 : 1 + small, 0] = 2.0**-19  # square 2**-38; the duplicates add zeros
+        grads = {"table": osa.IndexedRows(jnp.asarray(ids), jnp.asarray(values), rows)}
+        with osa.use_kernels(True):
+            reference = two_calls(params, state, grads)
+        for threads in (1, 2, 3, 4):
+            with osa.use_kernels(True, threads=threads):
+                got = fused(params, state, grads)
+            try:
+                assert_trees_equal(got, reference)
+            except AssertionError as error:
+                raise AssertionError(f"the big row's id {big}, {threads} threads") from error
+
+
+@needs_kernels
 @pytest.mark.parametrize("adam", sorted(ADAMS))
 def test_threads_give_the_same_numbers(adam):
     steps = _steps("dups", 4096, n=2, seed=6)

@@ -84,15 +84,10 @@ OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const Clip& clip, const int3
 template <class Rule>
 void RunNormClipped(xla::ffi::ThreadPool& pool, const Rule& rule, const Options& o, const int32_t* keys, int64_t k,
                     const Shard& shard, const float* values) {
-  const int64_t width = rule.width;
-  const float max_norm = o.clip.max_norm;
-  Coalesced c;
-  Coalesce(keys, k, shard.num_rows, 0, c);
-  const ScratchFloats sums(static_cast<size_t>(c.size * width));
-  const Clip clip = SumRowsForNorm(pool, c, k, values, width, o.threads, max_norm, sums.data());
-  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows(rule, clip, c, c.entry.data(), k, shard, values, lo, hi, sums.data());
-  });
+  ForEachCoalescedPartNormClipped(pool, keys, k, values, rule.width, shard.num_rows, o.threads, o.clip.max_norm,
+                                  [&](const Coalesced& c, float* sums, const Clip& clip) {
+                                    CoalescedRows(rule, clip, c, c.entry.data(), k, shard, values, 0, c.size, sums);
+                                  });
 }
 
 // Runs `rule` on every row the batch touches; with out_keys (the rows

@@ -451,7 +451,7 @@ inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coa
   out.table.assign(slots.count(), -1);  // (distinct row << 32) | key, or -1 for an empty slot
   int64_t* __restrict table = out.table.data();
   int32_t* __restrict last = out.last.data();
-  const auto add = [&](int64_t i, int32_t key) {
+  const auto add = [&](int64_t i, int32_t key) __attribute__((always_inline)) {
     uint32_t h = slots.Home(key);
     int64_t slot;
     while ((slot = table[h]) >= 0 && static_cast<int32_t>(slot & 0xFFFFFFFF) != key) h = slots.Next(h);
@@ -575,11 +575,16 @@ void ParallelForRows(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, 
 // hashes only its own. A part's buffers hold 12 bytes an entry of the batch and 28 a key of its own, each thread's
 // kept for its next call (CoalescedBuffers). (The step rows of an update handler are packed in the batch's order of first occurrence,
 // which the parts do not keep: those handlers coalesce first, then split the rows, ParallelForRows.)
+// The parts a batch of k keys is split into for ForEachCoalescedPart: one a thread, up to `threads`, where a thread
+// is worth its scheduling (past a few dozen keys, as past a few dozen rows in ParallelForSlots).
+inline int64_t CoalescingParts(int64_t k, int64_t threads) {
+  return std::max<int64_t>(1, std::min<int64_t>(threads, k / 32 + 1));
+}
+
 template <typename F>
 void ForEachCoalescedPart(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, int64_t hi, int64_t lo,
                           int64_t threads, F fn) {
-  // A thread is worth its scheduling past a few dozen keys, as past a few dozen rows (ParallelForSlots).
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, k / 32 + 1));
+  const int64_t parts = CoalescingParts(k, threads);
   ParallelFor(pool, parts, parts, [&](int64_t part_lo, int64_t part_hi) {
     for (int64_t part = part_lo; part < part_hi; ++part) {
       Coalesced c;
@@ -646,18 +651,51 @@ OSA_TARGET_CLONES inline void SquareEntries(const int32_t* keys, const float* va
   }
 }
 
-// Global-norm clipping with the norm computed in the handler (Clip::norm), for a batch coalesced over every row
-// in range (every shard's: the norm is the whole gradient's): each distinct row summed into `sums` (c.size x
-// width) by SumEntries, over the pool, and the clipping of their norm, the rows' squares added as the sum_squares
-// handler adds them (its sum, bitwise). The row pass then reads the sums. A row weighs its entries plus one
-// (clearing its sum and adding its squares cost about what adding one entry does).
-inline Clip SumRowsForNorm(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, const float* values,
-                           int64_t width, int64_t threads, float max_norm, float* sums) {
-  std::vector<double> squares(static_cast<size_t>(c.size));
-  ParallelForRows(pool, c, k, 1, threads, [&](int64_t lo, int64_t hi) {
-    SumAndSquareRows(c.entry.data(), k, values, width, lo, hi, sums + lo * width, squares.data());
+// Global-norm clipping with the norm computed in the handler (Clip::norm), for a batch whose keys may repeat, on
+// every thread: the keys in range (every shard's: the norm is the whole gradient's) split by key as
+// ForEachCoalescedPart splits them, each part coalescing its own and summing each of its rows into a buffer of its
+// own with the row's sum of squares (SumAndSquareRows); then the clipping of their norm, the squares added in the
+// order of their rows' first entries, which is the order of first occurrence the sum_squares handler adds them in
+// (its sum, bitwise); then fn(c, sums, clip) for every part, whose row pass reads the sums.
+template <typename F>
+void ForEachCoalescedPartNormClipped(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, const float* values,
+                                     int64_t width, int64_t num_rows, int64_t threads, float max_norm, F fn) {
+  struct Part {
+    Coalesced c;
+    std::unique_ptr<float[]> sums;
+    std::vector<double> squares;
+  };
+  const int64_t parts = CoalescingParts(k, threads);
+  std::vector<Part> part(static_cast<size_t>(parts));
+  ParallelFor(pool, parts, parts, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      Part& p = part[t];
+      Coalesce(keys, k, num_rows, 0, p.c, t, parts);
+      p.sums.reset(new float[static_cast<size_t>(p.c.size * width)]);
+      p.squares.resize(static_cast<size_t>(p.c.size));
+      SumAndSquareRows(p.c.entry.data(), k, values, width, 0, p.c.size, p.sums.get(), p.squares.data());
+    }
   });
-  return ClipOfNorm(TotalSquares(squares), max_norm);
+  // The parts' squares merged by their rows' first entries (each part's rows are in that order already), added from
+  // +0 in double and rounded once, as TotalSquares adds them.
+  std::vector<int64_t> at(static_cast<size_t>(parts), 0);
+  double total = 0.0;
+  for (;;) {
+    int64_t next = -1;
+    for (int64_t t = 0; t < parts; ++t) {
+      if (at[t] < part[t].c.size &&
+          (next < 0 || part[t].c.first[at[t]] < part[next].c.first[at[next]]))
+        next = t;
+    }
+    if (next < 0) break;
+    total += part[next].squares[at[next]++];
+  }
+  const Clip clip = ClipOfNorm(static_cast<float>(total), max_norm);
+  ParallelFor(pool, parts, parts, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      if (part[t].c.size > 0) fn(static_cast<const Coalesced&>(part[t].c), part[t].sums.get(), clip);
+    }
+  });
 }
 
 // The sum of the squares of a batch whose keys are taken as distinct (the library made them so, or the user

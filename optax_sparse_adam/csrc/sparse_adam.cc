@@ -175,15 +175,13 @@ template <bool kTorch, bool kMaximize, bool kDecay, bool kAmsgrad>
 void RunNormClipped(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_t* keys, int64_t k,
                     const Shard& shard, const float* values, float* m, float* v, float* vm, float* out,
                     int64_t width, const IdleRows* idle) {
-  Scalars clipped = s;
-  Coalesced c;
-  Coalesce(keys, k, shard.num_rows, 0, c);
-  const ScratchFloats sums(static_cast<size_t>(c.size * width));
-  clipped.clip = SumRowsForNorm(pool, c, k, values, width, o.threads, s.clip.max_norm, sums.data());
-  ParallelFor(pool, c.size, std::min<int64_t>(o.threads, c.size / 32 + 1), [&](int64_t lo, int64_t hi) {
-    CoalescedRows<kTorch, kMaximize, true, kDecay, kAmsgrad, true>(clipped, c, shard, values, m, v, vm, out, width,
-                                                                   lo, hi, idle, sums.data());
-  });
+  ForEachCoalescedPartNormClipped(pool, keys, k, values, width, shard.num_rows, o.threads, s.clip.max_norm,
+                                  [&](const Coalesced& c, float* sums, const Clip& clip) {
+                                    Scalars clipped = s;
+                                    clipped.clip = clip;
+                                    CoalescedRows<kTorch, kMaximize, true, kDecay, kAmsgrad, true>(
+                                        clipped, c, shard, values, m, v, vm, out, width, 0, c.size, idle, sums);
+                                  });
 }
 
 template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad, bool kClip = false>
