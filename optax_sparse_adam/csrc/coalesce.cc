@@ -112,7 +112,7 @@ ffi::Error SumSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ff
   ParallelForRows(pool, c, k, 1, threads, [&](int64_t lo, int64_t hi) {
     // Each row summed as SumRows sums it (SumEntries: from 0, in entry order), then squared.
     const ScratchFloats sums(static_cast<size_t>((hi - lo) * width));
-    SumAndSquareRows(c.entry.data(), k, values.typed_data(), width, lo, hi, sums.data(), squares.data());
+    SumAndSquareRows(c, k, values.typed_data(), width, lo, hi, sums.data(), squares.data());
   });
   *sum_of_squares->typed_data() = TotalSquares(squares);
   return ffi::Error::Success();

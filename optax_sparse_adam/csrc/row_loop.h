@@ -39,14 +39,14 @@ struct Options {
 // The distinct rows [lo, hi) of a coalesced batch; with `summed`, their gradient rows summed already (c.size x
 // width, clipped here in place).
 template <class Rule>
-OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const Coalesced& c, const int32_t* row_of,
-                                     int64_t k, const Shard& shard, const float* values, int64_t lo, int64_t hi,
+OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const Coalesced& c, int64_t k,
+                                     const Shard& shard, const float* values, int64_t lo, int64_t hi,
                                      float* summed = nullptr) {
   const int64_t width = rule.width;
   // The gradient rows first (duplicates summed from 0 in entry order).
   std::vector<float> own(summed == nullptr ? static_cast<size_t>((hi - lo) * width) : 0, 0.0f);
   float* sums = summed != nullptr ? summed + lo * width : own.data();
-  if (summed == nullptr) SumEntries(row_of, k, values, width, lo, hi, sums);
+  if (summed == nullptr) SumEntries(c, k, values, width, lo, hi, sums);
   if (clip.on) ClipRow(clip, sums, (hi - lo) * width);
   std::vector<float> scratch(static_cast<size_t>(rule.Scratch()));
   for (int64_t d = lo; d < hi; ++d) {
@@ -86,7 +86,7 @@ void RunNormClipped(xla::ffi::ThreadPool& pool, const Rule& rule, const Options&
                     const Shard& shard, const float* values) {
   ForEachCoalescedPartNormClipped(pool, keys, k, values, rule.width, shard.num_rows, o.threads, o.clip.max_norm,
                                   [&](const Coalesced& c, float* sums, const Clip& clip) {
-                                    CoalescedRows(rule, clip, c, c.entry.data(), k, shard, values, 0, c.size, sums);
+                                    CoalescedRows(rule, clip, c, k, shard, values, 0, c.size, sums);
                                   });
 }
 
@@ -127,7 +127,7 @@ void Run(xla::ffi::ThreadPool& pool, const Rule& rule, const Options& o, const i
     // The tables only need this shard's rows: each thread coalesces its share of them (ForEachCoalescedPart).
     ForEachCoalescedPart(pool, keys, k, shard.begin + shard.local_rows, shard.begin, o.threads,
                          [&](const Coalesced& c) {
-                           CoalescedRows(rule, o.clip, c, c.entry.data(), k, shard, values, 0, c.size);
+                           CoalescedRows(rule, o.clip, c, k, shard, values, 0, c.size);
                          });
   } else {
     // The step rows are packed over all rows, in order of first occurrence (so every shard packs alike).
@@ -139,7 +139,7 @@ void Run(xla::ffi::ThreadPool& pool, const Rule& rule, const Options& o, const i
     if (c.size == 0) ZeroPadding(rule.out, width, 0, k, 0, 0);  // no part runs
     ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
       ZeroPadding(rule.out, width, c.size, k, lo, hi);  // the padding slots of the step
-      CoalescedRows(rule, o.clip, c, c.entry.data(), k, shard, values, lo, hi);
+      CoalescedRows(rule, o.clip, c, k, shard, values, lo, hi);
     });
   }
 }

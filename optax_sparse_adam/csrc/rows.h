@@ -335,6 +335,7 @@ struct Coalesced : CoalescedBuffers {
   // (unset for a skipped entry); entry[i]: the distinct row d entry i adds to, or -1 for a skipped entry.
   // (last and table: Coalesce's own.)
   int64_t size = 0;  // number of distinct keys
+  int64_t taken = -1;  // with parts: the number of the part's entries, listed in picked (in entry order); else -1
 
   Coalesced() {
     auto& kept = Kept();
@@ -443,6 +444,7 @@ inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coa
       n += key >= lo && key < hi && KeyPart(key, parts) == part;
     }
   }
+  out.taken = picked != nullptr ? n : -1;
   out.row.resize(n);
   out.first.resize(n);
   out.last.resize(n);  // last[d]: the latest entry of distinct row d
@@ -485,17 +487,41 @@ inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coa
   }
 }
 
-// The gradient rows of the distinct rows [lo, hi) of a coalesced batch (row_of: Coalesced::entry), summed into
-// `sums` ((hi - lo) x width, zeros on entry): each from 0 in entry order, as XLA's scatter-add sums them,
-// reading the entries in order (following each row's chain of entries instead misses the cache at every one).
+// Entry i's gradient row added to its distinct row's sum, where that row (row_of[i]) is in [lo, hi) (`sums`: the
+// sums of the rows [lo, hi), (hi - lo) x width).
+OSA_ROW_INLINE void SumEntry(const int32_t* row_of, int64_t i, const float* values, int64_t width, int64_t lo,
+                             int64_t hi, float* sums) {
+  const int64_t d = row_of[i];
+  if (d < lo || d >= hi) return;
+  float* __restrict g = sums + (d - lo) * width;
+  const float* __restrict v = values + i * width;
+  for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
+}
+
+// The gradient rows of the distinct rows [lo, hi) of a coalesced batch of k entries (row_of: Coalesced::entry),
+// summed into `sums` ((hi - lo) x width, zeros on entry): each from 0 in entry order, as XLA's scatter-add sums
+// them, reading the entries in order (following each row's chain of entries instead misses the cache at every one).
 OSA_ROW_INLINE void SumEntries(const int32_t* row_of, int64_t k, const float* values, int64_t width, int64_t lo,
                                int64_t hi, float* sums) {
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t d = row_of[i];
-    if (d < lo || d >= hi) continue;
-    float* __restrict g = sums + (d - lo) * width;
-    const float* __restrict v = values + i * width;
-    for (int64_t j = 0; j < width; ++j) g[j] = g[j] + v[j];
+  for (int64_t i = 0; i < k; ++i) SumEntry(row_of, i, values, width, lo, hi, sums);
+}
+
+// SumEntries on a batch of k entries coalesced as `c`. A part's coalescing (Coalesce with parts) lists its entries:
+// they are read from that list, each a few entries ahead of its turn (they are spread over the batch, where the
+// hardware's prefetcher does not follow: without it, a row-wise Adagrad step at 1e6 x 128 with 8,192 uniform ids
+// and the batch out of the caches took 0.68 ms against 0.49 coalesced on one thread; with it, about 0.58, and
+// reading 16 entries ahead measured the same).
+OSA_ROW_INLINE void SumEntries(const Coalesced& c, int64_t k, const float* values, int64_t width, int64_t lo,
+                               int64_t hi, float* sums) {
+  if (c.taken < 0) {
+    SumEntries(c.entry.data(), k, values, width, lo, hi, sums);
+    return;
+  }
+  constexpr int64_t kAhead = 8;
+  const int32_t* picked = c.picked.data();
+  for (int64_t j = 0; j < c.taken; ++j) {
+    if (j + kAhead < c.taken) PrefetchRow<0>(values + static_cast<int64_t>(picked[j + kAhead]) * width, width);
+    SumEntry(c.entry.data(), picked[j], values, width, lo, hi, sums);
   }
 }
 
@@ -635,10 +661,10 @@ class ScratchFloats {
 // first) from 0, in entry order (SumEntries), and its sum of squares into its slot of `squares`. Cloned per ISA as
 // the row loops are (a pool task's body is not inlined into them; built for the baseline x86-64, this loop moved 16
 // bytes at a time). The arithmetic is the same on every ISA: no contraction, and RowSquares' lanes are fixed.
-OSA_TARGET_CLONES inline void SumAndSquareRows(const int32_t* row_of, int64_t k, const float* values, int64_t width,
+OSA_TARGET_CLONES inline void SumAndSquareRows(const Coalesced& c, int64_t k, const float* values, int64_t width,
                                                int64_t lo, int64_t hi, float* sums, double* squares) {
   std::memset(sums, 0, sizeof(float) * static_cast<size_t>((hi - lo) * width));
-  SumEntries(row_of, k, values, width, lo, hi, sums);
+  SumEntries(c, k, values, width, lo, hi, sums);
   for (int64_t d = lo; d < hi; ++d) squares[d] = RowSquares(sums + (d - lo) * width, width);
 }
 
@@ -673,7 +699,7 @@ void ForEachCoalescedPartNormClipped(xla::ffi::ThreadPool& pool, const int32_t* 
       Coalesce(keys, k, num_rows, 0, p.c, t, parts);
       p.sums.reset(new float[static_cast<size_t>(p.c.size * width)]);
       p.squares.resize(static_cast<size_t>(p.c.size));
-      SumAndSquareRows(p.c.entry.data(), k, values, width, 0, p.c.size, p.sums.get(), p.squares.data());
+      SumAndSquareRows(p.c, k, values, width, 0, p.c.size, p.sums.get(), p.squares.data());
     }
   });
   // The parts' squares merged by their rows' first entries (each part's rows are in that order already), added from
