@@ -593,20 +593,21 @@ void ParallelForRows(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, 
   ParallelForSlots(pool, c.entry.data(), k, c.size, row_weight, threads, fn);
 }
 
-// An apply handler's pass over a batch whose keys may repeat, with no coalescing before it on one thread: the keys
-// in [lo, hi) split by key over up to `threads` parts (KeyPart), each part coalescing its own keys on the thread
-// that takes it (Coalesce) and handing them to fn(c), their distinct rows [0, c.size). Every row is one part's, its
-// entries chained and summed in entry order, so the numbers are the one-thread coalescing's. Coalescing a Zipf
-// batch of 8,192 keys on one thread took about 36 us of a 1e6 x 64 step's 150 to 200; a part scans every key but
-// hashes only its own. A part's buffers hold 12 bytes an entry of the batch and 28 a key of its own, each thread's
-// kept for its next call (CoalescedBuffers). (The step rows of an update handler are packed in the batch's order of first occurrence,
-// which the parts do not keep: those handlers coalesce first, then split the rows, ParallelForRows.)
 // The parts a batch of k keys is split into for ForEachCoalescedPart: one a thread, up to `threads`, where a thread
 // is worth its scheduling (past a few dozen keys, as past a few dozen rows in ParallelForSlots).
 inline int64_t CoalescingParts(int64_t k, int64_t threads) {
   return std::max<int64_t>(1, std::min<int64_t>(threads, k / 32 + 1));
 }
 
+// An apply handler's pass over a batch whose keys may repeat, with no coalescing before it on one thread: the keys
+// in [lo, hi) split by key over up to `threads` parts (KeyPart), each part coalescing its own keys on the thread
+// that takes it (Coalesce) and handing them to fn(c), their distinct rows [0, c.size). Every row is one part's, its
+// entries chained and summed in entry order, so the numbers are the one-thread coalescing's. Coalescing a Zipf
+// batch of 8,192 keys on one thread took about 36 us of a 1e6 x 64 step's 150 to 200; a part scans every key but
+// hashes only its own. A part's buffers hold 12 bytes an entry of the batch and 28 a key of its own, each thread's
+// kept for its next call (CoalescedBuffers). (The step rows of an update handler are packed in the batch's order
+// of first occurrence, which the parts do not keep: those handlers coalesce first, then split the rows,
+// ParallelForRows.)
 template <typename F>
 void ForEachCoalescedPart(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, int64_t hi, int64_t lo,
                           int64_t threads, F fn) {
