@@ -34,18 +34,19 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-// The distinct keys [lo, hi): each one's entries summed into its slot; with `squares`, each slot's sum of squares.
+// The distinct keys [lo, hi) of a coalesced batch (or part of one): each one's entries summed into its slot
+// (Coalesced::Slot); with `squares`, each slot's sum of squares.
 OSA_TARGET_CLONES void SumRows(const Coalesced& c, const float* values, float* out, double* squares, int64_t width,
                                int64_t lo, int64_t hi) {
   for (int64_t d = lo; d < hi; ++d) {
-    float* __restrict row = out + d * width;
+    float* __restrict row = out + c.Slot(d) * width;
     const float* first = values + static_cast<int64_t>(c.first[d]) * width;
     for (int64_t j = 0; j < width; ++j) row[j] = 0.0f + first[j];
     for (int32_t e = c.next[c.first[d]]; e >= 0; e = c.next[e]) {
       const float* __restrict u = values + static_cast<int64_t>(e) * width;
       for (int64_t j = 0; j < width; ++j) row[j] = row[j] + u[j];
     }
-    if (squares != nullptr) squares[d] = RowSquares(row, width);
+    if (squares != nullptr) squares[c.Slot(d)] = RowSquares(row, width);
   }
 }
 
@@ -66,19 +67,15 @@ ffi::Error CoalesceInto(ffi::ThreadPool& pool, ffi::BufferR1<ffi::S32> keys, ffi
   if (ffi::Error e = CheckBatch(k, values.dimensions(), num_rows, width); e.failure()) return e;
   if (keys_out->element_count() != keys.element_count() || values_out->element_count() != values.element_count())
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
-  Coalesced c;
-  Coalesce(keys.typed_data(), k, num_rows, 0, c);
-  int32_t* out_keys = keys_out->typed_data();
   const auto pad = static_cast<int32_t>(num_rows);
-  for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
-  float* out = values_out->typed_data();
-  if (c.size == 0) ZeroPadding(out, width, 0, k, 0, 0);  // no part runs
-  std::vector<double> squares(sum_of_squares != nullptr ? static_cast<size_t>(c.size) : 0);
-  // A row weighs its entries plus two (writing its sum; rows.h's ParallelForRows).
-  ParallelForRows(pool, c, k, 2, threads, [&](int64_t lo, int64_t hi) {
-    ZeroPadding(out, width, c.size, k, lo, hi);  // the padding slots
-    SumRows(c, values.typed_data(), out, sum_of_squares != nullptr ? squares.data() : nullptr, width, lo, hi);
-  });
+  // The keys coalesced in parts, each part's rows summed at their slots on its thread, squares[slot] the row's sum
+  // of squares (the padding slots' +0.0 add nothing to the total: it starts at +0 and never goes below).
+  std::vector<double> squares(sum_of_squares != nullptr ? static_cast<size_t>(k) : 0);
+  ForEachCoalescedPartInOrder(pool, keys.typed_data(), k, num_rows, threads, values_out->typed_data(), width,
+                              keys_out->typed_data(), pad, [&](const Coalesced& c) {
+                                SumRows(c, values.typed_data(), values_out->typed_data(),
+                                        sum_of_squares != nullptr ? squares.data() : nullptr, width, 0, c.size);
+                              });
   if (sum_of_squares != nullptr) *sum_of_squares = TotalSquares(squares);
   return ffi::Error::Success();
 }
@@ -106,15 +103,9 @@ ffi::Error SumSquaresImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::S32> keys, ff
                                                  threads);
     return ffi::Error::Success();
   }
-  Coalesced c;
-  Coalesce(keys.typed_data(), k, num_rows, 0, c);
-  std::vector<double> squares(static_cast<size_t>(c.size));
-  ParallelForRows(pool, c, k, 1, threads, [&](int64_t lo, int64_t hi) {
-    // Each row summed as SumRows sums it (SumEntries: from 0, in entry order), then squared.
-    const ScratchFloats sums(static_cast<size_t>((hi - lo) * width));
-    SumAndSquareRows(c, k, values.typed_data(), width, lo, hi, sums.data(), squares.data());
-  });
-  *sum_of_squares->typed_data() = TotalSquares(squares);
+  // Each row summed as SumRows sums it (SumEntries: from 0, in entry order), then squared (SummedParts).
+  *sum_of_squares->typed_data() =
+      SummedParts(pool, keys.typed_data(), k, values.typed_data(), width, num_rows, threads).squares();
   return ffi::Error::Success();
 }
 

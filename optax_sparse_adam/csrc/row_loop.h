@@ -14,12 +14,6 @@
 
 namespace optax_sparse_adam {
 
-// What reading and writing a row of p (and of m) and its scalars costs, in gradient entries read: the weight of a row
-// beside its entries when an update handler's coalesced rows are split over threads (ParallelForRows; the apply
-// handlers split the keys, ForEachCoalescedPart). Measured on a 1e6 x 64 table and 8,192 Zipf ids a step: the
-// step's time is flat around it (within noise from 8 to 24).
-constexpr int64_t kRowWork = 12;
-
 constexpr int kPrefetchDistance = 4;
 
 struct Options {
@@ -53,10 +47,11 @@ OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const C
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance]))
       rule.Prefetch(shard.Local(c.row[d + kPrefetchDistance]));
     if (!shard.Owns(c.row[d])) {  // another shard's row
-      if constexpr (!Rule::kApply) std::memset(rule.out + d * width, 0, sizeof(float) * static_cast<size_t>(width));
+      if constexpr (!Rule::kApply)
+        std::memset(rule.out + c.Slot(d) * width, 0, sizeof(*rule.out) * static_cast<size_t>(width));
       continue;
     }
-    rule.Row(sums + (d - lo) * width, shard.Local(c.row[d]), d, c.first[d], scratch.data());
+    rule.Row(sums + (d - lo) * width, shard.Local(c.row[d]), c.Slot(d), c.first[d], scratch.data());
   }
 }
 
@@ -130,17 +125,10 @@ void Run(xla::ffi::ThreadPool& pool, const Rule& rule, const Options& o, const i
                            CoalescedRows(rule, o.clip, c, k, shard, values, 0, c.size);
                          });
   } else {
-    // The step rows are packed over all rows, in order of first occurrence (so every shard packs alike).
-    Coalesced c;
-    Coalesce(keys, k, shard.num_rows, 0, c);
-    if (out_keys != nullptr) {
-      for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
-    }
-    if (c.size == 0) ZeroPadding(rule.out, width, 0, k, 0, 0);  // no part runs
-    ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
-      ZeroPadding(rule.out, width, c.size, k, lo, hi);  // the padding slots of the step
-      CoalescedRows(rule, o.clip, c, k, shard, values, lo, hi);
-    });
+    ForEachCoalescedPartInOrder(pool, keys, k, shard.num_rows, o.threads, rule.out, width, out_keys, pad,
+                                [&](const Coalesced& c) {
+                                  CoalescedRows(rule, o.clip, c, k, shard, values, 0, c.size);
+                                });
   }
 }
 

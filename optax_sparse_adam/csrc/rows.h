@@ -336,6 +336,12 @@ struct Coalesced : CoalescedBuffers {
   // (last and table: Coalesce's own.)
   int64_t size = 0;  // number of distinct keys
   int64_t taken = -1;  // with parts: the number of the part's entries, listed in picked (in entry order); else -1
+  // A part's (CoalescedParts): each of the batch's first entries' place among all the parts' distinct rows, by entry.
+  const int32_t* slot_of_first = nullptr;
+
+  // Distinct row d's place in the batch's order of first occurrence: d itself, or for a part, its place among all
+  // the parts' rows (where its step row goes).
+  OSA_ROW_INLINE int64_t Slot(int64_t d) const { return slot_of_first == nullptr ? d : slot_of_first[first[d]]; }
 
   Coalesced() {
     auto& kept = Kept();
@@ -445,6 +451,7 @@ inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coa
     }
   }
   out.taken = picked != nullptr ? n : -1;
+  out.slot_of_first = nullptr;
   out.row.resize(n);
   out.first.resize(n);
   out.last.resize(n);  // last[d]: the latest entry of distinct row d
@@ -585,14 +592,6 @@ void ParallelForSlots(xla::ffi::ThreadPool& pool, const int32_t* slot_of, int64_
   });
 }
 
-// Runs fn(lo, hi) over the distinct rows [0, c.size) of a batch of k entries coalesced as `c`, split as
-// ParallelForSlots splits them (each row its slot).
-template <typename F>
-void ParallelForRows(xla::ffi::ThreadPool& pool, const Coalesced& c, int64_t k, int64_t row_weight, int64_t threads,
-                     F fn) {
-  ParallelForSlots(pool, c.entry.data(), k, c.size, row_weight, threads, fn);
-}
-
 // The parts a batch of k keys is split into for ForEachCoalescedPart: one a thread, up to `threads`, where a thread
 // is worth its scheduling (past a few dozen keys, as past a few dozen rows in ParallelForSlots).
 inline int64_t CoalescingParts(int64_t k, int64_t threads) {
@@ -604,10 +603,10 @@ inline int64_t CoalescingParts(int64_t k, int64_t threads) {
 // that takes it (Coalesce) and handing them to fn(c), their distinct rows [0, c.size). Every row is one part's, its
 // entries chained and summed in entry order, so the numbers are the one-thread coalescing's. Coalescing a Zipf
 // batch of 8,192 keys on one thread took about 36 us of a 1e6 x 64 step's 150 to 200; a part scans every key but
-// hashes only its own. A part's buffers hold 12 bytes an entry of the batch and 28 a key of its own, each thread's
-// kept for its next call (CoalescedBuffers). (The step rows of an update handler are packed in the batch's order
-// of first occurrence, which the parts do not keep: those handlers coalesce first, then split the rows,
-// ParallelForRows.)
+// hashes only its own (one thread, 500 Zipf batches cycled: 33 us for the whole batch, 26 to 30 for either of two
+// parts, whose keys, spread over the batch, cost more each). A part's buffers hold 12 bytes an entry of the batch and 28 a key of its own, each thread's
+// kept for its next call (CoalescedBuffers). (Where rows must come out in the batch's order of first occurrence,
+// CoalescedParts numbers the parts' rows in it.)
 template <typename F>
 void ForEachCoalescedPart(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, int64_t hi, int64_t lo,
                           int64_t threads, F fn) {
@@ -616,21 +615,104 @@ void ForEachCoalescedPart(xla::ffi::ThreadPool& pool, const int32_t* keys, int64
     for (int64_t part = part_lo; part < part_hi; ++part) {
       Coalesced c;
       Coalesce(keys, k, hi, lo, c, part, parts);
-      if (c.size > 0) fn(static_cast<const Coalesced&>(c));
+      if (c.size > 0) fn(c);
     }
   });
 }
 
+// A batch's keys coalesced in parts as ForEachCoalescedPart splits them, every part kept for passes after all have
+// coalesced, and each part's distinct rows numbered in the batch's order of first occurrence over all the parts
+// (Coalesced::Slot): their numbers in the one-thread coalescing, so that rows packed, and squares added, in that
+// order come out as one thread's, bitwise. Each part marks its rows' first entries as it coalesces; one pass over
+// the k entries then numbers them (a count of the marks before each).
+class CoalescedParts {
+ public:
+  // The keys in [lo, hi) of a batch of k, coalesced in up to `threads` parts on the pool; each(t, c) runs on part
+  // t's thread right after it coalesces (a pass over the part's entries while they are in that core's caches).
+  template <typename F>
+  CoalescedParts(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, int64_t hi, int64_t lo,
+                 int64_t threads, F each)
+      : part_(static_cast<size_t>(CoalescingParts(k, threads))), slot_(static_cast<size_t>(k), 0) {
+    const auto n = static_cast<int64_t>(part_.size());
+    int32_t* mark = slot_.data();  // every part marks entries of its own: no two threads write one element
+    ParallelFor(pool, n, n, [&](int64_t t_lo, int64_t t_hi) {
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        Coalesced& c = part_[t];
+        Coalesce(keys, k, hi, lo, c, t, n);
+        for (int64_t d = 0; d < c.size; ++d) mark[c.first[d]] = 1;
+        each(t, static_cast<const Coalesced&>(c));
+      }
+    });
+    int32_t seen = 0;  // slot_[i]: the number of first entries before entry i
+    for (int64_t i = 0; i < k; ++i) {
+      const int32_t first = slot_[i];
+      slot_[i] = seen;
+      seen += first;
+    }
+    size_ = seen;
+    offset_.resize(part_.size());
+    for (int64_t t = 0, at = 0; t < n; at += part_[t].size, ++t) {
+      offset_[t] = at;
+      part_[t].slot_of_first = slot_.data();
+    }
+  }
+  CoalescedParts(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, int64_t hi, int64_t lo, int64_t threads)
+      : CoalescedParts(pool, keys, k, hi, lo, threads, [](int64_t, const Coalesced&) {}) {}
+
+  int64_t parts() const { return static_cast<int64_t>(part_.size()); }
+  const Coalesced& part(int64_t t) const { return part_[t]; }
+  int64_t size() const { return size_; }  // distinct rows over all parts
+  int64_t offset(int64_t t) const { return offset_[t]; }  // distinct rows in the parts before part t
+
+  // fn(t, c) for every part with distinct rows, each on a thread of the pool.
+  template <typename F>
+  void ForEach(xla::ffi::ThreadPool& pool, F fn) const {
+    const int64_t n = parts();
+    ParallelFor(pool, n, n, [&](int64_t t_lo, int64_t t_hi) {
+      for (int64_t t = t_lo; t < t_hi; ++t) {
+        if (part_[t].size > 0) fn(t, part_[t]);
+      }
+    });
+  }
+
+ private:
+  std::vector<Coalesced> part_;
+  std::vector<int32_t> slot_;
+  std::vector<int64_t> offset_;
+  int64_t size_ = 0;
+};
+
 // A step's padding slots [size, k) (k slots of width floats at out, the first `size` of them the distinct rows
-// [0, size)) zeroed: with lo < hi, the share of the part of ParallelForRows holding rows [lo, hi), in proportion
-// (the parts' shares tile the slots), so that the threads write them together (one thread wrote the 6,145 slots of
-// a Zipf batch of 8,192 ids, 1.5 MB at width 64, while the others waited); with no distinct rows (no part runs),
-// every slot.
+// [0, size)) zeroed: with lo < hi, the share of the part holding rows [lo, hi) (CoalescedParts::offset), in
+// proportion (the parts' shares tile the slots), so that the threads write them together (one thread wrote the
+// 6,145 slots of a Zipf batch of 8,192 ids, 1.5 MB at width 64, while the others waited); with no distinct rows (no
+// part runs), every slot.
 template <typename T>
 inline void ZeroPadding(T* out, int64_t width, int64_t size, int64_t k, int64_t lo, int64_t hi) {
   const int64_t pad = k - size;
   const int64_t a = size == 0 ? 0 : size + pad * lo / size, b = size == 0 ? k : size + pad * hi / size;
   std::memset(out + a * width, 0, sizeof(T) * static_cast<size_t>((b - a) * width));
+}
+
+// An update handler's pass over a batch of k entries whose keys may repeat, its step packed over all rows in the
+// batch's order of first occurrence (so that every shard packs alike): the keys in [0, num_rows) coalesced in parts
+// (CoalescedParts); the step's keys written (out_keys, where given: each distinct key at its slot, then `pad`); its
+// padding slots zeroed (k slots of `width` T at `out`, each part its share); and fn(c) for every part, on the pool,
+// whose rows write their step rows at their slots (Coalesced::Slot).
+template <typename T, typename F>
+void ForEachCoalescedPartInOrder(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, int64_t num_rows,
+                                 int64_t threads, T* out, int64_t width, int32_t* out_keys, int32_t pad, F fn) {
+  const CoalescedParts parts(pool, keys, k, num_rows, 0, threads);
+  const int64_t size = parts.size();
+  if (out_keys != nullptr) std::fill(out_keys + size, out_keys + k, pad);
+  if (size == 0) ZeroPadding(out, width, 0, k, 0, 0);  // no part runs
+  parts.ForEach(pool, [&](int64_t t, const Coalesced& c) {
+    if (out_keys != nullptr) {
+      for (int64_t d = 0; d < c.size; ++d) out_keys[c.Slot(d)] = c.row[d];
+    }
+    ZeroPadding(out, width, size, k, parts.offset(t), parts.offset(t) + c.size);
+    fn(c);
+  });
 }
 
 // A handler's temporary floats: a buffer of at least n, reused by the next call on this thread where it is at
@@ -678,51 +760,50 @@ OSA_TARGET_CLONES inline void SquareEntries(const int32_t* keys, const float* va
   }
 }
 
+// A batch whose keys may repeat coalesced in parts (CoalescedParts, the keys in [0, num_rows): a norm is the whole
+// gradient's, every shard's), each part's rows summed into a buffer of the part's own on its thread, each with its
+// sum of squares (SumAndSquareRows), and the squares of all added in the batch's order of first occurrence, as
+// TotalSquares adds the one-thread coalescing's (bitwise): the norm behind the sum_squares handler and global-norm
+// clipping in a handler (Clip::norm), whose row pass then reads the sums.
+class SummedParts {
+ public:
+  SummedParts(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, const float* values, int64_t width,
+              int64_t num_rows, int64_t threads)
+      : sums_(static_cast<size_t>(CoalescingParts(k, threads))),
+        squares_(sums_.size()),
+        parts_(pool, keys, k, num_rows, 0, threads, [&](int64_t t, const Coalesced& c) {
+          sums_[t].reset(new float[static_cast<size_t>(c.size * width)]);
+          squares_[t].resize(static_cast<size_t>(c.size));
+          SumAndSquareRows(c, k, values, width, 0, c.size, sums_[t].get(), squares_[t].data());
+        }) {
+    std::vector<double> in_order(static_cast<size_t>(parts_.size()));
+    for (int64_t t = 0; t < parts_.parts(); ++t) {
+      const Coalesced& c = parts_.part(t);
+      for (int64_t d = 0; d < c.size; ++d) in_order[c.Slot(d)] = squares_[t][d];
+    }
+    total_ = TotalSquares(in_order);
+  }
+
+  const CoalescedParts& parts() const { return parts_; }
+  float* sums(int64_t t) const { return sums_[t].get(); }  // part t's rows summed, c.size x width
+  float squares() const { return total_; }                 // the sum of their squares
+
+ private:
+  std::vector<std::unique_ptr<float[]>> sums_;
+  std::vector<std::vector<double>> squares_;
+  CoalescedParts parts_;  // after the buffers its constructor fills
+  float total_ = 0.0f;
+};
+
 // Global-norm clipping with the norm computed in the handler (Clip::norm), for a batch whose keys may repeat, on
-// every thread: the keys in range (every shard's: the norm is the whole gradient's) split by key as
-// ForEachCoalescedPart splits them, each part coalescing its own and summing each of its rows into a buffer of its
-// own with the row's sum of squares (SumAndSquareRows); then the clipping of their norm, the squares added in the
-// order of their rows' first entries, which is the order of first occurrence the sum_squares handler adds them in
-// (its sum, bitwise); then fn(c, sums, clip) for every part, whose row pass reads the sums.
+// every thread: the batch summed in parts with its norm (SummedParts), then fn(c, sums, clip) for every part, on
+// the pool, whose row pass reads the part's sums and clips them by that norm.
 template <typename F>
 void ForEachCoalescedPartNormClipped(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, const float* values,
                                      int64_t width, int64_t num_rows, int64_t threads, float max_norm, F fn) {
-  struct Part {
-    Coalesced c;
-    std::unique_ptr<float[]> sums;
-    std::vector<double> squares;
-  };
-  const int64_t parts = CoalescingParts(k, threads);
-  std::vector<Part> part(static_cast<size_t>(parts));
-  ParallelFor(pool, parts, parts, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      Part& p = part[t];
-      Coalesce(keys, k, num_rows, 0, p.c, t, parts);
-      p.sums.reset(new float[static_cast<size_t>(p.c.size * width)]);
-      p.squares.resize(static_cast<size_t>(p.c.size));
-      SumAndSquareRows(p.c, k, values, width, 0, p.c.size, p.sums.get(), p.squares.data());
-    }
-  });
-  // The parts' squares merged by their rows' first entries (each part's rows are in that order already), added from
-  // +0 in double and rounded once, as TotalSquares adds them.
-  std::vector<int64_t> at(static_cast<size_t>(parts), 0);
-  double total = 0.0;
-  for (;;) {
-    int64_t next = -1;
-    for (int64_t t = 0; t < parts; ++t) {
-      if (at[t] < part[t].c.size &&
-          (next < 0 || part[t].c.first[at[t]] < part[next].c.first[at[next]]))
-        next = t;
-    }
-    if (next < 0) break;
-    total += part[next].squares[at[next]++];
-  }
-  const Clip clip = ClipOfNorm(static_cast<float>(total), max_norm);
-  ParallelFor(pool, parts, parts, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      if (part[t].c.size > 0) fn(static_cast<const Coalesced&>(part[t].c), part[t].sums.get(), clip);
-    }
-  });
+  const SummedParts summed(pool, keys, k, values, width, num_rows, threads);
+  const Clip clip = ClipOfNorm(summed.squares(), max_norm);
+  summed.parts().ForEach(pool, [&](int64_t t, const Coalesced& c) { fn(c, summed.sums(t), clip); });
 }
 
 // The sum of the squares of a batch whose keys are taken as distinct (the library made them so, or the user

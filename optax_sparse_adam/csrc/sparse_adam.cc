@@ -68,13 +68,6 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-// What reading and writing p, m and v (and AMSGrad's v_max) of a row costs, in gradient entries read: the weight
-// of a row beside its entries when the update handler's coalesced rows are split over threads (ParallelForRows;
-// the apply handler splits the keys, ForEachCoalescedPart).
-// Measured on a 1e6 x 64 table and 8,192 Zipf ids a step: the step's time is flat around it (within noise from
-// 8 to 24).
-constexpr int64_t kRowWork = 12;
-
 // sparse_amsgrad(catch_up=True)'s idle steps, per entry: a row catches up from the entry that stands for it, and
 // its record (the table's last steps, local rows) takes the step's count, as the XLA rule stamps it.
 struct IdleRows {
@@ -122,14 +115,14 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
       if (sums == nullptr) PrefetchChain(c, d + kPrefetchDistance, values, width);
     }
     if (!shard.Owns(c.row[d])) {  // another shard's row
-      if constexpr (!kApply) std::memset(out + d * width, 0, sizeof(float) * static_cast<size_t>(width));
+      if constexpr (!kApply) std::memset(out + c.Slot(d) * width, 0, sizeof(float) * static_cast<size_t>(width));
       continue;
     }
     const int64_t r = shard.Local(c.row[d]);
     float* g = sums != nullptr ? sums + d * width : buffer.data();
     if (sums == nullptr) SumChain(c, d, values, width, g);
     if constexpr (kClip) ClipRow(s.clip, g, width);
-    float* dst = kApply ? out + r * width : out + d * width;
+    float* dst = kApply ? out + r * width : out + c.Slot(d) * width;
     if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, c.first[d], r, dst, m + r * width, v + r * width,
                                                         vm + r * width, width);
     UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
@@ -226,18 +219,11 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const int32_
                                s, c, shard, values, m, v, vm, out, width, 0, c.size, idle);
                          });
   } else {
-    // The step rows are packed over all rows, in order of first occurrence (so every shard packs alike).
-    Coalesced c;
-    Coalesce(keys, k, shard.num_rows, 0, c);
-    if (out_keys != nullptr) {
-      for (int64_t d = 0; d < k; ++d) out_keys[d] = d < c.size ? c.row[d] : pad;
-    }
-    if (c.size == 0) ZeroPadding(out, width, 0, k, 0, 0);  // no part runs
-    ParallelForRows(pool, c, k, kRowWork, o.threads, [&](int64_t lo, int64_t hi) {
-      ZeroPadding(out, width, c.size, k, lo, hi);  // the padding slots of the step
-      CoalescedRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad, kClip>(s, c, shard, values, m, v, vm, out, width,
-                                                                          lo, hi, idle);
-    });
+    ForEachCoalescedPartInOrder(pool, keys, k, shard.num_rows, o.threads, out, width, out_keys, pad,
+                                [&](const Coalesced& c) {
+                                  CoalescedRows<kTorch, kMaximize, kApply, kDecay, kAmsgrad, kClip>(
+                                      s, c, shard, values, m, v, vm, out, width, 0, c.size, idle);
+                                });
   }
 }
 
