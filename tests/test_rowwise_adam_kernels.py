@@ -171,6 +171,24 @@ def test_without_a_row_sum_bitwise_xla(mode):
 
 
 @needs_kernels
+def test_per_row_corrections_of_counts_far_apart_bitwise_xla():
+    """Row counts from 0 to 1282 in one batch, in any order, with duplicates (the other tests' counts are 0 to 4):
+    each row gets its own count's corrections. Width 1 has no row sum, so the numbers are the XLA path's, bit for
+    bit (the kernel's powf is the function XLA:CPU calls for the power)."""
+    rng = np.random.default_rng(37)
+    tx = _tx("per_row")
+    p, s = _start(tx, rng, (1,))
+    counts = 256 * (np.arange(ROWS) % 6) + np.arange(ROWS) // 6 % 3  # 0 to 1282
+    s = optax.tree.set(s, ScaleByRowwiseAdamState=_state(s)._replace(row_count=jnp.asarray(counts, jnp.int32)))
+    for seed in range(3):
+        ids = np.random.default_rng(seed).permutation(np.concatenate([np.arange(ROWS), np.arange(0, ROWS, 4)]))
+        values = np.random.default_rng(seed).standard_normal((ids.size, 1)).astype(np.float32)
+        for fused, threads in ((False, 1), (True, 1), (True, 3)):
+            native, xla = _one_step(tx, p, s, ids.astype(np.int32), values, fused=fused, threads=threads)
+            assert_trees_equal(native[:2], xla[:2])
+
+
+@needs_kernels
 @pytest.mark.parametrize("k", [0, 1])
 @pytest.mark.parametrize("fused", [False, True])
 def test_empty_and_single_entry_batches(k, fused):
