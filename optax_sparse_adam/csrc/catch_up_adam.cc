@@ -434,7 +434,8 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
     return ffi::Error::InvalidArgument("flags must have one entry per key");
   const int64_t tables = decay != 0 && !by_key ? 3 : 2;
   if (powers.dimensions()[1] != 256 || powers.dimensions()[0] != 4 * tables)
-    return ffi::Error::InvalidArgument("powers must hold b1's and b2's tables (and with decay gamma's, but for per_key)");
+    return ffi::Error::InvalidArgument(
+        "powers must hold b1's and b2's tables (and with decay gamma's, but for per_key)");
   if (decay != 0 && !by_key && through.element_count() < 1)
     return ffi::Error::InvalidArgument("through must hold the decay over the window's steps");
   const auto window_dims = window.dimensions(), far_dims = far.dimensions();

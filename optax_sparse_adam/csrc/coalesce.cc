@@ -69,14 +69,18 @@ ffi::Error CoalesceInto(ffi::ThreadPool& pool, ffi::BufferR1<ffi::S32> keys, ffi
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
   const auto pad = static_cast<int32_t>(num_rows);
   // The keys coalesced in parts, each part's rows summed at their slots on its thread, squares[slot] the row's sum
-  // of squares (the padding slots' +0.0 add nothing to the total: it starts at +0 and never goes below).
+  // of squares (sized for every slot, before the number of distinct rows is known; only theirs are added).
   std::vector<double> squares(sum_of_squares != nullptr ? static_cast<size_t>(k) : 0);
-  ForEachCoalescedPartInOrder(pool, keys.typed_data(), k, num_rows, threads, values_out->typed_data(), width,
-                              keys_out->typed_data(), pad, [&](const Coalesced& c) {
-                                SumRows(c, values.typed_data(), values_out->typed_data(),
-                                        sum_of_squares != nullptr ? squares.data() : nullptr, width, 0, c.size);
-                              });
-  if (sum_of_squares != nullptr) *sum_of_squares = TotalSquares(squares);
+  const int64_t size = ForEachCoalescedPartInOrder(
+      pool, keys.typed_data(), k, num_rows, threads, values_out->typed_data(), width, keys_out->typed_data(), pad,
+      [&](const Coalesced& c) {
+        SumRows(c, values.typed_data(), values_out->typed_data(),
+                sum_of_squares != nullptr ? squares.data() : nullptr, width, 0, c.size);
+      });
+  if (sum_of_squares != nullptr) {
+    squares.resize(static_cast<size_t>(size));
+    *sum_of_squares = TotalSquares(squares);
+  }
   return ffi::Error::Success();
 }
 

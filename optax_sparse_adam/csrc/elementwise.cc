@@ -487,7 +487,9 @@ ffi::Error FtrlRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> n, ffi::Buff
   if (ffi::Error e = CheckTables(n.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
   if (ffi::Error e = CheckFtrl(n, z, p, root); e.failure()) return e;
   if (ffi::Error e = CheckScalars(scalars, kFtrlScalars, false); e.failure()) return e;
-  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values); e.failure()) return e;
+  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values);
+      e.failure())
+    return e;
   float* nn = n_out->typed_data();
   float* zz = z_out->typed_data();
   CopyIfNotAliased(nn, n.typed_data(), n.element_count());

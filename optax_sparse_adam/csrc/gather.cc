@@ -47,7 +47,8 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::BufferR1<
   if (dims.size() < 1) return ffi::Error::InvalidArgument("the table must have at least one dimension");
   const Shard shard{num_rows, *row_begin.typed_data(), dims[0]};
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
-  if (rows->element_type() != table.element_type()) return ffi::Error::InvalidArgument("rows must be of the table's dtype");
+  if (rows->element_type() != table.element_type())
+    return ffi::Error::InvalidArgument("rows must be of the table's dtype");
   switch (table.element_type()) {  // packed several to a byte, where ByteWidth counts one byte each
     case ffi::DataType::S1:
     case ffi::DataType::S2:

@@ -604,9 +604,9 @@ inline int64_t CoalescingParts(int64_t k, int64_t threads) {
 // entries chained and summed in entry order, so the numbers are the one-thread coalescing's. Coalescing a Zipf
 // batch of 8,192 keys on one thread took about 36 us of a 1e6 x 64 step's 150 to 200; a part scans every key but
 // hashes only its own (one thread, 500 Zipf batches cycled: 33 us for the whole batch, 26 to 30 for either of two
-// parts, whose keys, spread over the batch, cost more each). A part's buffers hold 12 bytes an entry of the batch and 28 a key of its own, each thread's
-// kept for its next call (CoalescedBuffers). (Where rows must come out in the batch's order of first occurrence,
-// CoalescedParts numbers the parts' rows in it.)
+// parts, whose keys, spread over the batch, cost more each). A part's buffers hold 12 bytes an entry of the batch
+// and 28 a key of its own, each thread's kept for its next call (CoalescedBuffers). (Where rows must come out in
+// the batch's order of first occurrence, CoalescedParts numbers the parts' rows in it.)
 template <typename F>
 void ForEachCoalescedPart(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, int64_t hi, int64_t lo,
                           int64_t threads, F fn) {
@@ -698,9 +698,9 @@ inline void ZeroPadding(T* out, int64_t width, int64_t size, int64_t k, int64_t 
 // batch's order of first occurrence (so that every shard packs alike): the keys in [0, num_rows) coalesced in parts
 // (CoalescedParts); the step's keys written (out_keys, where given: each distinct key at its slot, then `pad`); its
 // padding slots zeroed (k slots of `width` T at `out`, each part its share); and fn(c) for every part, on the pool,
-// whose rows write their step rows at their slots (Coalesced::Slot).
+// whose rows write their step rows at their slots (Coalesced::Slot). Returns the number of distinct rows.
 template <typename T, typename F>
-void ForEachCoalescedPartInOrder(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, int64_t num_rows,
+int64_t ForEachCoalescedPartInOrder(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k, int64_t num_rows,
                                  int64_t threads, T* out, int64_t width, int32_t* out_keys, int32_t pad, F fn) {
   const CoalescedParts parts(pool, keys, k, num_rows, 0, threads);
   const int64_t size = parts.size();
@@ -713,6 +713,7 @@ void ForEachCoalescedPartInOrder(xla::ffi::ThreadPool& pool, const int32_t* keys
     ZeroPadding(out, width, size, k, parts.offset(t), parts.offset(t) + c.size);
     fn(c);
   });
+  return size;
 }
 
 // A handler's temporary floats: a buffer of at least n, reused by the next call on this thread where it is at
@@ -843,7 +844,9 @@ void ParallelForOwned(xla::ffi::ThreadPool& pool, const int32_t* keys, int64_t k
   }
   // A thread is worth its scheduling past a few dozen rows.
   ParallelFor(pool, n, std::min<int64_t>(threads, n / 32 + 1),
-              [&](int64_t lo, int64_t hi) { fn(lo == 0 ? int64_t{0} : int64_t{owned[lo]}, hi == n ? k : int64_t{owned[hi]}); });
+              [&](int64_t lo, int64_t hi) {
+                fn(lo == 0 ? int64_t{0} : int64_t{owned[lo]}, hi == n ? k : int64_t{owned[hi]});
+              });
 }
 
 // The entries of a batch split over `parts` by key: part t gets, in entry

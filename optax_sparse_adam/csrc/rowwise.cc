@@ -11,8 +11,10 @@
 //     the rule and p += neg_lr * step (after decoupled weight decay, in that
 //     mode), touching each row of p and acc once.
 // Row-wise Adam (scale_by_rowwise_adam; FBGEMM's PARTIAL_ROWWISE_ADAM):
-//   optax_sparse_adam_v3_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count[, bc]]) -> (mu, nu, keys, step[, row_count])
-//   optax_sparse_adam_v3_rowwise_adam_apply (p, mu, nu, keys, values, scalars, seeds[, row_count[, bc]]) -> (p, mu, nu[, row_count])
+//   optax_sparse_adam_v3_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count[, bc]])
+//                                             -> (mu, nu, keys, step[, row_count])
+//   optax_sparse_adam_v3_rowwise_adam_apply (p, mu, nu, keys, values, scalars, seeds[, row_count[, bc]])
+//                                             -> (p, mu, nu[, row_count])
 //     mu per entry, nu one scalar per row; with per-row bias correction each
 //     row's update count rises by one (saturating, as optax.safe_increment)
 //     and 1 - b1^c, 1 - b2^c at the row's new count c replace the global
@@ -376,7 +378,8 @@ ffi::Error AdagradApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::BufferR
   CopyIfNotAliased(q, static_cast<const char*>(p.untyped_data()), p.size_bytes());
   CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
   const Options o{unique, threads, ReadClip(scalars, kAdagradScalars)};
-  return WithParams(p.element_type(), rounding, seeds.typed_data(), DrawsFirstRow(shard, seeds), [&](const auto& params) {
+  const uint32_t* words = seeds.typed_data();
+  return WithParams(p.element_type(), rounding, words, DrawsFirstRow(shard, seeds), [&](const auto& params) {
     using T = typename std::decay_t<decltype(params)>::T;
     DispatchAdagrad<true>(pool, ReadAdagradScalars(scalars), decay, o, keys.typed_data(), k, shard,
                           values.typed_data(), a, reinterpret_cast<T*>(q), reinterpret_cast<T*>(q), nullptr, width,
@@ -496,7 +499,8 @@ ffi::Error AdamApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::Buffer<ffi
   CopyIfNotAliased(t.m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(t.v, nu.typed_data(), nu.element_count());
   const Options o{unique, threads, ReadClip(scalars, kAdamScalars)};
-  return WithParams(p.element_type(), rounding, seeds.typed_data(), DrawsFirstRow(shard, seeds), [&](const auto& params) {
+  const uint32_t* words = seeds.typed_data();
+  return WithParams(p.element_type(), rounding, words, DrawsFirstRow(shard, seeds), [&](const auto& params) {
     using T = typename std::decay_t<decltype(params)>::T;
     DispatchAdam<true>(pool, ReadAdamScalars(scalars), t, o, keys.typed_data(), k, shard, values.typed_data(),
                        reinterpret_cast<T*>(q), nullptr, width, params);
@@ -531,7 +535,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdagradApply, optax_sparse_a
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
-                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: stochastic rounding's two, and the draws' row offset
+                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: rounding's two, the draws' row offset
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
                                   .Ret<ffi::AnyBuffer>()           // p
                                   .Ret<ffi::BufferR1<ffi::F32>>()  // acc
@@ -569,7 +573,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRowwiseAdamApply, optax_sparse_adam
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
-                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: stochastic rounding's two, and the draws' row offset
+                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: rounding's two, the draws' row offset
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
                                   .RemainingArgs()                 // row_count, bc: per-row bias correction only
                                   .Ret<ffi::AnyBuffer>()           // p

@@ -24,7 +24,8 @@ constexpr int kPrefetchDistance = 4;
 OSA_TARGET_CLONES void AddRows(const int32_t* entries, int64_t count, const int32_t* keys, const Shard& shard,
                                const float* values, float* table, int64_t width) {
   for (int64_t n = 0; n < count; ++n) {
-    if (n + kPrefetchDistance < count) PrefetchRow(table + shard.Local(keys[entries[n + kPrefetchDistance]]) * width, width);
+    if (n + kPrefetchDistance < count)
+      PrefetchRow(table + shard.Local(keys[entries[n + kPrefetchDistance]]) * width, width);
     const int64_t i = entries[n];
     float* __restrict row = table + shard.Local(keys[i]) * width;
     const float* __restrict u = values + i * width;

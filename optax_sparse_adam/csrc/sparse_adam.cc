@@ -276,7 +276,8 @@ void Dispatch(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const i
 
 ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                     ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                    ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                    ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> mu_out,
+                    ffi::ResultBuffer<ffi::F32> nu_out,
                     ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out, int64_t num_rows,
                     int64_t torch_eps, int64_t maximize, int64_t unique, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
@@ -301,7 +302,8 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<
 template <bool kDecay>
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                     ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
+                     ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
+                     ffi::ResultBuffer<ffi::F32> mu_out,
                      ffi::ResultBuffer<ffi::F32> nu_out, int64_t num_rows, int64_t torch_eps,
                      int64_t maximize, int64_t unique, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
