@@ -377,18 +377,19 @@ def _catch_up_amsgrad(
         ("mu", "nu", "nu_max"),
         lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count),
     )
-    fusion = CatchUpAmsgradFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, False, "optax"), idle_coefficients)
+    fusion = CatchUpAmsgradFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, False, "optax"), plan, lr_at)
     return optax.GradientTransformationExtraArgs(init_fn, _catch_up.CatchUpUpdate(update_fn, fusion, rows=rows))
 
 
 class CatchUpAmsgradFusion(NamedTuple):
     """What :func:`update_and_apply` needs of a ``sparse_amsgrad(catch_up=True)`` to run its step in one pass per
-    row: the lazy AMSGrad kernel's scalars, and ``idle_coefficients(last, done)``, each row's idle steps and their
-    closed form's coefficients."""
+    row: the lazy AMSGrad kernel's scalars, the idle steps' plan (window, long-idle table) and the learning rate of
+    the step after ``d`` steps, ``lr_at(d)``."""
 
     learning_rate: optax.ScalarOrSchedule
     hp: Any  # the Adam kernels' hyperparameters (_adam.AdamHyperparams)
-    idle_coefficients: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+    plan: Any  # _catch_up._SeriesPlan, one term (b1)
+    lr_at: Callable[[jax.Array], jax.Array]
 
     def apply(
         self,
@@ -402,14 +403,57 @@ class CatchUpAmsgradFusion(NamedTuple):
     ) -> tuple[jax.Array, ...]:
         """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, nu_max,
         last_step)``, the rows replayed up to step ``done`` (the count before the step), then stepped to ``count``.
-        The idle steps' coefficients are computed here on the keys, as the XLA path computes them on the rows; the
-        kernel catches each touched row up, steps it and records its last step in one pass."""
+        The kernel reads each touched row's record and takes its idle steps' coefficient from the window or the
+        long-idle table, and the moments' decays from the tables of ``b1``'s and ``b2``'s powers, as
+        ``idle_coefficients`` computes them per row on the XLA path; computed here per key, only what no table
+        holds (long-idle coefficients under a schedule, ``b2**idle`` for a ``b2`` not known when the step is
+        traced). It catches each touched row up, steps it and records its last step in one pass."""
         m, v, v_max, last = state
         keys = leaf.keys[:, 0]
-        idle, coefficients = self.idle_coefficients(_catch_up.of_keys(last, keys), done)
+        plan = self.plan
+        b2 = _catch_up._concrete(self.hp.b2)
+        b2_table = b2 is not None and 0.0 <= b2 < 1.0
+        far_by_key = plan.cap > 0 and plan.table is None
+        last_k = idle = None
+        if far_by_key or not b2_table:
+            last_k = _catch_up.of_keys(last, keys)
+            idle = jnp.where(last_k > 0, done - last_k, 0).astype(jnp.int32)
+        window = far = jnp.zeros((1,), jnp.float32)  # b1 == 0: no idle step moves a row
+        if plan.cap > 0:
+            window = _catch_up._window(plan, self.lr_at, done, gathered=False)[:, 0]
+            if far_by_key:
+                assert last_k is not None and idle is not None
+                far = _catch_up._long_idle_loop(plan, self.lr_at, last_k, idle > plan.cap)[:, 0]
+            else:
+                far = jnp.asarray(plan.table)[:, 0]
+        b1 = _catch_up._concrete(self.hp.b1)
+        assert b1 is not None, "_catch_up_amsgrad checks b1"
+        tables = [_catch_up._base_table(b1)]
+        decay2 = None
+        if b2 is not None and b2_table:
+            tables.append(_catch_up._base_table(b2))
+        else:
+            assert idle is not None
+            decay2 = _catch_up._power(self.hp.b2, idle)
+        powers = jnp.asarray(np.concatenate([t.reshape(-1) for t in tables]))
         if clip is not None:
             scalars = clip.append_to(scalars)
-        unique = _kernel_path.unique_flag(leaf)
         return _ffi.catch_up_amsgrad_apply(
-            p, m, v, v_max, last, keys, leaf.values, scalars, coefficients, idle, count, unique=unique
+            p,
+            m,
+            v,
+            v_max,
+            last,
+            keys,
+            leaf.values,
+            scalars,
+            window,
+            far,
+            powers,
+            decay2,
+            count,
+            done,
+            cap=plan.cap,
+            far_by_key=far_by_key,
+            unique=_kernel_path.unique_flag(leaf),
         )

@@ -230,9 +230,20 @@ def sparse_amsgrad_apply(
     """``sparse_amsgrad``'s lazy step and ``p += neg_lr * step`` in one pass over each touched row:
     ``(p, m, v, v_max)``; ``scalars`` as the Adam kernels take them (with the clipping's two, as
     :func:`sparse_adam_apply`)."""
-    new_p, new_m, new_v, new_v_max = _amsgrad_apply(
-        "sparse_amsgrad_apply", (p, m, v, v_max), keys, values, scalars, (), unique
-    )
+    attrs = _attrs(p.shape[0], unique=unique)
+
+    def fn(row_begin: jax.Array, *args: jax.Array):
+        table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
+        return _ffi_call(
+            PREFIX + "sparse_amsgrad_apply",
+            (table, table, table, table),
+            input_output_aliases={i: i for i in range(4)},
+            vmap_method="sequential",
+        )(*args, row_begin, **attrs)
+
+    rule = "n w, n w, n w, n w, k, k w, s -> n w, n w, n w, n w"
+    out = _by_row_shards(fn, rule)(*map(_rows2d, (p, m, v, v_max)), keys, _rows2d(values), scalars)
+    new_p, new_m, new_v, new_v_max = (x.reshape(p.shape) for x in out)
     return new_p, new_m, new_v, new_v_max
 
 
@@ -245,54 +256,48 @@ def catch_up_amsgrad_apply(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    coefficients: jax.Array,
-    idle: jax.Array,
+    window: jax.Array,
+    far: jax.Array,
+    powers: jax.Array,
+    decay2: jax.Array | None,
     count: jax.Array,
+    done: jax.Array,
     *,
+    cap: int,
+    far_by_key: bool,
     unique: int,
 ) -> tuple[jax.Array, ...]:
     """``sparse_amsgrad(catch_up=True)``'s fused step: :func:`sparse_amsgrad_apply`, each touched row first taking
-    the ``idle`` steps it sat out (per key) in closed form, from ``coefficients`` per key (``(k, 3)``: ``C``, the
-    sum over the idle steps of ``lr_t b1**k / (1 - b1**t)``, then ``b1**idle`` and ``b2**idle``, as ``_amsgrad``'s
-    ``idle_coefficients`` computes them for the key's row): ``(p, m, v, v_max, last_step)``, each touched row's
-    ``last_step`` recorded in place as ``max(last_step, count)``."""
-    per_key = (coefficients, idle, jnp.asarray(count, jnp.int32).reshape(1))
-    return _amsgrad_apply(
-        "catch_up_amsgrad_apply", (p, m, v, v_max), keys, values, scalars, per_key, unique, last_step=last_step
-    )
+    the steps it sat out in closed form: ``(p, m, v, v_max, last_step)``, each touched row's ``last_step``
+    recorded in place as ``max(last_step, count)``.
 
+    The kernel reads each touched row's idle steps from its record, ``idle = done - last`` (0 where ``last ==
+    0``), and as ``_amsgrad``'s ``idle_coefficients`` computes them per row: ``C`` (the sum over the idle steps of
+    ``lr_t b1**k / (1 - b1**t)``) from ``window[idle - 1]`` (``(max(cap, 1),)``, rows idle ``1 <= idle <= cap``)
+    or ``far`` (rows idle longer: by the row's last step, clipped to its last entry, or with ``far_by_key`` by
+    key; 0 for ``cap == 0``); ``b1**idle`` and ``b2**idle`` from ``powers`` (:func:`._catch_up.power_table`'s
+    tables, ``b1``'s then ``b2``'s), or ``b2**idle`` from ``decay2`` per key where ``b2`` has no table."""
+    attrs = _attrs(p.shape[0], cap=cap, far_by_key=far_by_key, unique=unique)
+    shape = p.shape
 
-def _amsgrad_apply(
-    name: str,
-    tables: tuple[jax.Array, ...],
-    keys: jax.Array,
-    values: jax.Array,
-    scalars: jax.Array,
-    per_key: tuple[jax.Array, ...],
-    unique: int,
-    last_step: jax.Array | None = None,
-) -> tuple[jax.Array, ...]:
-    """The AMSGrad apply handler ``name`` on ``(p, m, v, v_max)`` (and ``last_step``, per row, where given), with
-    operands ``per_key`` (``(k, 3)`` coefficients, ``(k,)`` idle steps and the ``(1,)`` count) after the scalars
-    where it takes them."""
-    shape = tables[0].shape
-    attrs = _attrs(shape[0], unique=unique)
-    records = () if last_step is None else (last_step,)
-
-    def fn(row_begin: jax.Array, p: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, *rest: jax.Array):
-        table = jax.ShapeDtypeStruct(p.shape, p.dtype)
-        out = (table, table, table, table, *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rest[: len(records)]))
+    def fn(row_begin: jax.Array, *args: jax.Array):
+        table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
+        out = (table, table, table, table, jax.ShapeDtypeStruct(args[4].shape, args[4].dtype))
         return _ffi_call(
-            PREFIX + name,
+            PREFIX + "catch_up_amsgrad_apply",
             out,
             input_output_aliases={i: i for i in range(len(out))},
             vmap_method="sequential",
-        )(p, m, v, v_max, *rest, row_begin, **attrs)
+        )(*args, row_begin, **attrs)
 
-    rows = "n w, n w, n w, n w" + ", n" * len(records)
-    rule = f"{rows}, k, k w, s" + (", k c, k, o" if per_key else "") + f" -> {rows}"
-    out = _by_row_shards(fn, rule)(*map(_rows2d, tables), *records, keys, _rows2d(values), scalars, *per_key)
-    return (*(x.reshape(shape) for x in out[:4]), *out[4:])
+    # Without per-key decays, an empty one, replicated (z).
+    by_key = "k" if decay2 is not None else "z"
+    decay2 = decay2 if decay2 is not None else jnp.zeros((0,), jnp.float32)
+    counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
+    rule = f"n w, n w, n w, n w, n, k, k w, s, a, f, q, {by_key}, o -> n w, n w, n w, n w, n"
+    tables = (_rows2d(p), _rows2d(m), _rows2d(v), _rows2d(v_max), last_step, keys, _rows2d(values))
+    out = _by_row_shards(fn, rule)(*tables, scalars, window, far, powers, decay2, counts)
+    return (*(x.reshape(shape) for x in out[:4]), out[4])
 
 
 def sparse_amsgrad_rows(

@@ -172,6 +172,17 @@ def test_catch_up_equals_dense_amsgrad_over_a_zipf_run(case: str, fused: bool) -
         assert lazy["p"] > 100 * max(drift["p"], 1e-7), (lazy, drift)
 
 
+def _kernel_step_equals_xla(native: Any, xla: Any, p: jax.Array, state: Any, args: tuple[jax.Array, ...]) -> Any:
+    """One step both ways from the same ``(p, state)``: the states bitwise, each parameter within two ulps of itself
+    and one of its update; the XLA path's ``(p, state)``."""
+    (pn, sn), (px, sx) = native(p, state, *args), xla(p, state, *args)
+    assert_trees_equal(sn, sx)
+    old, new = np.asarray(p), np.asarray(px)
+    bound = 2 * np.spacing(np.maximum(np.abs(old), np.abs(new))) + np.spacing(np.abs(new - old))
+    assert np.all(np.abs(np.asarray(pn) - new) <= bound), np.max(np.abs(np.asarray(pn) - new) / bound)
+    return px, sx
+
+
 FUSED_CASES = {
     "b1=0.9": dict(learning_rate=1e-2),
     "schedule": dict(learning_rate=SCHEDULE),
@@ -220,12 +231,7 @@ def test_the_fused_catch_up_step_on_the_kernel_equals_the_xla_path(case: str) ->
             ids = np.where(rng.random(k) < 0.1, rng.choice([-1, rows, rows + 7], k), (rng.zipf(1.3, k) - 1) % rows)
         args = (jnp.asarray(ids.astype(np.int32)), jnp.asarray(rng.normal(size=(k, width)).astype(np.float32)))
         idle.extend(np.asarray(state.count - state.last_step[ids[ids >= 0]]).tolist())
-        (pn, sn), (px, sx) = native(p, state, *args), xla(p, state, *args)
-        assert_trees_equal(sn, sx)
-        old, new = np.asarray(p), np.asarray(px)
-        bound = 2 * np.spacing(np.maximum(np.abs(old), np.abs(new))) + np.spacing(np.abs(new - old))
-        assert np.all(np.abs(np.asarray(pn) - new) <= bound), np.max(np.abs(np.asarray(pn) - new) / bound)
-        p, state = px, sx
+        p, state = _kernel_step_equals_xla(native, xla, p, state, args)
     within = cap == 0 or any(0 < i <= cap for i in idle)
     assert min(idle) == 0 and within and max(idle) > cap, (cap, sorted(set(idle)))
 
@@ -276,3 +282,42 @@ def test_catch_up_refusals_name_the_fix() -> None:
     np.testing.assert_allclose(osa.update_and_apply(tx, g, tx.init(p), p)[0][0], 0.9, rtol=1e-6)
     with pytest.raises(ValueError, match="call update\\(grads, state, params\\)"):
         osa.sparse_amsgrad(0.1, catch_up=True).update(g, osa.sparse_amsgrad(0.1, catch_up=True).init(p))
+
+
+@needs_kernels
+def test_the_fused_catch_up_step_with_an_injected_b2_equals_the_xla_path() -> None:
+    """With ``b2`` injected (a traced value, so no table of its powers), the kernel takes ``b2**idle`` per key from
+    the XLA side, the rest from its tables: moments and last steps bitwise the XLA path's, parameters within the
+    fused test's bound, for rows idle within the window and past it."""
+    tx = optax.inject_hyperparams(osa.sparse_amsgrad, static_args=("b1", "catch_up"))(
+        learning_rate=1e-2, b2=0.99, catch_up=True
+    )
+    rows, width, k = 150, 8, 40
+    rng = np.random.default_rng(5)
+    p = jnp.asarray(rng.normal(size=(rows, width)).astype(np.float32))
+    cap = idle_cap(0.9)
+    v = (1e-2 * rng.random((rows, width))).astype(np.float32) ** 2
+    state = tx.init(p)
+    inner = state.inner_state._replace(
+        count=jnp.int32(cap + 100),
+        mu=jnp.asarray((np.sqrt(v) * rng.uniform(-0.5, 0.5, v.shape)).astype(np.float32)),
+        nu=jnp.asarray(v),
+        nu_max=jnp.asarray(v * (1 + rng.random(v.shape)).astype(np.float32)),
+        last_step=jnp.asarray(rng.integers(1, cap + 100, rows).astype(np.int32)),
+    )
+    state = state._replace(inner_state=inner)
+
+    def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
+        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows), s, p)
+
+    native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
+    text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
+    assert text.count(PREFIX + "catch_up_amsgrad_apply") == 1
+    idle = []
+    for _ in range(30):
+        ids = np.where(rng.random(k) < 0.1, -1, (rng.zipf(1.3, k) - 1) % rows)
+        args = (jnp.asarray(ids.astype(np.int32)), jnp.asarray(rng.normal(size=(k, width)).astype(np.float32)))
+        inner = state.inner_state
+        idle.extend(np.asarray(inner.count - inner.last_step[ids[ids >= 0]]).tolist())
+        p, state = _kernel_step_equals_xla(native, xla, p, state, args)
+    assert any(0 < i <= cap for i in idle) and max(idle) > cap, sorted(set(idle))

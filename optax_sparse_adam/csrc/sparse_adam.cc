@@ -17,12 +17,12 @@
 //   optax_sparse_adam_v3_sparse_amsgrad_rows (mu, nu, nu_max, keys, values, scalars) -> (mu, nu, nu_max, keys, step)
 //     its leaf rule for tx.update: the moments in place, the step rows times neg_lr packed as above;
 //   optax_sparse_adam_v3_catch_up_amsgrad_apply
-//       (p, mu, nu, nu_max, last_step, keys, values, scalars, coefficients, idle, count)
+//       (p, mu, nu, nu_max, last_step, keys, values, scalars, window, far, powers, decay2, counts)
 //       -> (p, mu, nu, nu_max, last_step)
-//     sparse_amsgrad(catch_up=True)'s fused step: a row whose entry says it sat out idle > 0 steps first takes
-//     them in their closed form (_amsgrad's replay_rows; coefficients per entry, computed by the XLA side as
-//     the XLA path computes them per row: C, the sum over the idle steps of lr_t b1^k / (1 - b1^t), then
-//     b1**idle and b2**idle), then AMSGrad's step:
+//     sparse_amsgrad(catch_up=True)'s fused step: a row that sat out idle > 0 steps since its record first takes
+//     them in their closed form (_amsgrad's replay_rows; IdleRows: C, the sum over the idle steps of
+//     lr_t b1^k / (1 - b1^t), from the window or the long-idle table, then b1**idle and b2**idle from their
+//     tables, as the XLA path computes them per row), then AMSGrad's step:
 //       p = p - C (m / (sqrt(nu_max + eps_root) + eps)),  m = m b1**idle,  v = v b2**idle
 //     (the parameters within two ulps of the XLA path's, which rounds the caught-up row and the update apart);
 //     each touched row's record takes the step's count, in place: last_step = max(last_step, count).
@@ -68,26 +68,46 @@ namespace ffi = xla::ffi;
 namespace optax_sparse_adam {
 namespace {
 
-// sparse_amsgrad(catch_up=True)'s idle steps, per entry: a row catches up from the entry that stands for it, and
-// its record (the table's last steps, local rows) takes the step's count, as the XLA rule stamps it.
+// sparse_amsgrad(catch_up=True)'s idle steps, from each row's record as _amsgrad's idle_coefficients computes
+// them per row: idle = done - last (0 for a row that never moved, last == 0); C, the sum over the idle steps of
+// lr_t b1^k / (1 - b1^t), from the window (rows idle 1 .. cap steps) or the long-idle table (by the row's last
+// step, clamped, or by its entry under a schedule), as _catch_up._coefficients picks it (0 where cap == 0: b1 == 0);
+// b1**idle and b2**idle from their tables (TablePower), or b2's per entry where b2 has no table. The record (the
+// table's last steps, local rows) takes the step's count, as the XLA rule stamps it.
 struct IdleRows {
-  static constexpr int64_t kCoefficients = 3;  // C, b1**idle, b2**idle
-  const float* coefficients;                   // (k, kCoefficients)
-  const int32_t* idle;                         // (k,)
-  int32_t* last_step;                          // per local row
-  int32_t count;
+  const float* window;  // (max(cap, 1),)
+  const float* far;     // (far_rows,)
+  int64_t far_rows;
+  bool far_by_key;
+  int64_t cap;
+  const float* powers;  // b1's table, then b2's unless decay2 is given (1024 floats each)
+  const float* decay2;  // (k,): b2**idle per entry, or nullptr
+  int32_t* last_step;   // per local row
+  int32_t count, done;
 };
 
-// Local row r's idle steps where its entry `slot` has any, in place (nu_max does not move while a row is idle),
-// and its record.
-OSA_ROW_INLINE void CatchUpAmsgradRow(const Scalars& s, const IdleRows* idle, int64_t slot, int64_t r,
+// Local row r's idle steps where it has any (entry `slot` standing for it), in place (nu_max does not move while
+// a row is idle), and its record.
+OSA_ROW_INLINE void CatchUpAmsgradRow(const Scalars& s, const IdleRows* rows, int64_t slot, int64_t r,
                                       float* __restrict p, float* __restrict m, float* __restrict v,
                                       const float* __restrict vm, int64_t width) {
-  if (idle == nullptr) return;
-  idle->last_step[r] = std::max(idle->last_step[r], idle->count);
-  if (idle->idle[slot] <= 0) return;
-  const float* c = idle->coefficients + slot * IdleRows::kCoefficients;
-  const float coefficient = c[0], decay1 = c[1], decay2 = c[2], eps = s.eps, eps_root = s.eps_root;
+  if (rows == nullptr) return;
+  const int32_t last = rows->last_step[r];
+  rows->last_step[r] = std::max(last, rows->count);
+  // int32 arithmetic wrapping as XLA's does
+  const int32_t idle = last > 0 ? static_cast<int32_t>(static_cast<uint32_t>(rows->done) - static_cast<uint32_t>(last))
+                                : 0;
+  if (idle <= 0) return;
+  float coefficient = 0.0f;
+  if (rows->cap > 0) {
+    coefficient = idle <= rows->cap ? rows->window[idle - 1]
+                  : rows->far_by_key
+                      ? rows->far[slot]
+                      : rows->far[std::clamp<int64_t>(last, 0, rows->far_rows - 1)];
+  }
+  const float decay1 = TablePower(rows->powers, idle);
+  const float decay2 = rows->decay2 != nullptr ? rows->decay2[slot] : TablePower(rows->powers + 1024, idle);
+  const float eps = s.eps, eps_root = s.eps_root;
   for (int64_t j = 0; j < width; ++j) {
     p[j] = p[j] - coefficient * (m[j] / (std::sqrt(vm[j] + eps_root) + eps));
     m[j] = m[j] * decay1;
@@ -383,24 +403,35 @@ ffi::Error CatchUpAmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p
                                    ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max,
                                    ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::S32> keys,
                                    ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                                   ffi::BufferR2<ffi::F32> coefficients, ffi::BufferR1<ffi::S32> idle,
-                                   ffi::BufferR1<ffi::S32> count, ffi::BufferR0<ffi::S32> row_begin,
+                                   ffi::BufferR1<ffi::F32> window, ffi::BufferR1<ffi::F32> far,
+                                   ffi::BufferR1<ffi::F32> powers, ffi::BufferR1<ffi::F32> decay2,
+                                   ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin,
                                    ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
                                    ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBuffer<ffi::F32> nu_max_out,
-                                   ffi::ResultBufferR1<ffi::S32> last_step_out, int64_t num_rows, int64_t unique,
-                                   int64_t threads) {
+                                   ffi::ResultBufferR1<ffi::S32> last_step_out, int64_t num_rows, int64_t cap,
+                                   int64_t far_by_key, int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
-  const auto dims = coefficients.dimensions();
-  if (dims[0] != k || dims[1] != IdleRows::kCoefficients || static_cast<int64_t>(idle.element_count()) != k)
-    return ffi::Error::InvalidArgument("coefficients must hold 3 values per key, idle one");
+  const auto window_len = static_cast<int64_t>(window.element_count());
+  const auto far_len = static_cast<int64_t>(far.element_count());
+  if (cap < 0 || window_len < std::max<int64_t>(cap, 1))
+    return ffi::Error::InvalidArgument("window must hold a coefficient for each idle count up to cap");
+  if (far_len < 1 || (far_by_key != 0 && far_len != k))
+    return ffi::Error::InvalidArgument("far must hold a coefficient per last step (or per key with far_by_key)");
+  const bool by_key = decay2.element_count() != 0;
+  if (by_key && static_cast<int64_t>(decay2.element_count()) != k)
+    return ffi::Error::InvalidArgument("decay2 must be empty or hold b2**idle per key");
+  if (static_cast<int64_t>(powers.element_count()) != (by_key ? 1024 : 2048))
+    return ffi::Error::InvalidArgument("powers must hold b1's table, and b2's unless decay2 is given");
   const auto rows_held = p.dimensions().size() > 0 ? p.dimensions()[0] : 0;
   if (static_cast<int64_t>(last_step.element_count()) != rows_held ||
       last_step_out->element_count() != last_step.element_count())
     return ffi::Error::InvalidArgument("last_step must have one entry per row");
-  if (count.element_count() != 1) return ffi::Error::InvalidArgument("count must hold the step's count");
+  if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
   CopyIfNotAliased(last_step_out->typed_data(), last_step.typed_data(), last_step.element_count());
-  const IdleRows rows{coefficients.typed_data(), idle.typed_data(), last_step_out->typed_data(),
-                      *count.typed_data()};
+  const IdleRows rows{window.typed_data(), far.typed_data(), far_len,
+                      far_by_key != 0,     cap,              powers.typed_data(),
+                      by_key ? decay2.typed_data() : nullptr,
+                      last_step_out->typed_data(), counts.typed_data()[0], counts.typed_data()[1]};
   return AmsgradApply(pool, p, mu, nu, nu_max, keys, values, scalars, row_begin, p_out, mu_out, nu_out, nu_max_out,
                       num_rows, unique, threads, &rows);
 }
@@ -535,9 +566,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradApply, optax_sparse_a
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
-                                  .Arg<ffi::BufferR2<ffi::F32>>()  // coefficients: C, b1**idle, b2**idle per key
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // count: (1,), the step's, recorded
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // window: C of rows idle 1 .. cap steps
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // far: C of rows idle longer
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // powers: b1's table, then b2's
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // decay2: b2**idle per key, or empty
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // counts: the step's (recorded), done
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
                                   .Ret<ffi::Buffer<ffi::F32>>()    // p
                                   .Ret<ffi::Buffer<ffi::F32>>()    // mu
@@ -545,6 +578,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradApply, optax_sparse_a
                                   .Ret<ffi::Buffer<ffi::F32>>()    // nu_max
                                   .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
                                   .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("cap")
+                                  .Attr<int64_t>("far_by_key")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
