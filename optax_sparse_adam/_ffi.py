@@ -793,18 +793,26 @@ def catch_up_momentum_apply(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    coefficients: jax.Array,
-    idle: jax.Array,
+    window: jax.Array,
+    powers: jax.Array,
+    per_key: jax.Array | None,
     count: jax.Array,
+    done: jax.Array,
     *,
+    cap: int,
     nesterov: bool,
     unique: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``sparse_sgd(..., momentum, catch_up=True)``'s fused step: the momentum step, each touched row first taking
-    the ``idle`` steps it sat out (per key) in closed form, from ``coefficients`` per key (``(k, 2)``: ``C``, the
-    sum over the idle steps of the learning rate times a power of the momentum, then ``momentum**idle``):
-    ``(p, trace, last_step)``, each touched row's ``last_step`` recorded in place as ``max(last_step, count)``."""
-    attrs = _attrs(p.shape[0], nesterov=nesterov, unique=unique)
+    the steps it sat out in closed form: ``(p, trace, last_step)``, each touched row's ``last_step`` recorded in
+    place as ``max(last_step, count)``.
+
+    The kernel reads each touched row's idle steps from its record, ``idle = done - last`` (0 where ``last ==
+    0``), and its two coefficients as ``_sgd``'s ``idle_coefficients`` computes them per row: ``C`` (the sum over
+    the idle steps of the learning rate times a power of the momentum) from ``window[min(idle, cap) - 1]``
+    (``(max(cap, 1),)``; 0 for ``cap == 0``) and ``momentum**idle`` from ``powers`` (the momentum's
+    :func:`._catch_up.power_table`), or both from ``per_key`` (``(k, 2)``) where given."""
+    attrs = _attrs(p.shape[0], cap=cap, nesterov=nesterov, unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, t: jax.Array, last: jax.Array, *rest: jax.Array):
         out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, t, last))
@@ -812,9 +820,12 @@ def catch_up_momentum_apply(
             PREFIX + "catch_up_momentum_apply", out, input_output_aliases={0: 0, 1: 1, 2: 2}, vmap_method="sequential"
         )(p, t, last, *rest, row_begin, **attrs)
 
-    rule = "n w, n w, n, k, k w, s, k c, k, o -> n w, n w, n"
-    per_key = (coefficients, idle, jnp.asarray(count, jnp.int32).reshape(1))
+    # Without per-key coefficients, an empty (0, 2) (z c).
+    by_key = "k" if per_key is not None else "z"
+    per_key = per_key if per_key is not None else jnp.zeros((0, 2), jnp.float32)
+    counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
+    rule = f"n w, n w, n, k, k w, s, a, q, {by_key} c, o -> n w, n w, n"
     new_p, new_t, new_last = _by_row_shards(fn, rule)(
-        _rows2d(p), _rows2d(trace), last_step, keys, _rows2d(values), scalars, *per_key
+        _rows2d(p), _rows2d(trace), last_step, keys, _rows2d(values), scalars, window, powers, per_key, counts
     )
     return new_p.reshape(p.shape), new_t.reshape(trace.shape), new_last

@@ -13,6 +13,7 @@ values otherwise.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -23,7 +24,16 @@ import numpy as np
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
-from optax_sparse_adam._catch_up import CatchUpUpdate, RowReplay, caught_up_update, of_keys, rate_at
+from optax_sparse_adam._catch_up import (
+    CatchUpUpdate,
+    RowReplay,
+    _base_table,
+    _concrete,
+    _power,
+    caught_up_update,
+    of_keys,
+    rate_at,
+)
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import Clipped, FusableUpdate
 from optax_sparse_adam._row_engine import Rule, apply_rule, elementwise_kernel, map_rule, row_full, stamp
@@ -185,19 +195,23 @@ def _catch_up_sgd(
 
     def idle_coefficients(last: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Per row of ``last``, brought up to step ``done``: its idle steps, and ``(C, momentum**idle)`` with ``C``
-        the sum over them of the learning rate times a power of the momentum. The native kernel reads these per
-        id, so both paths compute them here."""
+        the sum over them of the learning rate times a power of the momentum (its first ``K`` terms,
+        :func:`idle_cap`: the rest move a row by less than ``2**-24`` of its first idle step). The native kernel
+        picks these per row (a window of C by idle steps, the momentum's table of powers) or reads them per id."""
         idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
         # Idle step k (k = 1..s, at step last + k) has the trace mu^k m0 and moves the row by
         # -lr(last + k - 1) mu^k m0 (times mu more with Nesterov's update, g + mu m).
-        if callable(learning_rate):
-            coefficient = _scheduled_sum(momentum, learning_rate, last, idle, cap)
+        table = None if callable(learning_rate) else _geometric_table(momentum, cap, nesterov)
+        if table is not None:  # Nesterov's factor in the table
+            coefficient = jnp.asarray(learning_rate, jnp.float32) * jnp.asarray(table)[jnp.minimum(idle, cap)]
         else:
-            coefficient = jnp.asarray(learning_rate, jnp.float32) * _geometric(momentum, idle)
-        if nesterov:
-            coefficient = jnp.asarray(momentum, jnp.float32) * coefficient
-        decay = jnp.power(jnp.asarray(momentum, jnp.float32), idle.astype(jnp.float32))
-        return idle, jnp.stack([coefficient, decay], axis=-1)
+            if callable(learning_rate):
+                coefficient = _scheduled_sum(momentum, learning_rate, last, idle, cap)
+            else:
+                coefficient = jnp.asarray(learning_rate, jnp.float32) * _geometric(momentum, idle)
+            if nesterov:
+                coefficient = jnp.asarray(momentum, jnp.float32) * coefficient
+        return idle, jnp.stack([coefficient, _power(momentum, idle)], axis=-1)
 
     def replay_rows(p0: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
         """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (trace,))``."""
@@ -250,19 +264,20 @@ def _catch_up_sgd(
     rows = RowReplay(
         CatchUpSgdState, ("trace",), lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count)
     )
-    fusion = CatchUpMomentumFusion(learning_rate, momentum, nesterov, idle_coefficients)
+    fusion = CatchUpMomentumFusion(learning_rate, momentum, nesterov, idle_coefficients, cap)
     return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, fusion, rows=rows))
 
 
 class CatchUpMomentumFusion(NamedTuple):
     """What :func:`update_and_apply` needs of a ``sparse_sgd(..., momentum, catch_up=True)`` to run its step in one
-    pass per row: the momentum kernels' hyperparameters, and ``idle_coefficients(last, done)``, each row's idle
-    steps and their closed form's coefficients."""
+    pass per row: the momentum kernels' hyperparameters, ``idle_coefficients(last, done)`` (each row's idle steps
+    and their closed form's coefficients) and :func:`idle_cap`."""
 
     learning_rate: optax.ScalarOrSchedule
     momentum: Any
     nesterov: bool
     idle_coefficients: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+    cap: Any
 
     def apply(
         self,
@@ -275,11 +290,24 @@ class CatchUpMomentumFusion(NamedTuple):
         clip: Clipped | None = None,
     ) -> tuple[jax.Array, ...]:
         """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, trace, last_step)``, the
-        rows replayed up to step ``done`` (the count before the step), then stepped to ``count``. The idle steps'
-        coefficients are computed here on the keys, as the XLA path computes them on the rows."""
+        rows replayed up to step ``done`` (the count before the step), then stepped to ``count``. At a constant
+        learning rate and momentum the kernel picks each touched row's coefficients itself, from its record, the
+        window of ``C`` by idle steps and the momentum's table of powers; else they are computed here per key, as
+        the XLA path computes them per row."""
         trace, last = state
         keys = leaf.keys[:, 0]
-        idle, coefficients = self.idle_coefficients(of_keys(last, keys), done)
+        window = jnp.zeros((1,), jnp.float32)
+        powers = jnp.zeros((1024,), jnp.float32)
+        per_key = None
+        cap = 0
+        table = None if callable(self.learning_rate) else _geometric_table(self.momentum, self.cap, self.nesterov)
+        if table is not None:
+            cap = self.cap
+            if cap > 0:  # C of rows idle d = 1 .. cap steps, in entry d - 1: idle_coefficients' product
+                window = jnp.asarray(self.learning_rate, jnp.float32) * jnp.asarray(table[1:])
+            powers = jnp.asarray(_base_table(float(self.momentum)).reshape(-1))
+        else:
+            per_key = self.idle_coefficients(of_keys(last, keys), done)[1]
         if clip is not None:
             scalars = clip.append_to(scalars)
         return _ffi.catch_up_momentum_apply(
@@ -289,12 +317,37 @@ class CatchUpMomentumFusion(NamedTuple):
             keys,
             leaf.values,
             scalars,
-            coefficients,
-            idle,
+            window,
+            powers,
+            per_key,
             count,
+            done,
+            cap=cap,
             nesterov=self.nesterov,
             unique=_kernel_path.unique_flag(leaf),
         )
+
+
+def _geometric_table(momentum: Any, cap: Any, nesterov: bool) -> np.ndarray | None:
+    r""":math:`\sum_{k=1}^{d} \mu^k = \mu (1 - \mu^d) / (1 - \mu)` (times :math:`\mu` with Nesterov) for ``d = 0
+    .. cap``, in double rounded once to float32 (``-mu expm1(d log mu) / (1 - mu)``: no cancellation when
+    :math:`\mu^d` is near 1), for a number ``0 <= momentum < 1``; ``None`` for a traced one."""
+    mu = _concrete(momentum)
+    if mu is None or not 0.0 <= mu < 1.0:
+        return None
+    return _geometric_numbers(mu, int(cap), nesterov)
+
+
+@functools.lru_cache(maxsize=64)
+def _geometric_numbers(mu: float, cap: int, nesterov: bool) -> np.ndarray:
+    d = np.arange(cap + 1, dtype=np.float64)
+    log_mu = math.log(mu) if mu > 0 else -math.inf
+    with np.errstate(invalid="ignore"):
+        total = (mu if nesterov else 1.0) * mu * -np.expm1(d * log_mu) / (1.0 - mu)
+    total[0] = 0.0  # also where mu == 0 (0 * -inf)
+    out = np.nan_to_num(total).astype(np.float32)
+    out.flags.writeable = False
+    return out
 
 
 def sparse_sgd(

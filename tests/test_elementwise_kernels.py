@@ -505,6 +505,17 @@ def _catch_up_run(tx, p, s, batches, kernels: bool):
     return p, s
 
 
+def _zipf_batches(rng):
+    """Forty batches of 48 Zipf ids over 300 rows (and -1 and two ids past the table), most rows idle a while."""
+    return [
+        (
+            jnp.asarray((rng.zipf(1.3, 48) - 1) % 303 - 1, jnp.int32),
+            jnp.asarray(rng.standard_normal((48, 8)), jnp.float32),
+        )
+        for _ in range(40)
+    ]
+
+
 @needs_kernels
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("lr", [LR, SCHEDULE], ids=["constant", "schedule"])
@@ -514,13 +525,7 @@ def test_catch_up_momentum_fused_equals_the_xla_path(lr, nesterov):
     tx = osa.sparse_sgd(lr, MU, nesterov, catch_up=True)
     rng = np.random.default_rng([30, nesterov])
     p = jnp.asarray(rng.standard_normal((300, 8)), jnp.float32)
-    batches = [
-        (
-            jnp.asarray((rng.zipf(1.3, 48) - 1) % 303 - 1, jnp.int32),
-            jnp.asarray(rng.standard_normal((48, 8)), jnp.float32),
-        )
-        for _ in range(40)
-    ]
+    batches = _zipf_batches(rng)
     native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels) for kernels in (True, False))
     assert_trees_equal(native[1].last_step, xla[1].last_step)
     assert int(native[1].count) == 40
@@ -530,6 +535,22 @@ def test_catch_up_momentum_fused_equals_the_xla_path(lr, nesterov):
         for a, b in ((native[0], xla[0]), (native[1].trace, xla[1].trace)):
             scale = float(jnp.max(jnp.abs(b)))
             assert float(jnp.max(jnp.abs(a - b))) <= 16 * float(np.spacing(F32(scale)))
+
+
+@needs_kernels
+def test_catch_up_momentum_with_an_injected_momentum_takes_its_coefficients_per_key():
+    """A momentum injected (traced: no table of its powers, no window) reaches the kernel as coefficients per key,
+    computed as the XLA path computes them per row: Nesterov's parameters, trace and last steps bitwise the XLA
+    path's over forty Zipf steps."""
+    tx = optax.inject_hyperparams(osa.sparse_sgd, static_args=("nesterov", "catch_up"))(
+        LR, MU, nesterov=True, catch_up=True
+    )
+    rng = np.random.default_rng(33)
+    p = jnp.asarray(rng.standard_normal((300, 8)), jnp.float32)
+    batches = _zipf_batches(rng)
+    native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels) for kernels in (True, False))
+    assert_trees_equal(native, xla)
+    assert int(native[1].inner_state.count) == 40
 
 
 @needs_kernels

@@ -5,7 +5,6 @@
 #ifndef OPTAX_SPARSE_ADAM_CSRC_ADAM_ROW_H_
 #define OPTAX_SPARSE_ADAM_CSRC_ADAM_ROW_H_
 
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -14,20 +13,6 @@
 
 namespace optax_sparse_adam {
 namespace {
-
-// b ** n for an int32 n (1 where n <= 0) from b's table (t[256 i + j] = b ** (j 256**i)), as
-// _catch_up.table_power computes it (the catch-up kernels' decays): the entries of n's base-256 digits multiplied
-// lowest first, a product below float32's smallest normal number taken as 0 (the same whether or not denormals are
-// flushed).
-OSA_ROW_INLINE float TablePower(const float* t, int32_t n) {
-  const uint32_t k = n > 0 ? static_cast<uint32_t>(n) : 0u;
-  float x = t[k & 255u];
-  for (int i = 1; i < 4; ++i) {
-    x = x * t[256 * i + ((k >> (8 * i)) & 255u)];
-    x = x < FLT_MIN ? 0.0f : x;
-  }
-  return x;
-}
 
 // Order of the scalars operand, as _adam.kernel_scalars stacks it.
 struct Scalars {

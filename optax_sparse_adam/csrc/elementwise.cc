@@ -24,12 +24,12 @@
 //     (with `divides`: s = (root(n') - root(n)) / alpha, and root(n') / alpha + q0 in the last denominator),
 //     u = p_new - p,  p' = p + u (apply_updates' sum: p_new to within a rounding, as on the XLA path).
 // And one fused handler with catch-up:
-//   catch_up_momentum_apply (p, trace, last_step, keys, values, scalars, coefficients, idle, count)
+//   catch_up_momentum_apply (p, trace, last_step, keys, values, scalars, window, powers, per_key, counts)
 //       -> (p, trace, last_step)
-//     sparse_sgd(momentum, catch_up=True)'s step: a row whose key says it sat out idle > 0 steps first takes
-//     them in their closed form, from two coefficients per key that the XLA side computes as the XLA path's
-//     replay computes them per row (C, the sum over the idle steps of lr_k momentum^k, times momentum with
-//     Nesterov, and momentum**idle):
+//     sparse_sgd(momentum, catch_up=True)'s step: a row that sat out idle > 0 steps since its record first takes
+//     them in their closed form, from two coefficients it picks as the XLA path's replay computes them per row
+//     (IdleRecords: C, the sum over the idle steps of lr_k momentum^k, times momentum with Nesterov, and
+//     momentum**idle):
 //       q = fma(-C, t, p),  t = t momentum**idle,
 //     then the momentum step from t, and p' = p + ((q + neg_lr u) - p), the update the XLA path rounds and
 //     applies (p' = p + neg_lr u for a row that did not sit out); each touched row's record takes the step's
@@ -122,12 +122,17 @@ struct MomentumRule {
   }
 };
 
-// A touched row's idle steps, from per-key operands (the key's row's), and the step's count for its record.
-struct IdleKeys {
-  const float* coefficients;  // per key: C, momentum**idle
-  const int32_t* idle;        // per key
-  int32_t* last_step;         // per local row, written
-  int32_t count;
+// A touched row's idle steps, from its record (IdleSince), and the step's count for the record. Their closed form's
+// coefficients: at a constant rate and momentum C(min(idle, cap)) from the window (0 where cap == 0) and
+// momentum**idle from its table (TablePower), as _sgd's idle_coefficients computes them per row; else both per key,
+// computed by the XLA side (a schedule, a momentum not known when the step is traced).
+struct IdleRecords {
+  const float* window;   // (max(cap, 1),): C of rows idle 1 .. cap steps, or nullptr with per_key
+  int64_t cap;
+  const float* powers;   // momentum's table (1024 floats), or nullptr with per_key
+  const float* per_key;  // (k, 2): C and momentum**idle per key, or nullptr
+  int32_t* last_step;    // per local row, written
+  int32_t count, done;
 };
 
 template <bool kNesterov>
@@ -136,7 +141,7 @@ struct CatchUpMomentumRule {
   float momentum, neg_lr;
   float* trace;
   float* out;
-  IdleKeys keys;
+  IdleRecords keys;
   int64_t width;
 
   int64_t Scratch() const { return 0; }
@@ -151,8 +156,10 @@ struct CatchUpMomentumRule {
     const float mu = momentum, neg_lr_ = neg_lr;
     float* __restrict t = trace + r * width;
     float* __restrict q = out + r * width;
-    keys.last_step[r] = std::max(keys.last_step[r], keys.count);
-    if (keys.idle[entry] <= 0) {  // up to date: the lazy step
+    const int32_t last = keys.last_step[r];
+    keys.last_step[r] = std::max(last, keys.count);
+    const int32_t idle = IdleSince(keys.done, last);
+    if (idle <= 0) {  // up to date: the lazy step
       for (int64_t j = 0; j < width; ++j) {
         const float tn = kNesterov ? std::fma(t[j], mu, g[j]) : g[j] + mu * t[j];
         t[j] = tn;
@@ -160,7 +167,14 @@ struct CatchUpMomentumRule {
       }
       return;
     }
-    const float c = keys.coefficients[2 * entry], decay = keys.coefficients[2 * entry + 1];
+    float c, decay;
+    if (keys.per_key != nullptr) {
+      c = keys.per_key[2 * entry];
+      decay = keys.per_key[2 * entry + 1];
+    } else {
+      c = keys.cap > 0 ? keys.window[std::min<int64_t>(idle, keys.cap) - 1] : 0.0f;
+      decay = TablePower(keys.powers, idle);
+    }
     for (int64_t j = 0; j < width; ++j) {
       const float p0 = q[j];
       const float caught = std::fma(-c, t[j], p0);
@@ -385,16 +399,20 @@ ffi::Error MomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi:
 ffi::Error CatchUpMomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> trace,
                                     ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::S32> keys,
                                     ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                                    ffi::BufferR2<ffi::F32> coefficients, ffi::BufferR1<ffi::S32> idle,
-                                    ffi::BufferR1<ffi::S32> count, ffi::BufferR0<ffi::S32> row_begin,
-                                    ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> trace_out,
-                                    ffi::ResultBufferR1<ffi::S32> last_step_out, int64_t num_rows, int64_t nesterov,
-                                    int64_t unique, int64_t threads) {
+                                    ffi::BufferR1<ffi::F32> window, ffi::BufferR1<ffi::F32> powers,
+                                    ffi::BufferR2<ffi::F32> per_key, ffi::BufferR1<ffi::S32> counts,
+                                    ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
+                                    ffi::ResultBuffer<ffi::F32> trace_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
+                                    int64_t num_rows, int64_t cap, int64_t nesterov, int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
-  const auto dims = coefficients.dimensions();
-  if (dims[0] != k || dims[1] != 2 || static_cast<int64_t>(idle.element_count()) != k)
-    return ffi::Error::InvalidArgument("coefficients must hold 2 values per key, idle one");
-  if (count.element_count() != 1) return ffi::Error::InvalidArgument("count must hold the step's count");
+  const bool by_key = per_key.element_count() != 0;
+  if (by_key && (per_key.dimensions()[0] != k || per_key.dimensions()[1] != 2))
+    return ffi::Error::InvalidArgument("per_key must be empty or hold 2 values per key");
+  if (!by_key && (cap < 0 || static_cast<int64_t>(window.element_count()) < std::max<int64_t>(cap, 1) ||
+                  powers.element_count() != 1024))
+    return ffi::Error::InvalidArgument("without per_key, window must hold C for each idle count up to cap and "
+                                       "powers the momentum's table");
+  if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
   return OneTableApply(
       p, trace, keys, values, scalars, row_begin, p_out, trace_out, num_rows,
       [&](float* t, float* q, int64_t width, const Shard& shard, const Clip& clip) {
@@ -403,14 +421,17 @@ ffi::Error CatchUpMomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
           return ffi::Error::InvalidArgument("last_step must have one entry per row");
         int32_t* last = last_step_out->typed_data();
         CopyIfNotAliased(last, last_step.typed_data(), last_step.element_count());
-        const IdleKeys idle_keys{coefficients.typed_data(), idle.typed_data(), last, *count.typed_data()};
+        const IdleRecords records{by_key ? nullptr : window.typed_data(), cap,
+                                  by_key ? nullptr : powers.typed_data(), by_key ? per_key.typed_data() : nullptr,
+                                  last,                                  counts.typed_data()[0],
+                                  counts.typed_data()[1]};
         const float* x = scalars.typed_data();
         const Options o{unique, threads, clip};
         if (nesterov != 0) {
-          Run(pool, CatchUpMomentumRule<true>{x[0], x[1], t, q, idle_keys, width}, o, keys.typed_data(), k, shard,
+          Run(pool, CatchUpMomentumRule<true>{x[0], x[1], t, q, records, width}, o, keys.typed_data(), k, shard,
               values.typed_data(), nullptr);
         } else {
-          Run(pool, CatchUpMomentumRule<false>{x[0], x[1], t, q, idle_keys, width}, o, keys.typed_data(), k, shard,
+          Run(pool, CatchUpMomentumRule<false>{x[0], x[1], t, q, records, width}, o, keys.typed_data(), k, shard,
               values.typed_data(), nullptr);
         }
         return ffi::Error::Success();
@@ -639,14 +660,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumApply, optax_sparse_
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
-                                  .Arg<ffi::BufferR2<ffi::F32>>()  // coefficients: C, momentum**idle per key
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // idle: per key
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // count: (1,), the step's, recorded
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // window: C of rows idle 1 .. cap steps
+                                  .Arg<ffi::BufferR1<ffi::F32>>()  // powers: the momentum's table
+                                  .Arg<ffi::BufferR2<ffi::F32>>()  // per_key: C, momentum**idle, or empty
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // counts: the step's (recorded), done
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
                                   .Ret<ffi::Buffer<ffi::F32>>()    // p
                                   .Ret<ffi::Buffer<ffi::F32>>()    // trace
                                   .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
                                   .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("cap")
                                   .Attr<int64_t>("nesterov")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));

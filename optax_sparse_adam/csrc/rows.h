@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -148,6 +149,26 @@ struct F16 {
 };
 
 OSA_ROW_INLINE bool IsFinite(float x) { return (Bits(x) & 0x7F800000u) != 0x7F800000u; }
+
+// b ** n for an int32 n (1 where n <= 0) from b's table (t[256 i + j] = b ** (j 256**i)), as
+// _catch_up.table_power computes it (the catch-up kernels' decays): the entries of n's base-256 digits multiplied
+// lowest first, a product below float32's smallest normal number taken as 0 (the same whether or not denormals are
+// flushed).
+OSA_ROW_INLINE float TablePower(const float* t, int32_t n) {
+  const uint32_t k = n > 0 ? static_cast<uint32_t>(n) : 0u;
+  float x = t[k & 255u];
+  for (int i = 1; i < 4; ++i) {
+    x = x * t[256 * i + ((k >> (8 * i)) & 255u)];
+    x = x < FLT_MIN ? 0.0f : x;
+  }
+  return x;
+}
+
+// The idle steps at count `done` of a row whose record is `last` (0 for a row that never moved, last == 0), as the
+// catch-up rules compute them (jnp.where(last > 0, done - last, 0), int32 arithmetic wrapping as XLA's does).
+OSA_ROW_INLINE int32_t IdleSince(int32_t done, int32_t last) {
+  return last > 0 ? static_cast<int32_t>(static_cast<uint32_t>(done) - static_cast<uint32_t>(last)) : 0;
+}
 
 // _round_with for float16: x rounded up or down at random (u uniform in [0, 1)), unbiased; to nearest where the
 // dtype holds x, where x is not finite, and where a neighbour is not. Branch-free, so that the row loops vectorize:

@@ -94,9 +94,7 @@ OSA_ROW_INLINE void CatchUpAmsgradRow(const Scalars& s, const IdleRows* rows, in
   if (rows == nullptr) return;
   const int32_t last = rows->last_step[r];
   rows->last_step[r] = std::max(last, rows->count);
-  // int32 arithmetic wrapping as XLA's does
-  const int32_t idle = last > 0 ? static_cast<int32_t>(static_cast<uint32_t>(rows->done) - static_cast<uint32_t>(last))
-                                : 0;
+  const int32_t idle = IdleSince(rows->done, last);
   if (idle <= 0) return;
   float coefficient = 0.0f;
   if (rows->cap > 0) {
