@@ -49,13 +49,14 @@ from optax_sparse_adam._adam import (
     _step,
     _torch_corrections,
     kernel_flags,
+    kernel_scalars,
 )
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._checks import check_dense_gradient, check_params, check_state, mask_tree
 from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._fusion import Clipped, FusableUpdate
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._row_engine import Rule, apply_rule, map_rule, row_full, stamp
+from optax_sparse_adam._row_engine import Kernel, Rule, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
 
@@ -740,6 +741,70 @@ def _rule(replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array) 
     return rule
 
 
+def _kernel_operands(
+    plan: _SeriesPlan,
+    replayer: Replayer,
+    done: jax.Array,
+    decay: Decay | None = None,
+    weights: _DecayWeights | None = None,
+    far: jax.Array | None = None,
+    new_log: Any = 0.0,
+) -> _ffi.CatchUpOperands:
+    """What the catch-up Adam kernels read of a step beyond the rows (see :func:`._ffi.catch_up_adam_apply`); ``far``,
+    the long-idle coefficients per key where the plan has no table."""
+    hp = replayer.hp
+    bases = [_base_table(b) for b in (_concrete(hp.b1), _concrete(hp.b2)) if b is not None]
+    if decay is not None and decay.log_gamma is not None:
+        bases.append(power_table(decay.log_gamma))
+    powers = jnp.asarray(np.concatenate(bases))
+    through = weights.through if weights is not None else jnp.ones(1, jnp.float32)
+    window = zeros = jnp.zeros((1, _TERMS), jnp.float32)  # b1 == 0: no idle step moves a row, every coefficient 0
+    if plan.cap > 0:
+        window = _window(plan, replayer.lr, done, weights, gathered=False)
+        if far is None:
+            assert plan.table is not None
+            far = jnp.asarray(plan.table)
+    long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
+    has_table = float(plan.corrections is not None)
+    limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table, new_log)])
+    far = zeros if far is None else far
+    return _ffi.CatchUpOperands(window, far, powers, through, limits, neg_rates, corrections)
+
+
+def _rows_kernel(replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array) -> Kernel:
+    """The catch-up Adam rows kernel in :func:`_rule`'s place (``tx.update`` on the CPU): where the kernel takes
+    every row itself (:func:`_may_flag`: a constant learning rate, a table of bias corrections) and the closed form
+    applies to float32 tables; elsewhere the XLA rule runs."""
+    hp = replayer.hp
+
+    def supports(leaf: SparseLeaf, state: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> bool:
+        (m, v, last), (p,) = state, reads
+        plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype)
+        return (
+            plan is not None
+            and (plan.cap == 0 or plan.table is not None)
+            and not _may_flag(plan, replayer, None)
+            and last.dtype == jnp.int32
+            and last.shape == p.shape[:1]
+            and _kernel_path.supports(leaf.shape, leaf.n_sparse, m, v, leaf.values, params=p)
+            and p.dtype == jnp.float32
+        )
+
+    def run(leaf: SparseLeaf, state: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
+        (m, v, last), (p,) = state, reads
+        plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype)
+        assert plan is not None, "supports() checks the plan"
+        scalars = kernel_scalars(hp, count, -jnp.asarray(lr, jnp.float32))
+        ops = _kernel_operands(plan, replayer, done)
+        keys, flags = leaf.keys[:, 0], kernel_flags(hp, leaf)
+        m, v, last, keys, out, _ = _ffi.catch_up_adam_rows(
+            p, m, v, last, keys, leaf.values, scalars, ops, count, done, cap=plan.cap, **flags
+        )
+        return keys[:, None], out, (m, v, last)
+
+    return Kernel(supports, run)
+
+
 def fused_apply(
     replayer: Replayer,
     p: jax.Array,
@@ -790,35 +855,29 @@ def fused_apply(
         idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
     weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
     per_key = jnp.stack([weights.rows, weights.far], axis=1) if weights is not None and schedule_decay else None
-    bases = [_base_table(b) for b in (_concrete(hp.b1), _concrete(hp.b2)) if b is not None]
-    if decay is not None and decay.log_gamma is not None:
-        bases.append(power_table(decay.log_gamma))
-    powers = jnp.asarray(np.concatenate(bases))
-    through = weights.through if weights is not None else jnp.ones(1, jnp.float32)
-    window = far = jnp.zeros((1, _TERMS), jnp.float32)  # b1 == 0: no idle step moves a row, every coefficient 0
-    if plan.cap > 0:
-        window = _window(plan, replayer.lr, done, weights, gathered=False)
-        if plan.table is not None:
-            far = jnp.asarray(plan.table)
-        else:  # far_by_key: the keys' last steps and idle steps are at hand
-            assert last_k is not None and idle is not None
-            far = _long_idle_loop(plan, replayer.lr, last_k, idle > plan.cap, weights)
-    long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
-    has_table = float(plan.corrections is not None)
+    far = None
+    if plan.cap > 0 and plan.table is None:  # far_by_key: the keys' last steps and idle steps are at hand
+        assert last_k is not None and idle is not None
+        far = _long_idle_loop(plan, replayer.lr, last_k, idle > plan.cap, weights)
     new_log = adamw.new_log if adamw is not None else 0.0
-    limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table, new_log)])
+    ops = _kernel_operands(plan, replayer, done, decay, weights, far, new_log)
     if clip is not None:
         scalars = clip.append_to(scalars)
     # The kernel records the rows it steps (the last step, AdamW's decay mark) in place; the rows it flags keep
     # their records for the XLA rule below, which reads and writes them.
     mark = state[3] if adamw is not None else None
-    operands = (p, m, v, last, mark, keys, leaf.values, scalars, window, far, per_key, powers, through)
     flags = kernel_flags(hp, leaf)
     p, m, v, last, mark, flagged = _ffi.catch_up_adam_apply(
-        *operands,
-        limits,
-        neg_rates,
-        corrections,
+        p,
+        m,
+        v,
+        last,
+        mark,
+        keys,
+        leaf.values,
+        scalars,
+        per_key,
+        ops,
         count,
         done,
         cap=plan.cap,
@@ -918,13 +977,16 @@ def catch_up_adam(
         dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # as optax.adam
 
         rule = _rule(replayer, state.count, count, lr)
+        kernel = _rows_kernel(replayer, state.count, count, lr)
 
         def leaf(path: Any, g: Any, m: Any, v: Any, last: Any, p: Any, du: Any, dm: Any, dv: Any) -> Any:
             if g is None:
                 return None, m, v, last
             if not is_sparse(g):
                 return _scaled(du, lr), dm, dv, jnp.full_like(last, count)
-            out, (m, v, last) = apply_rule(path, g, jnp.shape(p), (m, v, last), (p,), rule, _WHERE, whole_rows=True)
+            out, (m, v, last) = apply_rule(
+                path, g, jnp.shape(p), (m, v, last), (p,), rule, _WHERE, whole_rows=True, kernel=kernel
+            )
             return out, m, v, last
 
         trees += [(tree, "dense step") for tree in dense]

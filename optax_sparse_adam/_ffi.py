@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -324,6 +324,67 @@ def sparse_amsgrad_rows(
     return new_m.reshape(m.shape), new_v.reshape(m.shape), new_v_max.reshape(m.shape), keys, step.reshape(shape)
 
 
+class CatchUpOperands(NamedTuple):
+    """What the catch-up Adam kernels read of a step beyond the rows, scalars and per-key values (see
+    :func:`catch_up_adam_apply`)."""
+
+    window: jax.Array
+    far: jax.Array
+    powers: jax.Array
+    through: jax.Array
+    limits: jax.Array
+    neg_rates: jax.Array
+    corrections: jax.Array
+
+
+def catch_up_adam_rows(
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    last_step: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    ops: CatchUpOperands,
+    count: jax.Array,
+    done: jax.Array,
+    *,
+    cap: int,
+    torch_eps: bool,
+    maximize: bool,
+    unique: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``sparse_adam(catch_up=True)``'s leaf rule on the CPU (``tx.update``): ``(m, v, last_step, keys, updates,
+    flags)``, the moments and records in place, ``p`` read only.
+
+    Each touched row is replayed and stepped as :func:`catch_up_adam_apply` takes it (the same operands; no decay,
+    no per-key coefficients, ``far`` by the row's last step) in a scratch copy; its update, packed as
+    :func:`sparse_adam_rows` packs its step rows, is the step (``scalars``' ``neg_lr`` times Adam's), or where the
+    replay moved the row, ``(replayed + step) - p``, as ``_catch_up._rule`` computes it. ``flags`` marks the keys
+    of rows whose idle steps were not at hand (their updates NaN); the caller runs this only where none can be."""
+    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, unique=unique)
+
+    def fn(row_begin: jax.Array, *args: jax.Array):
+        table = jax.ShapeDtypeStruct(args[1].shape, args[1].dtype)
+        records = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[3:5])
+        rows = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(args[6].shape, args[6].dtype))
+        flags = jax.ShapeDtypeStruct(keys.shape, jnp.int32)
+        return _ffi_call(
+            PREFIX + "catch_up_adam_rows",
+            (table, table, *records, *rows, flags),
+            input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3},
+            vmap_method="sequential",
+        )(*args, row_begin, **attrs)
+
+    rule = "n w, n w, n w, n, z, k, k w, s, a j, f j, z c, q x, h, l, r, t b, o -> n w, n w, n, z, k, k w, k"
+    marks, per_key = jnp.zeros((0,), jnp.float32), jnp.zeros((0, 2), jnp.float32)
+    counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
+    rows = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
+    args = (*rows, scalars, ops.window, ops.far, per_key, ops.powers, ops.through, *ops[4:], counts)
+    new_m, new_v, new_last, _, out_keys, step, flags = _by_row_shards(fn, rule, summed=(5, 6))(*args)
+    return new_m.reshape(m.shape), new_v.reshape(v.shape), new_last, out_keys, step.reshape(values.shape), flags
+
+
 def catch_up_adam_apply(
     p: jax.Array,
     m: jax.Array,
@@ -333,14 +394,8 @@ def catch_up_adam_apply(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    window: jax.Array,
-    far: jax.Array,
     per_key: jax.Array | None,
-    powers: jax.Array,
-    through: jax.Array,
-    limits: jax.Array,
-    neg_rates: jax.Array,
-    corrections: jax.Array,
+    ops: CatchUpOperands,
     count: jax.Array,
     done: jax.Array,
     *,
@@ -413,7 +468,7 @@ def catch_up_adam_apply(
     )
     rows = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
     counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
-    args = (*rows, scalars, window, far, per_key, powers, through, limits, neg_rates, corrections, counts)
+    args = (*rows, scalars, ops.window, ops.far, per_key, ops.powers, ops.through, *ops[4:], counts)
     new_p, new_m, new_v, new_last, new_mark, flags = _by_row_shards(fn, rule, summed=(5,))(*args)
     return (
         new_p.reshape(p.shape),

@@ -58,7 +58,7 @@ from optax_sparse_adam._row_ops import HALF_FLOATS, explicit_sharding
 __all__ = ["kernel_path", "use_kernels"]
 
 MAX_THREADS = 16
-PREFIX = "optax_sparse_adam_v3_"  # bump when a handler's operands or attributes change
+PREFIX = "optax_sparse_adam_v4_"  # bump when a handler's operands or attributes change
 _SYMBOLS = {
     "sparse_adam_rows": "OptaxSparseAdamRows",
     "sparse_adam_apply": "OptaxSparseAdamApply",
@@ -68,6 +68,7 @@ _SYMBOLS = {
     "catch_up_amsgrad_apply": "OptaxSparseAdamCatchUpAmsgradApply",
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "catch_up_adam_steps": "OptaxSparseAdamCatchUpSteps",
+    "catch_up_adam_rows": "OptaxSparseAdamCatchUpRows",
     "scatter_add": "OptaxSparseAdamScatterAdd",
     "set_rows": "OptaxSparseAdamSetRows",
     "coalesce": "OptaxSparseAdamCoalesce",

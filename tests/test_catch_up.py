@@ -358,13 +358,16 @@ def test_dense_leaves_are_optax_adam_and_inject_hyperparams_agrees() -> None:
         "adamw masked out",
     ],
 )
-def test_native_step_equals_the_xla_path(case: str) -> None:
+@pytest.mark.parametrize("door", ["update_and_apply", "two calls"])
+def test_native_step_equals_the_xla_path(case: str, door: str) -> None:
     """``update_and_apply`` on the kernel against the XLA path, step for step from the same state: moments and last
     steps bitwise, parameters within two ulps of the rows' scale (the kernel rounds ``p + shift + step`` in its own
     order). Some rows see gradients so small that ``v`` is below the series' reach: the kernel leaves them to the
     XLA path's steps, which must then agree too. ``sparse_adamw(catch_up=True)`` on the same kernel: every row
     decays, those never touched too, and its record of the decay (``decay_mark``, ``log_decay``) is bitwise; a
-    table its mask leaves out takes Adam's catch-up."""
+    table its mask leaves out takes Adam's catch-up. The two calls (``tx.update``, then ``apply_updates``) of
+    ``sparse_adam(catch_up=True)`` at a constant rate run the rows kernel, each row replayed and stepped as the
+    fused step's kernel takes it, within the same bound; the others run the XLA rule."""
     rows, width, k = 200, 8, 48
     kwargs: dict[str, Any] = {
         "optax": {},
@@ -391,11 +394,19 @@ def test_native_step_equals_the_xla_path(case: str) -> None:
     state = tx.init(p)
 
     def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
-        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows, unique_indices=case == "unique"), s, p)
+        g = osa.IndexedRows(ids, values, rows, unique_indices=case == "unique")
+        if door == "two calls":
+            updates, s = tx.update(g, s, p)
+            return osa.apply_updates(p, updates), s
+        return osa.update_and_apply(tx, g, s, p)
 
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
-    assert (PREFIX + "catch_up_adam_apply" in text) == (case != "no series (eps_root)")
+    if door == "two calls":
+        rows_kernel = not adamw and not schedule and case != "no series (eps_root)"
+        assert (PREFIX + "catch_up_adam_rows" in text) == rows_kernel and PREFIX + "catch_up_adam_apply" not in text
+    else:
+        assert (PREFIX + "catch_up_adam_apply" in text) == (case != "no series (eps_root)")
     for t in range(150):
         if case == "unique":
             ids = rng.permutation(rows)[:k]
@@ -553,6 +564,37 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
         np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])
     else:
         assert not flags.any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("placement", ["optax", "torch"])
+def test_the_rows_kernel_takes_the_idle_steps_the_series_does_not_reach(placement: str) -> None:
+    """``tx.update`` then ``apply_updates`` on the rows kernel, from a state with rows idle within the window and
+    longer and elements the series does not take (replayed one by one in the kernel): moments and last steps
+    bitwise the XLA path's, the parameters within two ulps of the larger of the old and new value and one of the
+    update (the XLA rule's update ``(replayed + step) - p`` from a replayed row rounded its own way)."""
+    rows, width, k, count = _IDLE_SHAPE
+    tx = osa.sparse_adam(1e-2, catch_up=True, eps_placement=placement)
+    rng = np.random.default_rng(6)
+    p, state, last = _idle_start(tx.init, rng)
+    ids = jnp.asarray(np.concatenate([rng.permutation(rows)[:k], rng.integers(0, rows, 8), [-1, rows]]), jnp.int32)
+    g = osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(ids.size, width)).astype(np.float32)), rows)
+
+    def step(p: jax.Array, s: Any) -> Any:
+        updates, s = tx.update(g, s, p)
+        return osa.apply_updates(p, updates), s
+
+    native = jax.jit(step)
+    assert PREFIX + "catch_up_adam_rows" in native.lower(p, state).as_text()
+    (pn, sn), (px, sx) = native(p, state), jax.jit(osa.use_kernels(False)(step))(p, state)
+    assert_trees_equal(sn, sx)
+    old, pn, px = np.asarray(p), np.asarray(pn), np.asarray(px)
+    bound = 2 * np.spacing(np.maximum(np.abs(px), np.abs(old))) + np.spacing(np.abs(px - old))
+    assert np.all(np.abs(pn - px) <= bound), np.max(np.abs(pn - px) / bound)
+    touched = np.asarray(ids)[(np.asarray(ids) >= 0) & (np.asarray(ids) < rows)]
+    assert (np.abs(px - old) > 0)[touched].all()
+    cap = int(idle_cap(0.9, 0.999))
+    assert (count - 1 - last[touched] > cap).any() and (count - 1 - last[touched] <= cap).any()
 
 
 @needs_kernels

@@ -27,6 +27,7 @@ ADAMS = {
     "adamw": lambda lr, **kw: osa.sparse_adamw(lr, weight_decay=0.3, **kw),
     "amsgrad": lambda lr, **kw: osa.sparse_amsgrad(lr, **kw),
     "amsgrad catch_up": lambda lr, **kw: osa.sparse_amsgrad(lr, catch_up=True, **kw),
+    "adam catch_up": lambda lr, **kw: osa.sparse_adam(lr, catch_up=True, **kw),
     "adamw catch_up": lambda lr, **kw: osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True, **kw),
 }
 ADAM_OPTIONS = [
@@ -40,7 +41,11 @@ ADAM_OPTIONS = [
 ]
 
 # The fused step's kernel, where it is not sparse_{adam}_apply.
-_APPLY_KERNELS = {"amsgrad catch_up": "catch_up_amsgrad_apply", "adamw catch_up": "catch_up_adam_apply"}
+_APPLY_KERNELS = {
+    "amsgrad catch_up": "catch_up_amsgrad_apply",
+    "adam catch_up": "catch_up_adam_apply",
+    "adamw catch_up": "catch_up_adam_apply",
+}
 
 
 def _adam_state(state):

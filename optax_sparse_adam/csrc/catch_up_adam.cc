@@ -1,12 +1,17 @@
 // Lazy Adam with exact catch-up (sparse_adam(catch_up=True), and with
 // decay sparse_adamw(catch_up=True)) and its application, as an XLA FFI
 // handler for the CPU:
-//   optax_sparse_adam_v3_catch_up_adam_apply
+//   optax_sparse_adam_v4_catch_up_adam_apply
 //     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers, through, limits,
 //      neg_rates, corrections, counts) -> (p, mu, nu, last_step, decay_mark, flags)
 // (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
 // global-norm clipping's divisor and factor, each summed gradient row then
-// clipped first as sparse_adam.cc does)
+// clipped first as sparse_adam.cc does), and tx.update's rule without decay:
+//   optax_sparse_adam_v4_catch_up_adam_rows
+//     (the same operands, p read only, decay_mark and per_key empty)
+//     -> (mu, nu, last_step, decay_mark, keys, updates, flags)
+// each touched row replayed and stepped in a scratch copy, its update (UpdateOfRow) packed as sparse_adam.cc's
+// rows handler packs its step rows.
 // Each touched row first takes the `idle` steps it sat out as _catch_up.replay
 // takes them, then Adam's step as sparse_adam.cc takes it, and its records
 // are written as the XLA rule writes them: last_step max(last_step, count)
@@ -317,11 +322,41 @@ OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, int64
   return true;
 }
 
-template <bool kTorch, bool kMaximize, bool kDecay>
+// tx.update's rule on local row r (catch-up Adam, no decay): the stored row `p` is read, not written; the row's
+// update goes to `out`, as _catch_up._rule computes it: the row replayed into scratch (CatchUpRow), Adam's step
+// times neg_lr (-lr: adam_row.h's UpdateRow), and where the replay moved the row (an element of it changed, or is
+// NaN), (replayed + step) - p, which apply_updates adds to p (caught_up_update). False, and a row of NaN written,
+// for a row whose idle steps are not at hand (the caller runs this mode only where none is: _may_flag).
+template <bool kTorch, bool kMaximize>
+OSA_ROW_INLINE bool UpdateOfRow(const Scalars& s, const CatchUp& cu, int64_t slot, int64_t r, const float* g,
+                                const float* __restrict p, float* m, float* v, float* __restrict out,
+                                float* __restrict work, int64_t width) {
+  const RowIdle ri = cu.Idle<false>(slot, r);
+  float* __restrict q = work + 5 * width + kTerms;
+  int32_t moved = 0;
+  if (ri.idle > 0) {
+    std::memcpy(q, p, sizeof(float) * static_cast<size_t>(width));
+    if (!CatchUpRow<kTorch, false>(s, cu, slot, ri, q, m, v, work, width)) {
+      std::fill(out, out + width, std::numeric_limits<float>::quiet_NaN());
+      return false;
+    }
+    for (int64_t j = 0; j < width; ++j) moved |= !(q[j] == p[j]);
+  }
+  UpdateRow<kTorch, kMaximize, false, false>(s, g, m, v, out, width);
+  if (moved != 0) {
+    for (int64_t j = 0; j < width; ++j) out[j] = (q[j] + out[j]) - p[j];
+  }
+  cu.Record(r);
+  return true;
+}
+
+// The distinct rows [lo, hi) of a coalesced batch: stepped in place, or with kRows (tx.update's rule, no decay)
+// their updates written to `out` in the rows' slots (`q` read only).
+template <bool kTorch, bool kMaximize, bool kDecay, bool kRows = false>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const Coalesced& c, const Shard& shard,
                                      const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
-                                     int64_t hi) {
-  std::vector<float> g(static_cast<size_t>(width)), work(5 * static_cast<size_t>(width) + kTerms);
+                                     int64_t hi, float* out = nullptr) {
+  std::vector<float> g(static_cast<size_t>(width)), work((kRows ? 6 : 5) * static_cast<size_t>(width) + kTerms);
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
       const int64_t r = shard.Local(c.row[d + kPrefetchDistance]);
@@ -331,23 +366,34 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
       cu.Prefetch(r);
       PrefetchChain(c, d + kPrefetchDistance, values, width);
     }
-    if (!shard.Owns(c.row[d])) continue;
+    if (!shard.Owns(c.row[d])) {  // another shard's row
+      if constexpr (kRows) std::memset(out + c.Slot(d) * width, 0, sizeof(float) * static_cast<size_t>(width));
+      continue;
+    }
     const int64_t r = shard.Local(c.row[d]);
     const int32_t first = c.first[d];
     SumChain(c, d, values, width, g.data());
     if (s.clip.on) ClipRow(s.clip, g.data(), width);
-    if (!Row<kTorch, kMaximize, kDecay>(s, cu, first, r, g.data(), q + r * width, m + r * width, v + r * width,
-                                        work.data(), width)) {
+    bool stepped;
+    if constexpr (kRows) {
+      stepped = UpdateOfRow<kTorch, kMaximize>(s, cu, first, r, g.data(), q + r * width, m + r * width,
+                                               v + r * width, out + c.Slot(d) * width, work.data(), width);
+    } else {
+      stepped = Row<kTorch, kMaximize, kDecay>(s, cu, first, r, g.data(), q + r * width, m + r * width,
+                                               v + r * width, work.data(), width);
+    }
+    if (!stepped) {
       for (int32_t e = first; e >= 0; e = c.next[e]) cu.flags[e] = 1;
     }
   }
 }
 
-template <bool kTorch, bool kMaximize, bool kDecay>
+template <bool kTorch, bool kMaximize, bool kDecay, bool kRows = false>
 OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int32_t* keys, const Shard& shard,
                                   const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
-                                  int64_t hi) {
-  std::vector<float> work(5 * static_cast<size_t>(width) + kTerms), clipped(s.clip.on ? static_cast<size_t>(width) : 0);
+                                  int64_t hi, float* out = nullptr) {
+  std::vector<float> work((kRows ? 6 : 5) * static_cast<size_t>(width) + kTerms);
+  std::vector<float> clipped(s.clip.on ? static_cast<size_t>(width) : 0);
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
       const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
@@ -356,43 +402,71 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
       PrefetchRow(q + r * width, width);
       cu.Prefetch(r);
     }
-    if (!shard.Owns(keys[i])) continue;
+    if (!shard.Owns(keys[i])) {  // padding, or another shard's row
+      if constexpr (kRows) std::memset(out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
+      continue;
+    }
     const int64_t r = shard.Local(keys[i]);
     const float* g = ClippedRow(s.clip, values + i * width, clipped.data(), width);
-    if (!Row<kTorch, kMaximize, kDecay>(s, cu, i, r, g, q + r * width, m + r * width, v + r * width, work.data(),
-                                        width)) {
-      cu.flags[i] = 1;
+    bool stepped;
+    if constexpr (kRows) {
+      stepped = UpdateOfRow<kTorch, kMaximize>(s, cu, i, r, g, q + r * width, m + r * width, v + r * width,
+                                               out + i * width, work.data(), width);
+    } else {
+      stepped = Row<kTorch, kMaximize, kDecay>(s, cu, i, r, g, q + r * width, m + r * width, v + r * width,
+                                               work.data(), width);
     }
+    if (!stepped) cu.flags[i] = 1;
   }
 }
 
-template <bool kTorch, bool kMaximize, bool kDecay>
+// With kRows (tx.update's rule, no decay), the rows' updates go to `out`, packed as sparse_adam.cc's rows handler
+// packs them (each distinct in-range key once, in order of first occurrence, then padding keys num_rows with zero
+// rows; keys taken as distinct in their entries' own slots), the keys to out_keys; p is read only.
+template <bool kTorch, bool kMaximize, bool kDecay, bool kRows = false>
 void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchUp& cu, const int32_t* keys, int64_t k,
-         const Shard& shard, const float* values, float* q, float* m, float* v, int64_t width) {
+         const Shard& shard, const float* values, float* q, float* m, float* v, int64_t width, float* out = nullptr,
+         int32_t* out_keys = nullptr) {
+  const auto pad = static_cast<int32_t>(shard.num_rows);
   if (o.unique == 2 || (o.unique == 1 && !HasDuplicate(keys, k, shard.num_rows))) {
+    if constexpr (kRows) {
+      for (int64_t i = 0; i < k; ++i) out_keys[i] = InRange(keys[i], shard.num_rows) ? keys[i] : pad;
+    }
     ParallelForOwned(pool, keys, k, shard, o.threads, [&](int64_t lo, int64_t hi) {
-      UniqueRows<kTorch, kMaximize, kDecay>(s, cu, keys, shard, values, q, m, v, width, lo, hi);
+      UniqueRows<kTorch, kMaximize, kDecay, kRows>(s, cu, keys, shard, values, q, m, v, width, lo, hi, out);
     });
     return;
   }
-  ForEachCoalescedPart(pool, keys, k, shard.begin + shard.local_rows, shard.begin, o.threads, [&](const Coalesced& c) {
-    CoalescedRows<kTorch, kMaximize, kDecay>(s, cu, c, shard, values, q, m, v, width, 0, c.size);
-  });
+  if constexpr (kRows) {
+    ForEachCoalescedPartInOrder(pool, keys, k, shard.num_rows, o.threads, out, width, out_keys, pad,
+                                [&](const Coalesced& c) {
+                                  CoalescedRows<kTorch, kMaximize, kDecay, kRows>(s, cu, c, shard, values, q, m, v,
+                                                                                  width, 0, c.size, out);
+                                });
+  } else {
+    ForEachCoalescedPart(pool, keys, k, shard.begin + shard.local_rows, shard.begin, o.threads,
+                         [&](const Coalesced& c) {
+                           CoalescedRows<kTorch, kMaximize, kDecay>(s, cu, c, shard, values, q, m, v, width, 0,
+                                                                    c.size);
+                         });
+  }
 }
 
-ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
-                     ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
-                     ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                     ffi::BufferR2<ffi::F32> window, ffi::BufferR2<ffi::F32> far,
-                     ffi::BufferR2<ffi::F32> per_key, ffi::BufferR2<ffi::F32> powers,
-                     ffi::BufferR1<ffi::F32> through, ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
-                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR1<ffi::S32> counts,
-                     ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
-                     ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
-                     ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
-                     ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
-                     int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
-                     int64_t far_by_key, int64_t threads) {
+// Both handlers' step: the fused step into `q` (p's result), or with kRows (tx.update's rule, no decay) from the
+// stored p (`q`, read only) into the rows' updates (rows_out, keys_out).
+template <bool kRows>
+ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<ffi::F32>& mu, ffi::Buffer<ffi::F32>& nu,
+                  ffi::BufferR1<ffi::S32>& last_step, ffi::BufferR1<ffi::F32>& decay_mark,
+                  ffi::BufferR1<ffi::S32>& keys, ffi::Buffer<ffi::F32>& values, ffi::BufferR1<ffi::F32>& scalars,
+                  ffi::BufferR2<ffi::F32>& window, ffi::BufferR2<ffi::F32>& far, ffi::BufferR2<ffi::F32>& per_key,
+                  ffi::BufferR2<ffi::F32>& powers, ffi::BufferR1<ffi::F32>& through, ffi::BufferR1<ffi::F32>& limits,
+                  ffi::BufferR1<ffi::F32>& neg_rates, ffi::BufferR2<ffi::F32>& corrections,
+                  ffi::BufferR1<ffi::S32>& counts, ffi::BufferR0<ffi::S32>& row_begin, float* q,
+                  ffi::ResultBuffer<ffi::F32>& mu_out, ffi::ResultBuffer<ffi::F32>& nu_out,
+                  ffi::ResultBufferR1<ffi::S32>& last_step_out, ffi::ResultBufferR1<ffi::F32>& decay_mark_out,
+                  ffi::ResultBufferR1<ffi::S32>& flags, float* rows_out, int32_t* keys_out, int64_t num_rows,
+                  int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
+                  int64_t far_by_key, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   const auto dims = p.dimensions();
@@ -434,10 +508,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
   if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
   const auto table = corrections.dimensions();
-  float* q = p_out->typed_data();
+  if (kRows && decay != 0) return ffi::Error::InvalidArgument("the rows handler takes no decay");
   float* m = mu_out->typed_data();
   float* v = nu_out->typed_data();
-  CopyIfNotAliased(q, p.typed_data(), p.element_count());
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
   CopyIfNotAliased(last_step_out->typed_data(), last_step.typed_data(), last_step.element_count());
@@ -469,8 +542,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                    limit[4]};
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   auto run = [&](auto torch_eps, auto maximize, auto decays) {
-    Run<decltype(torch_eps)::value, decltype(maximize)::value, decltype(decays)::value>(
-        pool, s, o, cu, keys.typed_data(), k, shard, values.typed_data(), q, m, v, width);
+    if constexpr (kRows && decltype(decays)::value) return;  // refused above
+    Run<decltype(torch_eps)::value, decltype(maximize)::value, decltype(decays)::value, kRows>(
+        pool, s, o, cu, keys.typed_data(), k, shard, values.typed_data(), q, m, v, width, rows_out, keys_out);
   };
   auto with_decay = [&](auto torch_eps, auto maximize) {
     decay != 0 ? run(torch_eps, maximize, std::true_type{}) : run(torch_eps, maximize, std::false_type{});
@@ -485,8 +559,53 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                     ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
+                     ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                     ffi::BufferR2<ffi::F32> window, ffi::BufferR2<ffi::F32> far,
+                     ffi::BufferR2<ffi::F32> per_key, ffi::BufferR2<ffi::F32> powers,
+                     ffi::BufferR1<ffi::F32> through, ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
+                     ffi::BufferR2<ffi::F32> corrections, ffi::BufferR1<ffi::S32> counts,
+                     ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
+                     ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                     ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
+                     ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
+                     int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
+                     int64_t far_by_key, int64_t threads) {
+  if (p_out->element_count() != p.element_count()) return ffi::Error::InvalidArgument("p's result must have its shape");
+  float* q = p_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  return Handle<false>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers,
+                       through, limits, neg_rates, corrections, counts, row_begin, q, mu_out, nu_out, last_step_out,
+                       decay_mark_out, flags, nullptr, nullptr, num_rows, cap, torch_eps, maximize, decay, unique,
+                       far_by_key, threads);
+}
+
+// tx.update's rule (sparse_adam(catch_up=True), no decay): the apply handler's operands, p read only; the
+// moments and records in place, the keys and the rows' updates packed as sparse_adam.cc's rows handler packs them.
+ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                    ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
+                    ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                    ffi::BufferR2<ffi::F32> window, ffi::BufferR2<ffi::F32> far, ffi::BufferR2<ffi::F32> per_key,
+                    ffi::BufferR2<ffi::F32> powers, ffi::BufferR1<ffi::F32> through, ffi::BufferR1<ffi::F32> limits,
+                    ffi::BufferR1<ffi::F32> neg_rates, ffi::BufferR2<ffi::F32> corrections,
+                    ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin,
+                    ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                    ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
+                    ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
+                    ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t torch_eps,
+                    int64_t maximize, int64_t unique, int64_t threads) {
+  if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
+    return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
+  return Handle<true>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers,
+                      through, limits, neg_rates, corrections, counts, row_begin, const_cast<float*>(p.typed_data()),
+                      mu_out, nu_out, last_step_out, decay_mark_out, flags, step_out->typed_data(),
+                      keys_out->typed_data(), num_rows, cap, torch_eps, maximize, /*decay=*/0, unique,
+                      /*far_by_key=*/0, threads);
+}
+
 // The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
-//   optax_sparse_adam_v3_catch_up_adam_steps
+//   optax_sparse_adam_v4_catch_up_adam_steps
 //     (p, mu, nu, last, idle, limits, neg_rates, corrections, powers) -> (p, flags)
 // Each row with idle > 0 takes its first min(idle, cap) idle steps as IdleSteps::Replay takes them, every
 // element (the caller keeps the ones it needs); the moments are read, not written. limits: b1, b2, eps,
@@ -613,6 +732,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("far_by_key")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::RowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // p: read only
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // mu
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last_step
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // decay_mark: empty
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // window
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // far
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // per_key: empty
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // powers
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // through
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // limits
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // neg_rates
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // corrections
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // counts: the step's (recorded), done
+                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // mu
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
+                                  .Ret<ffi::BufferR1<ffi::F32>>()   // decay_mark
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // keys, distinct first
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // the rows' updates
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // flags: per key
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("cap")
+                                  .Attr<int64_t>("torch_eps")
+                                  .Attr<int64_t>("maximize")
+                                  .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpSteps, optax_sparse_adam::StepsImpl,

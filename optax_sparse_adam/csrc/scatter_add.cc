@@ -1,5 +1,5 @@
 // Scatter-add of update rows into a table, in place, for apply_updates:
-//   optax_sparse_adam_v3_scatter_add  (table, keys, values, row_begin) -> table
+//   optax_sparse_adam_v4_scatter_add  (table, keys, values, row_begin) -> table
 // table[keys[i]] += values[i] in entry order (the order of XLA's scatter-add,
 // so the sums are bitwise the same); keys outside [0, num_rows) are padding,
 // and only the rows [row_begin, row_begin + table rows) are held (a row shard).
