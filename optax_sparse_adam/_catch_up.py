@@ -771,36 +771,64 @@ def _kernel_operands(
     return _ffi.CatchUpOperands(window, far, powers, through, limits, neg_rates, corrections)
 
 
-def _rows_kernel(replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array) -> Kernel:
-    """The catch-up Adam rows kernel in :func:`_rule`'s place (``tx.update`` on the CPU): where the kernel takes
-    every row itself (:func:`_may_flag`: a constant learning rate, a table of bias corrections) and the closed form
-    applies to float32 tables; elsewhere the XLA rule runs."""
+def _rows_kernel(
+    replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array, adamw: AdamWLeaf | None = None
+) -> Kernel:
+    """The catch-up Adam rows kernel in the XLA rule's place (``tx.update`` on the CPU; with ``adamw``, AdamW's rule
+    on a leaf its mask decays): where the kernel takes every row itself (:func:`_may_flag`: a constant learning rate
+    and weight decay, a table of bias corrections) and the closed form applies to float32 tables; elsewhere (and on
+    a leaf AdamW's mask leaves out) the XLA rule runs."""
     hp = replayer.hp
+    decay = None if adamw is None else adamw.decay.of(adamw.flag, None)
+
+    def plan_of(state: tuple[jax.Array, ...], p: jax.Array) -> _SeriesPlan | None:
+        return _series_plan(replayer, p.dtype, state[0].dtype, state[1].dtype, decay=decay)
 
     def supports(leaf: SparseLeaf, state: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> bool:
-        (m, v, last), (p,) = state, reads
-        plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype)
+        (p,), last = reads, state[2]
+        plan = plan_of(state, p)
         return (
-            plan is not None
+            (adamw is None or decay is not None)
+            and plan is not None
             and (plan.cap == 0 or plan.table is not None)
-            and not _may_flag(plan, replayer, None)
+            and not _may_flag(plan, replayer, decay)
             and last.dtype == jnp.int32
             and last.shape == p.shape[:1]
-            and _kernel_path.supports(leaf.shape, leaf.n_sparse, m, v, leaf.values, params=p)
             and p.dtype == jnp.float32
+            and _kernel_path.supports(leaf.shape, leaf.n_sparse, *state[:2], *state[3:], leaf.values, params=p)
         )
 
     def run(leaf: SparseLeaf, state: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
-        (m, v, last), (p,) = state, reads
-        plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype)
+        (p,), (m, v, last) = reads, state[:3]
+        plan = plan_of(state, p)
         assert plan is not None, "supports() checks the plan"
-        scalars = kernel_scalars(hp, count, -jnp.asarray(lr, jnp.float32))
-        ops = _kernel_operands(plan, replayer, done)
+        extra: tuple[jax.Array, ...] = ()
+        weights = new_log = None
+        if decay is not None:
+            assert adamw is not None
+            extra, new_log = (jnp.asarray(decay.weight_decay),), adamw.new_log
+            weights = _DecayWeights(decay, replayer, None, done, plan.cap)
+        scalars = kernel_scalars(hp, count, -jnp.asarray(lr, jnp.float32), *extra)
+        ops = _kernel_operands(plan, replayer, done, decay, weights, None, 0.0 if new_log is None else new_log)
         keys, flags = leaf.keys[:, 0], kernel_flags(hp, leaf)
-        m, v, last, keys, out, _ = _ffi.catch_up_adam_rows(
-            p, m, v, last, keys, leaf.values, scalars, ops, count, done, cap=plan.cap, **flags
+        mark = state[3] if decay is not None else None
+        m, v, last, mark, keys, out, _ = _ffi.catch_up_adam_rows(
+            p,
+            m,
+            v,
+            last,
+            mark,
+            keys,
+            leaf.values,
+            scalars,
+            ops,
+            count,
+            done,
+            cap=plan.cap,
+            decay=mark is not None,
+            **flags,
         )
-        return keys[:, None], out, (m, v, last)
+        return keys[:, None], out, (m, v, last) if mark is None else (m, v, last, mark)
 
     return Kernel(supports, run)
 
@@ -1332,8 +1360,12 @@ def catch_up_adamw(
             if not is_sparse(g):
                 u = du + weight_decay * p if adamw.decays(flag) else du  # as optax.adamw
                 return _scaled(u, lr), dm, dv, jnp.full_like(last, count), jnp.full_like(mark, log_decay[0])
-            rule = AdamWLeaf(adamw, flag, state.log_decay[0], log_decay[0]).rule(replayer, done, count, lr)
-            out, new = apply_rule(path, g, jnp.shape(p), (m, v, last, mark), (p,), rule, where, whole_rows=True)
+            leaf_decay = AdamWLeaf(adamw, flag, state.log_decay[0], log_decay[0])
+            rule = leaf_decay.rule(replayer, done, count, lr)
+            kernel = _rows_kernel(replayer, done, count, lr, leaf_decay)
+            out, new = apply_rule(
+                path, g, jnp.shape(p), (m, v, last, mark), (p,), rule, where, whole_rows=True, kernel=kernel
+            )
             return (out, *new)
 
         flag_tree = jax.tree.unflatten(jax.tree.structure(params, is_leaf=is_leaf), flags)

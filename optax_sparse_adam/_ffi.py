@@ -342,6 +342,7 @@ def catch_up_adam_rows(
     m: jax.Array,
     v: jax.Array,
     last_step: jax.Array,
+    decay_mark: jax.Array | None,
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
@@ -353,16 +354,19 @@ def catch_up_adam_rows(
     torch_eps: bool,
     maximize: bool,
     unique: int,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``sparse_adam(catch_up=True)``'s leaf rule on the CPU (``tx.update``): ``(m, v, last_step, keys, updates,
-    flags)``, the moments and records in place, ``p`` read only.
+    decay: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
+    """``sparse_adam(catch_up=True)``'s leaf rule on the CPU (``tx.update``), and with ``decay``
+    ``sparse_adamw(catch_up=True)``'s: ``(m, v, last_step, decay_mark, keys, updates, flags)``, the moments and
+    records in place, ``p`` read only.
 
-    Each touched row is replayed and stepped as :func:`catch_up_adam_apply` takes it (the same operands; no decay,
-    no per-key coefficients, ``far`` by the row's last step) in a scratch copy; its update, packed as
-    :func:`sparse_adam_rows` packs its step rows, is the step (``scalars``' ``neg_lr`` times Adam's), or where the
-    replay moved the row, ``(replayed + step) - p``, as ``_catch_up._rule`` computes it. ``flags`` marks the keys
-    of rows whose idle steps were not at hand (their updates NaN); the caller runs this only where none can be."""
-    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, unique=unique)
+    Each touched row is replayed and stepped as :func:`catch_up_adam_apply` takes it (the same operands; no per-key
+    values, ``far`` by the row's last step) in a scratch copy; its update, packed as :func:`sparse_adam_rows` packs
+    its step rows, is the step (``scalars``' ``neg_lr`` times Adam's, with ``decay`` times ``u + wd p`` on the
+    replayed row), or where the replay moved the row (with ``decay``: where it sat out a step), ``(replayed + step)
+    - p``, as the XLA rules compute it. ``flags`` marks the keys of rows whose idle steps were not at hand (their
+    updates NaN); the caller runs this only where none can be."""
+    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique)
 
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[1].shape, args[1].dtype)
@@ -376,13 +380,25 @@ def catch_up_adam_rows(
             vmap_method="sequential",
         )(*args, row_begin, **attrs)
 
-    rule = "n w, n w, n w, n, z, k, k w, s, a j, f j, z c, q x, h, l, r, t b, o -> n w, n w, n, z, k, k w, k"
-    marks, per_key = jnp.zeros((0,), jnp.float32), jnp.zeros((0, 2), jnp.float32)
+    # Without AdamW's decay mark, an empty one, replicated (z).
+    mark = "n" if decay_mark is not None else "z"
+    rule = f"n w, n w, n w, n, {mark}, k, k w, s, a j, f j, z c, q x, h, l, r, t b, o -> n w, n w, n, {mark}, k, k w, k"
+    marks = decay_mark if decay_mark is not None else jnp.zeros((0,), jnp.float32)
+    per_key = jnp.zeros((0, 2), jnp.float32)
     counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
     rows = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
     args = (*rows, scalars, ops.window, ops.far, per_key, ops.powers, ops.through, *ops[4:], counts)
-    new_m, new_v, new_last, _, out_keys, step, flags = _by_row_shards(fn, rule, summed=(5, 6))(*args)
-    return new_m.reshape(m.shape), new_v.reshape(v.shape), new_last, out_keys, step.reshape(values.shape), flags
+    new_m, new_v, new_last, new_mark, out_keys, step, flags = _by_row_shards(fn, rule, summed=(5, 6))(*args)
+    new_mark = new_mark if decay_mark is not None else None
+    return (
+        new_m.reshape(m.shape),
+        new_v.reshape(v.shape),
+        new_last,
+        new_mark,
+        out_keys,
+        step.reshape(values.shape),
+        flags,
+    )
 
 
 def catch_up_adam_apply(

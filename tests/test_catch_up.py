@@ -365,9 +365,9 @@ def test_native_step_equals_the_xla_path(case: str, door: str) -> None:
     order). Some rows see gradients so small that ``v`` is below the series' reach: the kernel leaves them to the
     XLA path's steps, which must then agree too. ``sparse_adamw(catch_up=True)`` on the same kernel: every row
     decays, those never touched too, and its record of the decay (``decay_mark``, ``log_decay``) is bitwise; a
-    table its mask leaves out takes Adam's catch-up. The two calls (``tx.update``, then ``apply_updates``) of
-    ``sparse_adam(catch_up=True)`` at a constant rate run the rows kernel, each row replayed and stepped as the
-    fused step's kernel takes it, within the same bound; the others run the XLA rule."""
+    table its mask leaves out takes Adam's catch-up. The two calls (``tx.update``, then ``apply_updates``) at a
+    constant rate run the rows kernel, each row replayed and stepped as the fused step's kernel takes it, within
+    the same bound; under a schedule, and on a table AdamW's mask leaves out, the XLA rule runs."""
     rows, width, k = 200, 8, 48
     kwargs: dict[str, Any] = {
         "optax": {},
@@ -403,7 +403,7 @@ def test_native_step_equals_the_xla_path(case: str, door: str) -> None:
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
     if door == "two calls":
-        rows_kernel = not adamw and not schedule and case != "no series (eps_root)"
+        rows_kernel = not schedule and case not in ("no series (eps_root)", "adamw masked out")
         assert (PREFIX + "catch_up_adam_rows" in text) == rows_kernel and PREFIX + "catch_up_adam_apply" not in text
     else:
         assert (PREFIX + "catch_up_adam_apply" in text) == (case != "no series (eps_root)")
@@ -567,14 +567,18 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
 
 
 @needs_kernels
-@pytest.mark.parametrize("placement", ["optax", "torch"])
-def test_the_rows_kernel_takes_the_idle_steps_the_series_does_not_reach(placement: str) -> None:
+@pytest.mark.parametrize("case", ["optax", "torch", "adamw"])
+def test_the_rows_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str) -> None:
     """``tx.update`` then ``apply_updates`` on the rows kernel, from a state with rows idle within the window and
     longer and elements the series does not take (replayed one by one in the kernel): moments and last steps
     bitwise the XLA path's, the parameters within two ulps of the larger of the old and new value and one of the
-    update (the XLA rule's update ``(replayed + step) - p`` from a replayed row rounded its own way)."""
+    update (the XLA rule's update ``(replayed + step) - p`` from a replayed row rounded its own way). AdamW's
+    (``sparse_adamw(catch_up=True)``): each idle step decays the row too, and its record of the decay is bitwise."""
     rows, width, k, count = _IDLE_SHAPE
-    tx = osa.sparse_adam(1e-2, catch_up=True, eps_placement=placement)
+    if case == "adamw":
+        tx = osa.sparse_adamw(1e-2, weight_decay=0.3, catch_up=True)
+    else:
+        tx = osa.sparse_adam(1e-2, catch_up=True, eps_placement=case)
     rng = np.random.default_rng(6)
     p, state, last = _idle_start(tx.init, rng)
     ids = jnp.asarray(np.concatenate([rng.permutation(rows)[:k], rng.integers(0, rows, 8), [-1, rows]]), jnp.int32)

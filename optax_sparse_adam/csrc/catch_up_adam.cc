@@ -8,7 +8,7 @@
 // global-norm clipping's divisor and factor, each summed gradient row then
 // clipped first as sparse_adam.cc does), and tx.update's rule without decay:
 //   optax_sparse_adam_v4_catch_up_adam_rows
-//     (the same operands, p read only, decay_mark and per_key empty)
+//     (the same operands, p read only, per_key empty)
 //     -> (mu, nu, last_step, decay_mark, keys, updates, flags)
 // each touched row replayed and stepped in a scratch copy, its update (UpdateOfRow) packed as sparse_adam.cc's
 // rows handler packs its step rows.
@@ -322,36 +322,52 @@ OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, int64
   return true;
 }
 
-// tx.update's rule on local row r (catch-up Adam, no decay): the stored row `p` is read, not written; the row's
-// update goes to `out`, as _catch_up._rule computes it: the row replayed into scratch (CatchUpRow), Adam's step
-// times neg_lr (-lr: adam_row.h's UpdateRow), and where the replay moved the row (an element of it changed, or is
-// NaN), (replayed + step) - p, which apply_updates adds to p (caught_up_update). False, and a row of NaN written,
-// for a row whose idle steps are not at hand (the caller runs this mode only where none is: _may_flag).
-template <bool kTorch, bool kMaximize>
+// tx.update's rule on local row r: the stored row `p` is read, not written; the row's update goes to `out`, as
+// _catch_up._rule (and AdamWLeaf.rule with kDecay) computes it: the row replayed into scratch (CatchUpRow), Adam's
+// step u (adam_row.h's UpdateRow), with kDecay u + wd (the replayed row) as one multiply-add, times neg_lr (-lr),
+// and where the replay moved the row, (replayed + step) - p, which apply_updates adds to p (caught_up_update).
+// Moved: without decay, an element of the replayed row changed (or is NaN); with it, the row sat out a step. False,
+// and a row of NaN written, for a row whose idle steps are not at hand (the caller runs this mode only where none
+// is: _may_flag).
+template <bool kTorch, bool kMaximize, bool kDecay>
 OSA_ROW_INLINE bool UpdateOfRow(const Scalars& s, const CatchUp& cu, int64_t slot, int64_t r, const float* g,
                                 const float* __restrict p, float* m, float* v, float* __restrict out,
                                 float* __restrict work, int64_t width) {
-  const RowIdle ri = cu.Idle<false>(slot, r);
+  const RowIdle ri = cu.Idle<kDecay>(slot, r);
   float* __restrict q = work + 5 * width + kTerms;
   int32_t moved = 0;
+  const float* caught = p;
   if (ri.idle > 0) {
     std::memcpy(q, p, sizeof(float) * static_cast<size_t>(width));
-    if (!CatchUpRow<kTorch, false>(s, cu, slot, ri, q, m, v, work, width)) {
+    if (!CatchUpRow<kTorch, kDecay>(s, cu, slot, ri, q, m, v, work, width)) {
       std::fill(out, out + width, std::numeric_limits<float>::quiet_NaN());
       return false;
     }
-    for (int64_t j = 0; j < width; ++j) moved |= !(q[j] == p[j]);
+    caught = q;
+    if constexpr (kDecay) {
+      moved = 1;
+    } else {
+      for (int64_t j = 0; j < width; ++j) moved |= !(q[j] == p[j]);
+    }
   }
-  UpdateRow<kTorch, kMaximize, false, false>(s, g, m, v, out, width);
+  if constexpr (kDecay) {
+    Scalars unit = s;
+    unit.neg_lr = 1.0f;  // u itself: 1 * u
+    UpdateRow<kTorch, kMaximize, false, false>(unit, g, m, v, out, width);
+    const float weight_decay = s.weight_decay, neg_lr = s.neg_lr;
+    for (int64_t j = 0; j < width; ++j) out[j] = neg_lr * std::fma(weight_decay, caught[j], out[j]);
+  } else {
+    UpdateRow<kTorch, kMaximize, false, false>(s, g, m, v, out, width);
+  }
   if (moved != 0) {
-    for (int64_t j = 0; j < width; ++j) out[j] = (q[j] + out[j]) - p[j];
+    for (int64_t j = 0; j < width; ++j) out[j] = (caught[j] + out[j]) - p[j];
   }
   cu.Record(r);
   return true;
 }
 
-// The distinct rows [lo, hi) of a coalesced batch: stepped in place, or with kRows (tx.update's rule, no decay)
-// their updates written to `out` in the rows' slots (`q` read only).
+// The distinct rows [lo, hi) of a coalesced batch: stepped in place, or with kRows (tx.update's rule) their updates
+// written to `out` in the rows' slots (`q` read only).
 template <bool kTorch, bool kMaximize, bool kDecay, bool kRows = false>
 OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const Coalesced& c, const Shard& shard,
                                      const float* values, float* q, float* m, float* v, int64_t width, int64_t lo,
@@ -376,7 +392,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const CatchUp& cu, const 
     if (s.clip.on) ClipRow(s.clip, g.data(), width);
     bool stepped;
     if constexpr (kRows) {
-      stepped = UpdateOfRow<kTorch, kMaximize>(s, cu, first, r, g.data(), q + r * width, m + r * width,
+      stepped = UpdateOfRow<kTorch, kMaximize, kDecay>(s, cu, first, r, g.data(), q + r * width, m + r * width,
                                                v + r * width, out + c.Slot(d) * width, work.data(), width);
     } else {
       stepped = Row<kTorch, kMaximize, kDecay>(s, cu, first, r, g.data(), q + r * width, m + r * width,
@@ -410,7 +426,7 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
     const float* g = ClippedRow(s.clip, values + i * width, clipped.data(), width);
     bool stepped;
     if constexpr (kRows) {
-      stepped = UpdateOfRow<kTorch, kMaximize>(s, cu, i, r, g, q + r * width, m + r * width, v + r * width,
+      stepped = UpdateOfRow<kTorch, kMaximize, kDecay>(s, cu, i, r, g, q + r * width, m + r * width, v + r * width,
                                                out + i * width, work.data(), width);
     } else {
       stepped = Row<kTorch, kMaximize, kDecay>(s, cu, i, r, g, q + r * width, m + r * width, v + r * width,
@@ -420,7 +436,7 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const CatchUp& cu, const int
   }
 }
 
-// With kRows (tx.update's rule, no decay), the rows' updates go to `out`, packed as sparse_adam.cc's rows handler
+// With kRows (tx.update's rule), the rows' updates go to `out`, packed as sparse_adam.cc's rows handler
 // packs them (each distinct in-range key once, in order of first occurrence, then padding keys num_rows with zero
 // rows; keys taken as distinct in their entries' own slots), the keys to out_keys; p is read only.
 template <bool kTorch, bool kMaximize, bool kDecay, bool kRows = false>
@@ -452,7 +468,7 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchU
   }
 }
 
-// Both handlers' step: the fused step into `q` (p's result), or with kRows (tx.update's rule, no decay) from the
+// Both handlers' step: the fused step into `q` (p's result), or with kRows (tx.update's rule) from the
 // stored p (`q`, read only) into the rows' updates (rows_out, keys_out).
 template <bool kRows>
 ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<ffi::F32>& mu, ffi::Buffer<ffi::F32>& nu,
@@ -508,7 +524,7 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
   if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
   const auto table = corrections.dimensions();
-  if (kRows && decay != 0) return ffi::Error::InvalidArgument("the rows handler takes no decay");
+  if (kRows && far_by_key != 0) return ffi::Error::InvalidArgument("the rows handler takes far by the row's last step");
   float* m = mu_out->typed_data();
   float* v = nu_out->typed_data();
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
@@ -542,7 +558,6 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
                    limit[4]};
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   auto run = [&](auto torch_eps, auto maximize, auto decays) {
-    if constexpr (kRows && decltype(decays)::value) return;  // refused above
     Run<decltype(torch_eps)::value, decltype(maximize)::value, decltype(decays)::value, kRows>(
         pool, s, o, cu, keys.typed_data(), k, shard, values.typed_data(), q, m, v, width, rows_out, keys_out);
   };
@@ -581,8 +596,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                        far_by_key, threads);
 }
 
-// tx.update's rule (sparse_adam(catch_up=True), no decay): the apply handler's operands, p read only; the
-// moments and records in place, the keys and the rows' updates packed as sparse_adam.cc's rows handler packs them.
+// tx.update's rule (sparse_adam(catch_up=True), and with `decay` sparse_adamw(catch_up=True)'s at a constant rate):
+// the apply handler's operands, p read only, no per-key values, far by the row's last step; the moments and
+// records in place, the keys and the rows' updates packed as sparse_adam.cc's rows handler packs them.
 ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                     ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
                     ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
@@ -594,13 +610,13 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
                     ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
                     ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
                     ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t torch_eps,
-                    int64_t maximize, int64_t unique, int64_t threads) {
+                    int64_t maximize, int64_t decay, int64_t unique, int64_t threads) {
   if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
   return Handle<true>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers,
                       through, limits, neg_rates, corrections, counts, row_begin, const_cast<float*>(p.typed_data()),
                       mu_out, nu_out, last_step_out, decay_mark_out, flags, step_out->typed_data(),
-                      keys_out->typed_data(), num_rows, cap, torch_eps, maximize, /*decay=*/0, unique,
+                      keys_out->typed_data(), num_rows, cap, torch_eps, maximize, decay, unique,
                       /*far_by_key=*/0, threads);
 }
 
@@ -741,7 +757,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::Row
                                   .Arg<ffi::Buffer<ffi::F32>>()     // mu
                                   .Arg<ffi::Buffer<ffi::F32>>()     // nu
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // last_step
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // decay_mark: empty
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // decay_mark: AdamW's, or empty
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys
                                   .Arg<ffi::Buffer<ffi::F32>>()     // values
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
@@ -766,6 +782,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::Row
                                   .Attr<int64_t>("cap")
                                   .Attr<int64_t>("torch_eps")
                                   .Attr<int64_t>("maximize")
+                                  .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
