@@ -390,7 +390,7 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
         "[Low precision](../guides/low_precision.md). Element-wise Adagrad (`sparse_adagrad`), FTRL (`sparse_ftrl`) "
         "and lazy momentum SGD (`sparse_sgd(..., momentum=)`) run the element-wise kernels at both doors; momentum "
         "SGD's catch-up (`catch_up=True`) runs its kernel through `update_and_apply` (its two calls run the XLA "
-        "path, as AMSGrad's catch-up's do; Adam's and AdamW's catch-up run a rows kernel at both doors).",
+        "path; Adam's, AdamW's and AMSGrad's catch-up run a kernel at both doors).",
         "",
         f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}, "
         f"1-minute load average {load} (start/end). This page is generated at build time from "

@@ -306,6 +306,7 @@ def _catch_up_amsgrad(
     )
 
     lr_at = functools.partial(_catch_up.rate_at, learning_rate)
+    hp = _hyperparams(b1, b2, eps, eps_root, False, "optax")  # the Adam kernels' (AMSGrad: optax's placement)
 
     def idle_coefficients(last: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Per row of ``last``, brought up to step ``done``: its idle steps, and ``(C, b1**idle, b2**idle)`` with
@@ -356,10 +357,13 @@ def _catch_up_amsgrad(
             moved = broadcast_rows(jnp.where(last > 0, done - last, 0) > 0, p0.ndim)
             return _catch_up.caught_up_update(p0, p, step, moved), (m, v, v_max, stamp(last, count))
 
+        kernel = _catch_up_rows_kernel(plan, hp, lr_at, lr, done, count)
+
         def leaf(path: Any, g: Any, m: Any, v: Any, v_max: Any, last: Any, p: Any) -> tuple[Any, ...]:
             if g is None:
                 return None, m, v, v_max, last
-            out, new = apply_rule(path, g, jnp.shape(p), (m, v, v_max, last), (p,), rule, where, whole_rows=True)
+            state = (m, v, v_max, last)
+            out, new = apply_rule(path, g, jnp.shape(p), state, (p,), rule, where, whole_rows=True, kernel=kernel)
             return (out, *new)
 
         trees = [
@@ -377,7 +381,7 @@ def _catch_up_amsgrad(
         ("mu", "nu", "nu_max"),
         lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count),
     )
-    fusion = CatchUpAmsgradFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, False, "optax"), plan, lr_at)
+    fusion = CatchUpAmsgradFusion(learning_rate, hp, plan, lr_at)
     return optax.GradientTransformationExtraArgs(init_fn, _catch_up.CatchUpUpdate(update_fn, fusion, rows=rows))
 
 
@@ -410,50 +414,73 @@ class CatchUpAmsgradFusion(NamedTuple):
         traced). It catches each touched row up, steps it and records its last step in one pass."""
         m, v, v_max, last = state
         keys = leaf.keys[:, 0]
-        plan = self.plan
-        b2 = _catch_up._concrete(self.hp.b2)
-        b2_table = b2 is not None and 0.0 <= b2 < 1.0
-        far_by_key = plan.cap > 0 and plan.table is None
-        last_k = idle = None
-        if far_by_key or not b2_table:
-            last_k = _catch_up.of_keys(last, keys)
-            idle = jnp.where(last_k > 0, done - last_k, 0).astype(jnp.int32)
-        window = far = jnp.zeros((1,), jnp.float32)  # b1 == 0: no idle step moves a row
-        if plan.cap > 0:
-            window = _catch_up._window(plan, self.lr_at, done, gathered=False)[:, 0]
-            if far_by_key:
-                assert last_k is not None and idle is not None
-                far = _catch_up._long_idle_loop(plan, self.lr_at, last_k, idle > plan.cap)[:, 0]
-            else:
-                far = jnp.asarray(plan.table)[:, 0]
-        b1 = _catch_up._concrete(self.hp.b1)
-        assert b1 is not None, "_catch_up_amsgrad checks b1"
-        tables = [_catch_up._base_table(b1)]
-        decay2 = None
-        if b2 is not None and b2_table:
-            tables.append(_catch_up._base_table(b2))
-        else:
-            assert idle is not None
-            decay2 = _catch_up._power(self.hp.b2, idle)
-        powers = jnp.asarray(np.concatenate([t.reshape(-1) for t in tables]))
+        ops = idle_operands(self.plan, self.hp, self.lr_at, last, keys, done)
         if clip is not None:
             scalars = clip.append_to(scalars)
-        return _ffi.catch_up_amsgrad_apply(
-            p,
-            m,
-            v,
-            v_max,
-            last,
-            keys,
-            leaf.values,
-            scalars,
-            window,
-            far,
-            powers,
-            decay2,
-            count,
-            done,
-            cap=plan.cap,
-            far_by_key=far_by_key,
-            unique=_kernel_path.unique_flag(leaf),
+        unique = _kernel_path.unique_flag(leaf)
+        tables = (p, m, v, v_max, last)
+        return _ffi.catch_up_amsgrad(tables, keys, leaf.values, scalars, ops, count, done, unique=unique)
+
+
+def idle_operands(
+    plan: Any, hp: Any, lr_at: Callable[[jax.Array], jax.Array], last: jax.Array, keys: jax.Array, done: jax.Array
+) -> _ffi.AmsgradIdleOperands:
+    """What the AMSGrad catch-up kernels read to take each touched row's idle steps from its record (see
+    :func:`._ffi.catch_up_amsgrad`): the window and the long-idle table, the tables of ``b1``'s and ``b2``'s
+    powers; computed here per key, only what no table holds (long-idle coefficients under a schedule, ``b2**idle``
+    for a ``b2`` not known when the step is traced)."""
+    b2 = _catch_up._concrete(hp.b2)
+    b2_table = b2 is not None and 0.0 <= b2 < 1.0
+    far_by_key = plan.cap > 0 and plan.table is None
+    last_k = idle = None
+    if far_by_key or not b2_table:
+        last_k = _catch_up.of_keys(last, keys)
+        idle = jnp.where(last_k > 0, done - last_k, 0).astype(jnp.int32)
+    window = far = jnp.zeros((1,), jnp.float32)  # b1 == 0: no idle step moves a row
+    if plan.cap > 0:
+        window = _catch_up._window(plan, lr_at, done, gathered=False)[:, 0]
+        if far_by_key:
+            assert last_k is not None and idle is not None
+            far = _catch_up._long_idle_loop(plan, lr_at, last_k, idle > plan.cap)[:, 0]
+        else:
+            far = jnp.asarray(plan.table)[:, 0]
+    b1 = _catch_up._concrete(hp.b1)
+    assert b1 is not None, "_catch_up_amsgrad checks b1"
+    tables = [_catch_up._base_table(b1)]
+    decay2 = None
+    if b2 is not None and b2_table:
+        tables.append(_catch_up._base_table(b2))
+    else:
+        assert idle is not None
+        decay2 = _catch_up._power(hp.b2, idle)
+    powers = jnp.asarray(np.concatenate([t.reshape(-1) for t in tables]))
+    return _ffi.AmsgradIdleOperands(window, far, powers, decay2, plan.cap, far_by_key)
+
+
+def _catch_up_rows_kernel(
+    plan: Any, hp: Any, lr_at: Callable[[jax.Array], jax.Array], lr: Any, done: jax.Array, count: jax.Array
+) -> Kernel:
+    """The AMSGrad catch-up rows kernel in the XLA rule's place (``tx.update`` on the CPU): float32 tables, a
+    per-row ``int32`` record."""
+
+    def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
+        (p,), last = reads, state[3]
+        return (
+            last.dtype == jnp.int32
+            and last.shape == p.shape[:1]
+            and _kernel_path.supports(leaf.shape, leaf.n_sparse, *state[:3], p, leaf.values)
         )
+
+    def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
+        (p,), (m, v, v_max, last) = reads, state
+        keys = leaf.keys[:, 0]
+        ops = idle_operands(plan, hp, lr_at, last, keys, done)
+        scalars = kernel_scalars(hp, count, -jnp.asarray(lr, jnp.float32))
+        unique = _kernel_path.unique_flag(leaf)
+        tables = (p, m, v, v_max, last)
+        m, v, v_max, last, keys, out = _ffi.catch_up_amsgrad(
+            tables, keys, leaf.values, scalars, ops, count, done, unique=unique, rows=True
+        )
+        return keys[:, None], out, (m, v, v_max, last)
+
+    return Kernel(supports, run)

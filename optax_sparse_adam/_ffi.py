@@ -247,57 +247,74 @@ def sparse_amsgrad_apply(
     return new_p, new_m, new_v, new_v_max
 
 
-def catch_up_amsgrad_apply(
-    p: jax.Array,
-    m: jax.Array,
-    v: jax.Array,
-    v_max: jax.Array,
-    last_step: jax.Array,
+class AmsgradIdleOperands(NamedTuple):
+    """What the AMSGrad catch-up kernels read of a step beyond the rows (see :func:`catch_up_amsgrad_apply`):
+    ``far_by_key`` and ``cap`` are their static attributes."""
+
+    window: jax.Array
+    far: jax.Array
+    powers: jax.Array
+    decay2: jax.Array | None
+    cap: int
+    far_by_key: bool
+
+
+def catch_up_amsgrad(
+    tables: tuple[jax.Array, ...],
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    window: jax.Array,
-    far: jax.Array,
-    powers: jax.Array,
-    decay2: jax.Array | None,
+    ops: AmsgradIdleOperands,
     count: jax.Array,
     done: jax.Array,
     *,
-    cap: int,
-    far_by_key: bool,
     unique: int,
+    rows: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """``sparse_amsgrad(catch_up=True)``'s fused step: :func:`sparse_amsgrad_apply`, each touched row first taking
-    the steps it sat out in closed form: ``(p, m, v, v_max, last_step)``, each touched row's ``last_step``
-    recorded in place as ``max(last_step, count)``.
+    """``sparse_amsgrad(catch_up=True)``'s kernels on ``tables = (p, m, v, v_max, last_step)``.
 
-    The kernel reads each touched row's idle steps from its record, ``idle = done - last`` (0 where ``last ==
+    The fused step (``catch_up_amsgrad_apply``): :func:`sparse_amsgrad_apply`, each touched row first taking the
+    steps it sat out in closed form: ``(p, m, v, v_max, last_step)``, each touched row's ``last_step`` recorded in
+    place as ``max(last_step, count)``. With ``rows``, the leaf rule for ``tx.update`` (``catch_up_amsgrad_rows``):
+    ``(m, v, v_max, last_step, keys, updates)``, ``p`` read only, each touched row replayed in a scratch copy and its
+    update, packed as :func:`sparse_amsgrad_rows` packs its step rows, the step (``scalars``' ``neg_lr`` times
+    AMSGrad's), or where the row sat out a step, ``(replayed + step) - p``, as the XLA rule computes it.
+
+    The kernels read each touched row's idle steps from its record, ``idle = done - last`` (0 where ``last ==
     0``), and as ``_amsgrad``'s ``idle_coefficients`` computes them per row: ``C`` (the sum over the idle steps of
     ``lr_t b1**k / (1 - b1**t)``) from ``window[idle - 1]`` (``(max(cap, 1),)``, rows idle ``1 <= idle <= cap``)
     or ``far`` (rows idle longer: by the row's last step, clipped to its last entry, or with ``far_by_key`` by
     key; 0 for ``cap == 0``); ``b1**idle`` and ``b2**idle`` from ``powers`` (:func:`._catch_up.power_table`'s
     tables, ``b1``'s then ``b2``'s), or ``b2**idle`` from ``decay2`` per key where ``b2`` has no table."""
-    attrs = _attrs(p.shape[0], cap=cap, far_by_key=far_by_key, unique=unique)
-    shape = p.shape
+    p, m, v, v_max, last_step = tables
+    name = "catch_up_amsgrad_rows" if rows else "catch_up_amsgrad_apply"
+    attrs = _attrs(p.shape[0], cap=ops.cap, far_by_key=ops.far_by_key, unique=unique)
 
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
-        out = (table, table, table, table, jax.ShapeDtypeStruct(args[4].shape, args[4].dtype))
-        return _ffi_call(
-            PREFIX + "catch_up_amsgrad_apply",
-            out,
-            input_output_aliases={i: i for i in range(len(out))},
-            vmap_method="sequential",
-        )(*args, row_begin, **attrs)
+        record = jax.ShapeDtypeStruct(args[4].shape, args[4].dtype)
+        out: tuple[jax.ShapeDtypeStruct, ...]
+        if rows:
+            packed = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(args[6].shape, args[6].dtype))
+            out, aliases = (table, table, table, record, *packed), {1: 0, 2: 1, 3: 2, 4: 3}
+        else:
+            out, aliases = (table, table, table, table, record), {i: i for i in range(5)}
+        return _ffi_call(PREFIX + name, out, input_output_aliases=aliases, vmap_method="sequential")(
+            *args, row_begin, **attrs
+        )
 
     # Without per-key decays, an empty one, replicated (z).
-    by_key = "k" if decay2 is not None else "z"
-    decay2 = decay2 if decay2 is not None else jnp.zeros((0,), jnp.float32)
+    by_key = "k" if ops.decay2 is not None else "z"
+    decay2 = ops.decay2 if ops.decay2 is not None else jnp.zeros((0,), jnp.float32)
     counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
-    rule = f"n w, n w, n w, n w, n, k, k w, s, a, f, q, {by_key}, o -> n w, n w, n w, n w, n"
-    tables = (_rows2d(p), _rows2d(m), _rows2d(v), _rows2d(v_max), last_step, keys, _rows2d(values))
-    out = _by_row_shards(fn, rule)(*tables, scalars, window, far, powers, decay2, counts)
-    return (*(x.reshape(shape) for x in out[:4]), out[4])
+    results = "n w, n w, n w, n, k, k w" if rows else "n w, n w, n w, n w, n"
+    rule = f"n w, n w, n w, n w, n, k, k w, s, a, f, q, {by_key}, o -> {results}"
+    operands = (_rows2d(p), _rows2d(m), _rows2d(v), _rows2d(v_max), last_step, keys, _rows2d(values), scalars)
+    summed = (5,) if rows else ()
+    out = _by_row_shards(fn, rule, summed=summed)(*operands, ops.window, ops.far, ops.powers, decay2, counts)
+    if rows:
+        return (*(x.reshape(m.shape) for x in out[:3]), out[3], out[4], out[5].reshape(values.shape))
+    return (*(x.reshape(p.shape) for x in out[:4]), out[4])
 
 
 def sparse_amsgrad_rows(

@@ -66,6 +66,7 @@ _SYMBOLS = {
     "sparse_amsgrad_apply": "OptaxSparseAmsgradApply",
     "sparse_amsgrad_rows": "OptaxSparseAmsgradRows",
     "catch_up_amsgrad_apply": "OptaxSparseAdamCatchUpAmsgradApply",
+    "catch_up_amsgrad_rows": "OptaxSparseAdamCatchUpAmsgradRows",
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "catch_up_adam_steps": "OptaxSparseAdamCatchUpSteps",
     "catch_up_adam_rows": "OptaxSparseAdamCatchUpRows",

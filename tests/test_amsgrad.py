@@ -193,13 +193,16 @@ FUSED_CASES = {
 
 
 @needs_kernels
+@pytest.mark.parametrize("door", ["update_and_apply", "two calls"])
 @pytest.mark.parametrize("case", FUSED_CASES)
-def test_the_fused_catch_up_step_on_the_kernel_equals_the_xla_path(case: str) -> None:
+def test_the_fused_catch_up_step_on_the_kernel_equals_the_xla_path(case: str, door: str) -> None:
     """``update_and_apply`` of ``sparse_amsgrad(catch_up=True)`` runs one kernel call that catches each touched row
     up and steps it; from the same state as the XLA path's, step for step over a Zipf run with duplicates, padding
     (-1 and ids past the table) and rows idle within the replayed window and past it: moments and last steps
     bitwise, each parameter within two ulps of itself and one of its update (the kernel rounds ``p - shift +
-    step`` in its own order, the XLA path the caught-up row, then the update that takes the stored row there)."""
+    step`` in its own order, the XLA path the caught-up row, then the update that takes the stored row there).
+    The two calls (``tx.update``, then ``apply_updates``) run the rows kernel: each row replayed in a scratch copy,
+    its update ``(replayed + step) - p``, within the same bound."""
     tx = osa.sparse_amsgrad(**FUSED_CASES[case], catch_up=True)
     rows, width, k, unique = 200, 8, 48, case == "distinct ids"
     rng = np.random.default_rng(3)
@@ -217,11 +220,18 @@ def test_the_fused_catch_up_step_on_the_kernel_equals_the_xla_path(case: str) ->
     )
 
     def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
-        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows, unique_indices=unique), s, p)
+        g = osa.IndexedRows(ids, values, rows, unique_indices=unique)
+        if door == "two calls":
+            updates, s = tx.update(g, s, p)
+            return osa.apply_updates(p, updates), s
+        return osa.update_and_apply(tx, g, s, p)
 
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
-    assert text.count(PREFIX + "catch_up_amsgrad_apply") == 1 and "amsgrad_rows" not in text
+    if door == "two calls":
+        assert text.count(PREFIX + "catch_up_amsgrad_rows") == 1 and "amsgrad_apply" not in text
+    else:
+        assert text.count(PREFIX + "catch_up_amsgrad_apply") == 1 and "amsgrad_rows" not in text
     idle = []
     for _ in range(60):
         # Distinct ids, or Zipf ids with duplicates and padding.
@@ -285,7 +295,8 @@ def test_catch_up_refusals_name_the_fix() -> None:
 
 
 @needs_kernels
-def test_the_fused_catch_up_step_with_an_injected_b2_equals_the_xla_path() -> None:
+@pytest.mark.parametrize("door", ["update_and_apply", "two calls"])
+def test_the_fused_catch_up_step_with_an_injected_b2_equals_the_xla_path(door: str) -> None:
     """With ``b2`` injected (a traced value, so no table of its powers), the kernel takes ``b2**idle`` per key from
     the XLA side, the rest from its tables: moments and last steps bitwise the XLA path's, parameters within the
     fused test's bound, for rows idle within the window and past it."""
@@ -308,11 +319,15 @@ def test_the_fused_catch_up_step_with_an_injected_b2_equals_the_xla_path() -> No
     state = state._replace(inner_state=inner)
 
     def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
+        if door == "two calls":
+            updates, s = tx.update(osa.IndexedRows(ids, values, rows), s, p)
+            return osa.apply_updates(p, updates), s
         return osa.update_and_apply(tx, osa.IndexedRows(ids, values, rows), s, p)
 
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
-    assert text.count(PREFIX + "catch_up_amsgrad_apply") == 1
+    kernel = "catch_up_amsgrad_rows" if door == "two calls" else "catch_up_amsgrad_apply"
+    assert text.count(PREFIX + kernel) == 1
     idle = []
     for _ in range(30):
         ids = np.where(rng.random(k) < 0.1, -1, (rng.zipf(1.3, k) - 1) % rows)

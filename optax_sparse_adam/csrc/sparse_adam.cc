@@ -25,7 +25,12 @@
 //     tables, as the XLA path computes them per row), then AMSGrad's step:
 //       p = p - C (m / (sqrt(nu_max + eps_root) + eps)),  m = m b1**idle,  v = v b2**idle
 //     (the parameters within two ulps of the XLA path's, which rounds the caught-up row and the update apart);
-//     each touched row's record takes the step's count, in place: last_step = max(last_step, count).
+//     each touched row's record takes the step's count, in place: last_step = max(last_step, count);
+//   optax_sparse_adam_v4_catch_up_amsgrad_rows
+//       (p, mu, nu, nu_max, last_step, keys, values, scalars, window, far, powers, decay2, counts)
+//       -> (mu, nu, nu_max, last_step, keys, step)
+//     its leaf rule for tx.update: each touched row replayed in a scratch copy of p (read only), its update
+//     (replayed + step) - p where it sat out a step, the step elsewhere, packed as the rows handler packs them.
 // The apply handlers take two more scalars after the others where the
 // gradient was clipped by its global norm (sparse_aware(clip_by_global_norm)):
 // each summed row becomes (g / clip_div) * clip_mul first, bitwise what the
@@ -84,18 +89,18 @@ struct IdleRows {
   const float* decay2;  // (k,): b2**idle per entry, or nullptr
   int32_t* last_step;   // per local row
   int32_t count, done;
+  const float* table = nullptr;  // tx.update's rule: the stored parameters (local rows), read only
 };
 
 // Local row r's idle steps where it has any (entry `slot` standing for it), in place (nu_max does not move while
-// a row is idle), and its record.
-OSA_ROW_INLINE void CatchUpAmsgradRow(const Scalars& s, const IdleRows* rows, int64_t slot, int64_t r,
+// a row is idle), and its record; whether it had any.
+OSA_ROW_INLINE bool CatchUpAmsgradRow(const Scalars& s, const IdleRows* rows, int64_t slot, int64_t r,
                                       float* __restrict p, float* __restrict m, float* __restrict v,
                                       const float* __restrict vm, int64_t width) {
-  if (rows == nullptr) return;
   const int32_t last = rows->last_step[r];
   rows->last_step[r] = std::max(last, rows->count);
   const int32_t idle = IdleSince(rows->done, last);
-  if (idle <= 0) return;
+  if (idle <= 0) return false;
   float coefficient = 0.0f;
   if (rows->cap > 0) {
     coefficient = idle <= rows->cap ? rows->window[idle - 1]
@@ -111,6 +116,31 @@ OSA_ROW_INLINE void CatchUpAmsgradRow(const Scalars& s, const IdleRows* rows, in
     m[j] = m[j] * decay1;
     v[j] = v[j] * decay2;
   }
+  return true;
+}
+
+// Local row r's step from its gradient row g, into `dst` (the parameter row with kApply, else its step rows' slot),
+// entry `slot` standing for it. With `idle` (sparse_amsgrad(catch_up=True)) the row first takes its idle steps:
+// in place with kApply; else (tx.update's rule, as _amsgrad's rule computes it) the stored row is replayed into
+// `scratch` and, where the row sat out a step, its update is (replayed + step) - p (caught_up_update).
+template <bool kTorch, bool kMaximize, bool kApply, bool kDecay, bool kAmsgrad>
+OSA_ROW_INLINE void StepRow(const Scalars& s, const IdleRows* idle, int64_t slot, int64_t r, const float* g, float* m,
+                            float* v, float* vm, float* dst, float* scratch, int64_t width) {
+  if constexpr (kAmsgrad && kApply) {
+    if (idle != nullptr) CatchUpAmsgradRow(s, idle, slot, r, dst, m, v, vm, width);
+  } else if constexpr (kAmsgrad) {
+    if (idle != nullptr) {
+      const float* p = idle->table + r * width;
+      std::memcpy(scratch, p, sizeof(float) * static_cast<size_t>(width));
+      const bool moved = CatchUpAmsgradRow(s, idle, slot, r, scratch, m, v, vm, width);
+      UpdateRow<kTorch, kMaximize, false, kDecay, true>(s, g, m, v, dst, width, vm);
+      if (moved) {
+        for (int64_t j = 0; j < width; ++j) dst[j] = (scratch[j] + dst[j]) - p[j];
+      }
+      return;
+    }
+  }
+  UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m, v, dst, width, kAmsgrad ? vm : nullptr);
 }
 
 // The distinct rows [lo, hi) of a coalesced batch; with `sums`, their summed gradient rows (c.size x width, each
@@ -120,6 +150,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
                                      float* m, float* v, float* vm, float* out, int64_t width, int64_t lo,
                                      int64_t hi, const IdleRows* idle, float* sums = nullptr) {
   std::vector<float> buffer(sums == nullptr ? static_cast<size_t>(width) : 0);
+  std::vector<float> scratch(kAmsgrad && !kApply && idle != nullptr ? static_cast<size_t>(width) : 0);
   for (int64_t d = lo; d < hi; ++d) {
     if (d + kPrefetchDistance < hi && shard.Owns(c.row[d + kPrefetchDistance])) {
       const int64_t r = shard.Local(c.row[d + kPrefetchDistance]);
@@ -128,6 +159,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
       if constexpr (kAmsgrad) {
         PrefetchRow(vm + r * width, width);
         if (idle != nullptr) __builtin_prefetch(idle->last_step + r, 1, 3);
+        if (!kApply && idle != nullptr) PrefetchRow(idle->table + r * width, width);
       }
       if constexpr (kApply) PrefetchRow(out + r * width, width);
       if (sums == nullptr) PrefetchChain(c, d + kPrefetchDistance, values, width);
@@ -141,10 +173,8 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
     if (sums == nullptr) SumChain(c, d, values, width, g);
     if constexpr (kClip) ClipRow(s.clip, g, width);
     float* dst = kApply ? out + r * width : out + c.Slot(d) * width;
-    if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, c.first[d], r, dst, m + r * width, v + r * width,
-                                                        vm + r * width, width);
-    UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
-                                                           kAmsgrad ? vm + r * width : nullptr);
+    StepRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, idle, c.first[d], r, g, m + r * width, v + r * width,
+                                                         vm + r * width, dst, scratch.data(), width);
   }
 }
 
@@ -154,6 +184,7 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
                                   float* m, float* v, float* vm, float* out, int64_t width, int64_t lo, int64_t hi,
                                   const IdleRows* idle) {
   std::vector<float> clipped(kClip ? static_cast<size_t>(width) : 0);
+  std::vector<float> scratch(kAmsgrad && !kApply && idle != nullptr ? static_cast<size_t>(width) : 0);
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance])) {
       const int64_t r = shard.Local(keys[i + kPrefetchDistance]);
@@ -172,10 +203,8 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
     const int64_t r = shard.Local(keys[i]);
     float* dst = kApply ? out + r * width : out + i * width;
     const float* g = kClip ? ClippedRow(s.clip, values + i * width, clipped.data(), width) : values + i * width;
-    if constexpr (kApply && kAmsgrad) CatchUpAmsgradRow(s, idle, i, r, dst, m + r * width, v + r * width,
-                                                        vm + r * width, width);
-    UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m + r * width, v + r * width, dst, width,
-                                                           kAmsgrad ? vm + r * width : nullptr);
+    StepRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, idle, i, r, g, m + r * width, v + r * width,
+                                                         vm + r * width, dst, scratch.data(), width);
   }
 }
 
@@ -397,6 +426,35 @@ ffi::Error AmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::
                       num_rows, unique, threads, nullptr);
 }
 
+// The catch-up operands of the AMSGrad handlers, checked, as IdleRows (the records copied to last_step_out).
+ffi::Error ReadIdleRows(int64_t k, int64_t rows_held, ffi::BufferR1<ffi::S32>& last_step,
+                        ffi::BufferR1<ffi::F32>& window, ffi::BufferR1<ffi::F32>& far, ffi::BufferR1<ffi::F32>& powers,
+                        ffi::BufferR1<ffi::F32>& decay2, ffi::BufferR1<ffi::S32>& counts,
+                        ffi::ResultBufferR1<ffi::S32>& last_step_out, int64_t cap, int64_t far_by_key,
+                        IdleRows& rows) {
+  const auto window_len = static_cast<int64_t>(window.element_count());
+  const auto far_len = static_cast<int64_t>(far.element_count());
+  if (cap < 0 || window_len < std::max<int64_t>(cap, 1))
+    return ffi::Error::InvalidArgument("window must hold a coefficient for each idle count up to cap");
+  if (far_len < 1 || (far_by_key != 0 && far_len != k))
+    return ffi::Error::InvalidArgument("far must hold a coefficient per last step (or per key with far_by_key)");
+  const bool by_key = decay2.element_count() != 0;
+  if (by_key && static_cast<int64_t>(decay2.element_count()) != k)
+    return ffi::Error::InvalidArgument("decay2 must be empty or hold b2**idle per key");
+  if (static_cast<int64_t>(powers.element_count()) != (by_key ? 1024 : 2048))
+    return ffi::Error::InvalidArgument("powers must hold b1's table, and b2's unless decay2 is given");
+  if (static_cast<int64_t>(last_step.element_count()) != rows_held ||
+      last_step_out->element_count() != last_step.element_count())
+    return ffi::Error::InvalidArgument("last_step must have one entry per row");
+  if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
+  CopyIfNotAliased(last_step_out->typed_data(), last_step.typed_data(), last_step.element_count());
+  rows = IdleRows{window.typed_data(), far.typed_data(), far_len,
+                  far_by_key != 0,     cap,              powers.typed_data(),
+                  by_key ? decay2.typed_data() : nullptr,
+                  last_step_out->typed_data(), counts.typed_data()[0], counts.typed_data()[1]};
+  return ffi::Error::Success();
+}
+
 ffi::Error CatchUpAmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
                                    ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max,
                                    ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::S32> keys,
@@ -409,29 +467,58 @@ ffi::Error CatchUpAmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p
                                    ffi::ResultBufferR1<ffi::S32> last_step_out, int64_t num_rows, int64_t cap,
                                    int64_t far_by_key, int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
-  const auto window_len = static_cast<int64_t>(window.element_count());
-  const auto far_len = static_cast<int64_t>(far.element_count());
-  if (cap < 0 || window_len < std::max<int64_t>(cap, 1))
-    return ffi::Error::InvalidArgument("window must hold a coefficient for each idle count up to cap");
-  if (far_len < 1 || (far_by_key != 0 && far_len != k))
-    return ffi::Error::InvalidArgument("far must hold a coefficient per last step (or per key with far_by_key)");
-  const bool by_key = decay2.element_count() != 0;
-  if (by_key && static_cast<int64_t>(decay2.element_count()) != k)
-    return ffi::Error::InvalidArgument("decay2 must be empty or hold b2**idle per key");
-  if (static_cast<int64_t>(powers.element_count()) != (by_key ? 1024 : 2048))
-    return ffi::Error::InvalidArgument("powers must hold b1's table, and b2's unless decay2 is given");
   const auto rows_held = p.dimensions().size() > 0 ? p.dimensions()[0] : 0;
-  if (static_cast<int64_t>(last_step.element_count()) != rows_held ||
-      last_step_out->element_count() != last_step.element_count())
-    return ffi::Error::InvalidArgument("last_step must have one entry per row");
-  if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
-  CopyIfNotAliased(last_step_out->typed_data(), last_step.typed_data(), last_step.element_count());
-  const IdleRows rows{window.typed_data(), far.typed_data(), far_len,
-                      far_by_key != 0,     cap,              powers.typed_data(),
-                      by_key ? decay2.typed_data() : nullptr,
-                      last_step_out->typed_data(), counts.typed_data()[0], counts.typed_data()[1]};
+  IdleRows rows{};
+  if (ffi::Error e = ReadIdleRows(k, rows_held, last_step, window, far, powers, decay2, counts, last_step_out, cap,
+                                  far_by_key, rows);
+      e.failure())
+    return e;
   return AmsgradApply(pool, p, mu, nu, nu_max, keys, values, scalars, row_begin, p_out, mu_out, nu_out, nu_max_out,
                       num_rows, unique, threads, &rows);
+}
+
+// sparse_amsgrad(catch_up=True)'s leaf rule for tx.update: the apply handler's operands, p read only; (mu, nu,
+// nu_max, last_step) in place and the rows' updates packed as the rows handler packs its step rows (StepRow).
+ffi::Error CatchUpAmsgradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+                                  ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max,
+                                  ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::S32> keys,
+                                  ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                                  ffi::BufferR1<ffi::F32> window, ffi::BufferR1<ffi::F32> far,
+                                  ffi::BufferR1<ffi::F32> powers, ffi::BufferR1<ffi::F32> decay2,
+                                  ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin,
+                                  ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                                  ffi::ResultBuffer<ffi::F32> nu_max_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
+                                  ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
+                                  int64_t num_rows, int64_t cap, int64_t far_by_key, int64_t unique,
+                                  int64_t threads) {
+  const int64_t k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
+                                 scalars.element_count(), kNumScalars, shard, width);
+      e.failure())
+    return e;
+  if (nu_max.element_count() != mu.element_count() || p.element_count() != mu.element_count())
+    return ffi::Error::InvalidArgument("p and nu_max must have mu's shape");
+  if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
+    return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
+  IdleRows rows{};
+  if (ffi::Error e = ReadIdleRows(k, shard.local_rows, last_step, window, far, powers, decay2, counts, last_step_out,
+                                  cap, far_by_key, rows);
+      e.failure())
+    return e;
+  rows.table = p.typed_data();
+  float* m = mu_out->typed_data();
+  float* v = nu_out->typed_data();
+  float* vm = nu_max_out->typed_data();
+  CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
+  CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
+  CopyIfNotAliased(vm, nu_max.typed_data(), nu_max.element_count());
+  const Options o{false, false, unique, threads};
+  Run<false, false, false, false, true>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard,
+                                        values.typed_data(), m, v, vm, step_out->typed_data(),
+                                        keys_out->typed_data(), width, &rows);
+  return ffi::Error::Success();
 }
 
 // sparse_amsgrad's leaf rule for tx.update: (mu, nu, nu_max) in place and the step rows packed as the rows
@@ -553,23 +640,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAmsgradRows, optax_sparse_adam::Amsgrad
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
+// The AMSGrad catch-up handlers' operands after p.
+#define OSA_CATCH_UP_AMSGRAD_ARGS                                                        \
+  Arg<ffi::Buffer<ffi::F32>>()         /* mu */                                          \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* nu */                                          \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* nu_max */                                      \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* last_step: per row, the step recorded */       \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* keys */                                        \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* values */                                      \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* scalars */                                     \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* window: C of rows idle 1 .. cap steps */       \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* far: C of rows idle longer */                  \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* powers: b1's table, then b2's */               \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* decay2: b2**idle per key, or empty */          \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* counts: the step's (recorded), done */         \
+      .Arg<ffi::BufferR0<ffi::S32>>()  /* row_begin: first row held */
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradApply, optax_sparse_adam::CatchUpAmsgradApplyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()    // p
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // mu
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // nu_max
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last_step: per row, the step recorded
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
-                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
-                                  .Arg<ffi::BufferR1<ffi::F32>>()  // window: C of rows idle 1 .. cap steps
-                                  .Arg<ffi::BufferR1<ffi::F32>>()  // far: C of rows idle longer
-                                  .Arg<ffi::BufferR1<ffi::F32>>()  // powers: b1's table, then b2's
-                                  .Arg<ffi::BufferR1<ffi::F32>>()  // decay2: b2**idle per key, or empty
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // counts: the step's (recorded), done
-                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .OSA_CATCH_UP_AMSGRAD_ARGS
                                   .Ret<ffi::Buffer<ffi::F32>>()    // p
                                   .Ret<ffi::Buffer<ffi::F32>>()    // mu
                                   .Ret<ffi::Buffer<ffi::F32>>()    // nu
@@ -581,5 +672,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradApply, optax_sparse_a
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradRows, optax_sparse_adam::CatchUpAmsgradRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // p: read only
+                                  .OSA_CATCH_UP_AMSGRAD_ARGS
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // mu
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // nu_max
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // keys, distinct first
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // the rows' updates
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("cap")
+                                  .Attr<int64_t>("far_by_key")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
 #undef OSA_AMSGRAD_APPLY_BATCH
+#undef OSA_CATCH_UP_AMSGRAD_ARGS
 #undef OSA_AMSGRAD_APPLY_TAIL
