@@ -372,7 +372,7 @@ def catch_up_adam_rows(
     maximize: bool,
     unique: int,
     decay: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
+) -> tuple[Any, ...]:
     """``sparse_adam(catch_up=True)``'s leaf rule on the CPU (``tx.update``), and with ``decay``
     ``sparse_adamw(catch_up=True)``'s: ``(m, v, last_step, decay_mark, keys, updates, flags)``, the moments and
     records in place, ``p`` read only.
@@ -384,38 +384,8 @@ def catch_up_adam_rows(
     - p``, as the XLA rules compute it. ``flags`` marks the keys of rows whose idle steps were not at hand (their
     updates NaN); the caller runs this only where none can be."""
     attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique)
-
-    def fn(row_begin: jax.Array, *args: jax.Array):
-        table = jax.ShapeDtypeStruct(args[1].shape, args[1].dtype)
-        records = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[3:5])
-        rows = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(args[6].shape, args[6].dtype))
-        flags = jax.ShapeDtypeStruct(keys.shape, jnp.int32)
-        return _ffi_call(
-            PREFIX + "catch_up_adam_rows",
-            (table, table, *records, *rows, flags),
-            input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3},
-            vmap_method="sequential",
-        )(*args, row_begin, **attrs)
-
-    # Without AdamW's decay mark, an empty one, replicated (z).
-    mark = "n" if decay_mark is not None else "z"
-    rule = f"n w, n w, n w, n, {mark}, k, k w, s, a j, f j, z c, q x, h, l, r, t b, o -> n w, n w, n, {mark}, k, k w, k"
-    marks = decay_mark if decay_mark is not None else jnp.zeros((0,), jnp.float32)
-    per_key = jnp.zeros((0, 2), jnp.float32)
-    counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
-    rows = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
-    args = (*rows, scalars, ops.window, ops.far, per_key, ops.powers, ops.through, *ops[4:], counts)
-    new_m, new_v, new_last, new_mark, out_keys, step, flags = _by_row_shards(fn, rule, summed=(5, 6))(*args)
-    new_mark = new_mark if decay_mark is not None else None
-    return (
-        new_m.reshape(m.shape),
-        new_v.reshape(v.shape),
-        new_last,
-        new_mark,
-        out_keys,
-        step.reshape(values.shape),
-        flags,
-    )
+    tables = (p, m, v, last_step, decay_mark)
+    return _catch_up_adam(True, tables, keys, values, scalars, None, ops, count, done, attrs)
 
 
 def catch_up_adam_apply(
@@ -438,7 +408,7 @@ def catch_up_adam_apply(
     unique: int,
     decay: bool = False,
     far_by_key: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array]:
+) -> tuple[Any, ...]:
     """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, last_step, decay_mark,
     flags)``; with ``decay``, ``sparse_adamw(catch_up=True)``'s.
 
@@ -477,17 +447,40 @@ def catch_up_adam_apply(
     attrs = _attrs(
         p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key
     )
+    tables = (p, m, v, last_step, decay_mark)
+    return _catch_up_adam(False, tables, keys, values, scalars, per_key, ops, count, done, attrs)
+
+
+def _catch_up_adam(
+    rows: bool,
+    tables: tuple[Any, ...],
+    keys: jax.Array,
+    values: jax.Array,
+    scalars: jax.Array,
+    per_key: jax.Array | None,
+    ops: CatchUpOperands,
+    count: jax.Array,
+    done: jax.Array,
+    attrs: dict[str, Any],
+) -> tuple[Any, ...]:
+    """The catch-up Adam handler on ``tables = (p, m, v, last_step, decay_mark)``: the fused step (``rows``
+    false: :func:`catch_up_adam_apply`'s results) or ``tx.update``'s rule (:func:`catch_up_adam_rows`')."""
+    p, m, v, last_step, decay_mark = tables
 
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
         records = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[3:5])
         flags = jax.ShapeDtypeStruct(keys.shape, jnp.int32)
-        return _ffi_call(
-            PREFIX + "catch_up_adam_apply",
-            (table, table, table, *records, flags),
-            input_output_aliases={i: i for i in range(5)},
-            vmap_method="sequential",
-        )(*args, row_begin, **attrs)
+        out: tuple[jax.ShapeDtypeStruct, ...]
+        if rows:
+            packed = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(args[6].shape, args[6].dtype))
+            out, aliases = (table, table, *records, *packed, flags), {1: 0, 2: 1, 3: 2, 4: 3}
+        else:
+            out, aliases = (table, table, table, *records, flags), {i: i for i in range(5)}
+        name = "catch_up_adam_rows" if rows else "catch_up_adam_apply"
+        return _ffi_call(PREFIX + name, out, input_output_aliases=aliases, vmap_method="sequential")(
+            *args, row_begin, **attrs
+        )
 
     # Without AdamW's decay mark, an empty one, replicated (z).
     mark = "n" if decay_mark is not None else "z"
@@ -495,22 +488,17 @@ def catch_up_adam_apply(
     # Without per-key decays, an empty (0, 2) (z c).
     by_key = "k" if per_key is not None else "z"
     per_key = per_key if per_key is not None else jnp.zeros((0, 2), jnp.float32)
-    rule = (
-        f"n w, n w, n w, n, {mark}, k, k w, s, a j, f j, {by_key} c, q x, h, l, r, t b, o "
-        f"-> n w, n w, n w, n, {mark}, k"
-    )
-    rows = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
+    results = f"n w, n w, n, {mark}, k, k w, k" if rows else f"n w, n w, n w, n, {mark}, k"
+    rule = f"n w, n w, n w, n, {mark}, k, k w, s, a j, f j, {by_key} c, q x, h, l, r, t b, o -> {results}"
+    operands = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
     counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
-    args = (*rows, scalars, ops.window, ops.far, per_key, ops.powers, ops.through, *ops[4:], counts)
-    new_p, new_m, new_v, new_last, new_mark, flags = _by_row_shards(fn, rule, summed=(5,))(*args)
-    return (
-        new_p.reshape(p.shape),
-        new_m.reshape(m.shape),
-        new_v.reshape(v.shape),
-        new_last,
-        new_mark if decay_mark is not None else None,
-        flags,
-    )
+    args = (*operands, scalars, ops.window, ops.far, per_key, ops.powers, ops.through, *ops[4:], counts)
+    out = _by_row_shards(fn, rule, summed=(5, 6) if rows else (5,))(*args)
+    mark_out = out[3 if rows else 4] if decay_mark is not None else None
+    if rows:
+        step = out[5].reshape(values.shape)
+        return out[0].reshape(m.shape), out[1].reshape(v.shape), out[2], mark_out, out[4], step, out[6]
+    return out[0].reshape(p.shape), out[1].reshape(m.shape), out[2].reshape(v.shape), out[3], mark_out, out[5]
 
 
 def catch_up_adam_steps(

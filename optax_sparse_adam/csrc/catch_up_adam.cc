@@ -713,28 +713,31 @@ ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
 }  // namespace
 }  // namespace optax_sparse_adam
 
+// The operands of both catch-up Adam handlers (the rows handler reads p and takes per_key empty).
+#define OSA_CATCH_UP_ADAM_ARGS                                                                     \
+  Arg<ffi::Buffer<ffi::F32>>()         /* p */                                                     \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* mu */                                                    \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* nu */                                                    \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* last_step: per row, the step recorded */                 \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* decay_mark: per row (AdamW), or empty */                 \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* keys */                                                  \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* values */                                                \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* scalars */                                               \
+      .Arg<ffi::BufferR2<ffi::F32>>()  /* window: coefficients by idle count */                    \
+      .Arg<ffi::BufferR2<ffi::F32>>()  /* far: of long-idle rows, by last step or key */           \
+      .Arg<ffi::BufferR2<ffi::F32>>()  /* per_key: W, weight (decay, schedule) or empty */         \
+      .Arg<ffi::BufferR2<ffi::F32>>()  /* powers: b1's, b2's[, gamma's] tables */                  \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* through: the window's decay (AdamW) */                   \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* limits: binv, ratio, long_neg_lr, has table, new log */  \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* neg_rates: the window's -lr, by offset */                \
+      .Arg<ffi::BufferR2<ffi::F32>>()  /* corrections: (c1, c2) by the step's count */             \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* counts: (2,), the step's (recorded), done */             \
+      .Arg<ffi::BufferR0<ffi::S32>>()  /* row_begin: first row held */
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::ApplyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // p
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // mu
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // nu
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last_step: per row, the step recorded
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // decay_mark: per row (AdamW), or empty
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // window: coefficients by idle count
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // far: of long-idle rows, by last step or key
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // per_key: W, weight (decay, schedule) or empty
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // powers: b1's, b2's[, gamma's] tables
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // through: the window's decay (AdamW)
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // limits: binv, ratio, long_neg_lr, has table,
-                                                                    // the decay's log after the step
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // neg_rates: the window's -lr, by offset
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // corrections: (c1, c2) by the step's count
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // counts: (2,), the step's (recorded), done
-                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
+                                  .OSA_CATCH_UP_ADAM_ARGS
                                   .Ret<ffi::Buffer<ffi::F32>>()     // p
                                   .Ret<ffi::Buffer<ffi::F32>>()     // mu
                                   .Ret<ffi::Buffer<ffi::F32>>()     // nu
@@ -753,24 +756,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::RowsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // p: read only
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // mu
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // nu
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last_step
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // decay_mark: AdamW's, or empty
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // window
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // far
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // per_key: empty
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // powers
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // through
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // limits
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // neg_rates
-                                  .Arg<ffi::BufferR2<ffi::F32>>()   // corrections
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // counts: the step's (recorded), done
-                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
+                                  .OSA_CATCH_UP_ADAM_ARGS
                                   .Ret<ffi::Buffer<ffi::F32>>()     // mu
                                   .Ret<ffi::Buffer<ffi::F32>>()     // nu
                                   .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
@@ -785,6 +771,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::Row
                                   .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
+
+#undef OSA_CATCH_UP_ADAM_ARGS
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpSteps, optax_sparse_adam::StepsImpl,
                               ffi::Ffi::Bind()

@@ -477,58 +477,15 @@ ffi::Error CatchUpAmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p
                       num_rows, unique, threads, &rows);
 }
 
-// sparse_amsgrad(catch_up=True)'s leaf rule for tx.update: the apply handler's operands, p read only; (mu, nu,
-// nu_max, last_step) in place and the rows' updates packed as the rows handler packs its step rows (StepRow).
-ffi::Error CatchUpAmsgradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
-                                  ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max,
-                                  ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::S32> keys,
-                                  ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                                  ffi::BufferR1<ffi::F32> window, ffi::BufferR1<ffi::F32> far,
-                                  ffi::BufferR1<ffi::F32> powers, ffi::BufferR1<ffi::F32> decay2,
-                                  ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin,
-                                  ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
-                                  ffi::ResultBuffer<ffi::F32> nu_max_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
-                                  ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
-                                  int64_t num_rows, int64_t cap, int64_t far_by_key, int64_t unique,
-                                  int64_t threads) {
-  const int64_t k = static_cast<int64_t>(keys.element_count());
-  Shard shard{num_rows, *row_begin.typed_data(), 0};
-  int64_t width = 0;
-  if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
-                                 scalars.element_count(), kNumScalars, shard, width);
-      e.failure())
-    return e;
-  if (nu_max.element_count() != mu.element_count() || p.element_count() != mu.element_count())
-    return ffi::Error::InvalidArgument("p and nu_max must have mu's shape");
-  if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
-    return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
-  IdleRows rows{};
-  if (ffi::Error e = ReadIdleRows(k, shard.local_rows, last_step, window, far, powers, decay2, counts, last_step_out,
-                                  cap, far_by_key, rows);
-      e.failure())
-    return e;
-  rows.table = p.typed_data();
-  float* m = mu_out->typed_data();
-  float* v = nu_out->typed_data();
-  float* vm = nu_max_out->typed_data();
-  CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
-  CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
-  CopyIfNotAliased(vm, nu_max.typed_data(), nu_max.element_count());
-  const Options o{false, false, unique, threads};
-  Run<false, false, false, false, true>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard,
-                                        values.typed_data(), m, v, vm, step_out->typed_data(),
-                                        keys_out->typed_data(), width, &rows);
-  return ffi::Error::Success();
-}
-
 // sparse_amsgrad's leaf rule for tx.update: (mu, nu, nu_max) in place and the step rows packed as the rows
-// handler packs them.
-ffi::Error AmsgradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
-                           ffi::Buffer<ffi::F32> nu_max, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
-                           ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
-                           ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
-                           ffi::ResultBuffer<ffi::F32> nu_max_out, ffi::ResultBufferR1<ffi::S32> keys_out,
-                           ffi::ResultBuffer<ffi::F32> step_out, int64_t num_rows, int64_t unique, int64_t threads) {
+// handler packs them; with `idle` (catch-up), each row first takes its idle steps (StepRow).
+ffi::Error AmsgradRows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& mu, ffi::Buffer<ffi::F32>& nu,
+                       ffi::Buffer<ffi::F32>& nu_max, ffi::BufferR1<ffi::S32>& keys, ffi::Buffer<ffi::F32>& values,
+                       ffi::BufferR1<ffi::F32>& scalars, ffi::BufferR0<ffi::S32>& row_begin,
+                       ffi::ResultBuffer<ffi::F32>& mu_out, ffi::ResultBuffer<ffi::F32>& nu_out,
+                       ffi::ResultBuffer<ffi::F32>& nu_max_out, ffi::ResultBufferR1<ffi::S32>& keys_out,
+                       ffi::ResultBuffer<ffi::F32>& step_out, int64_t num_rows, int64_t unique, int64_t threads,
+                       const IdleRows* idle) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
@@ -548,8 +505,44 @@ ffi::Error AmsgradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::
   const Options o{false, false, unique, threads};
   Run<false, false, false, false, true>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard,
                                         values.typed_data(), m, v, vm, step_out->typed_data(),
-                                        keys_out->typed_data(), width);
+                                        keys_out->typed_data(), width, idle);
   return ffi::Error::Success();
+}
+
+ffi::Error AmsgradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                           ffi::Buffer<ffi::F32> nu_max, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                           ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
+                           ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                           ffi::ResultBuffer<ffi::F32> nu_max_out, ffi::ResultBufferR1<ffi::S32> keys_out,
+                           ffi::ResultBuffer<ffi::F32> step_out, int64_t num_rows, int64_t unique, int64_t threads) {
+  return AmsgradRows(pool, mu, nu, nu_max, keys, values, scalars, row_begin, mu_out, nu_out, nu_max_out, keys_out,
+                     step_out, num_rows, unique, threads, nullptr);
+}
+
+// sparse_amsgrad(catch_up=True)'s leaf rule for tx.update: the apply handler's operands, p read only; (mu, nu,
+// nu_max, last_step) in place and the rows' updates packed as the rows handler packs its step rows (StepRow).
+ffi::Error CatchUpAmsgradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+                                  ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::F32> nu_max,
+                                  ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::S32> keys,
+                                  ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                                  ffi::BufferR1<ffi::F32> window, ffi::BufferR1<ffi::F32> far,
+                                  ffi::BufferR1<ffi::F32> powers, ffi::BufferR1<ffi::F32> decay2,
+                                  ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin,
+                                  ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                                  ffi::ResultBuffer<ffi::F32> nu_max_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
+                                  ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
+                                  int64_t num_rows, int64_t cap, int64_t far_by_key, int64_t unique,
+                                  int64_t threads) {
+  if (p.element_count() != mu.element_count()) return ffi::Error::InvalidArgument("p must have mu's shape");
+  const auto rows_held = mu.dimensions().size() > 0 ? mu.dimensions()[0] : 0;
+  IdleRows rows{};
+  if (ffi::Error e = ReadIdleRows(static_cast<int64_t>(keys.element_count()), rows_held, last_step, window, far,
+                                  powers, decay2, counts, last_step_out, cap, far_by_key, rows);
+      e.failure())
+    return e;
+  rows.table = p.typed_data();
+  return AmsgradRows(pool, mu, nu, nu_max, keys, values, scalars, row_begin, mu_out, nu_out, nu_max_out, keys_out,
+                     step_out, num_rows, unique, threads, &rows);
 }
 
 }  // namespace
