@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_sparse_adam._indexed_rows import as_index_array, normalise_keys
-from optax_sparse_adam._row_ops import take_rows
+from optax_sparse_adam._row_ops import take_rows, warn_if_gpu_scatter_add_is_slow
 
 Combiner = Literal["sum", "mean", "sqrtn"]
 
@@ -255,6 +255,7 @@ def pool(table: jax.Array, bags: Bags) -> jax.Array:
     if not isinstance(bags, Bags):
         raise TypeError(f"pool: bags must be a Bags (from osa.bags), got {type(bags).__name__}")
     table = jnp.asarray(table)
+    warn_if_gpu_scatter_add_is_slow("pool")
     acc = jnp.promote_types(table.dtype, jnp.float32)
     rows = take_rows(table, bags.ids).astype(acc)
     weighted = rows * bags.weights.astype(acc).reshape(-1, *([1] * (table.ndim - 1)))

@@ -32,7 +32,7 @@ from optax_sparse_adam import _catch_up, _ffi, _kernel_path
 from optax_sparse_adam._coalesce import pack_distinct
 from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, normalise_keys
 from optax_sparse_adam._pooled import Bags
-from optax_sparse_adam._row_ops import replicate, take_rows
+from optax_sparse_adam._row_ops import replicate, take_rows, warn_if_gpu_scatter_add_is_slow
 from optax_sparse_adam._sparse_leaf import mark_distinct, padding_key
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, path_str
 
@@ -751,6 +751,13 @@ def value_and_row_grad(
     A table selected more than once (say, for positive and negative samples)
     is looked up once, with all of its ids; its positions index the same rows.
 
+    A row read at several ids gets the sum of their gradients, which autodiff
+    writes as a scatter-add: XLA:GPU sums its colliding updates in no fixed
+    order, so on a GPU the row gradients may differ by an ulp from run to run
+    (``XLA_FLAGS=--xla_gpu_deterministic_ops=true`` makes them repeat), and
+    jaxlib 0.10.2 to 0.11.0 run it far slower there (a ``RuntimeWarning`` says
+    so; use jaxlib 0.11.1 or newer).
+
     Since ``fun`` sees rows and positions, not tables and ids, it may use each
     table only by reading its rows at its own ids (``table[ids]``,
     ``jnp.take(table, ids, axis=0)``, ``table[ids, 0]``, through reshapes,
@@ -813,6 +820,7 @@ def value_and_row_grad(
     """
 
     def wrapped(params: Any, ids: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        warn_if_gpu_scatter_add_is_slow("value_and_row_grad")
         opt_state = kwargs.pop("opt_state", None) if catch_up is not None else None
         leaves, paths, chosen, treedef = sel = select_tables(params, tables, "value_and_row_grad")
         given = check_ids(ids, sel, "value_and_row_grad")

@@ -14,10 +14,13 @@ mesh, or inside ``shard_map`` these are the plain ``.at[...]`` operations.
 
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -25,6 +28,36 @@ __all__ = ["explicit_sharding", "replicate", "scatter_rows", "take_rows"]
 
 # The 16-bit float dtypes: tables the native kernel sets rows of, and that low-precision updates round to.
 HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# jaxlib releases whose GPU scatter-add runs 450 to 2,000 times slower when its updates collide on one index (jax
+# issue 38806, openxla issue 46225): from 0.10.2, the oldest the library supports, up to the fix in 0.11.1.
+SLOW_GPU_SCATTER_ADD = ((0, 10, 2), (0, 11, 1))
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", version)[:3])
+
+
+def _platform() -> tuple[str, str]:
+    """jax's default backend and jaxlib's version (a seam for the tests)."""
+    return jax.default_backend(), jaxlib.__version__
+
+
+def warn_if_gpu_scatter_add_is_slow(where: str) -> None:
+    """Warn (once per call site, Python's default) where jax's default backend is a GPU and jaxlib is one of
+    :data:`SLOW_GPU_SCATTER_ADD`'s releases: ``where`` runs a scatter-add whose updates collide (a bag's sum, the
+    gradient of rows read at repeated ids), which the library cannot avoid, as autodiff writes it."""
+    backend, version = _platform()
+    first, fixed = SLOW_GPU_SCATTER_ADD
+    if backend not in ("gpu", "cuda", "rocm") or not first <= _release(version) < fixed:
+        return
+    warnings.warn(
+        f"{where} on a GPU with jaxlib {version}: this jaxlib runs a scatter-add whose updates collide "
+        "450 to 2,000 times slower (jax issue 38806, fixed in jaxlib 0.11.1), and the sums over each bag's ids and "
+        "the gradient of rows read at repeated ids are such scatter-adds. Install jaxlib 0.11.1 or newer.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def explicit_sharding(x: Any) -> NamedSharding | None:

@@ -19,6 +19,14 @@ finally:
 
 pytestmark = pytest.mark.skipif(floor.unavailable() is not None, reason=str(floor.unavailable()))
 
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """The floors are CPU kernels: on a machine whose default device is a GPU, they run on its CPU."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 ROWS, WIDTH = 300, 5
 
 

@@ -6,6 +6,7 @@ Each check runs in a subprocess: ``mallopt`` is process-wide, and the test proce
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -43,8 +44,11 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(mode: str) -> dict:
+    """The script in a process of its own, on the CPU (the heap it tunes is the host's, where XLA:CPU keeps a step's
+    temporaries), also on a machine whose default device is a GPU."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=300, check=False, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

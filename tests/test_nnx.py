@@ -9,7 +9,7 @@ from flax import nnx
 
 import optax_sparse_adam as osa
 from optax_sparse_adam.nnx import EmbeddingBags
-from tests.helpers import assert_trees_equal
+from tests.helpers import ON_CPU, assert_trees_equal
 
 COLL = osa.EmbeddingCollection(
     {"user": osa.TableSpec(300, 8), "item": osa.TableSpec(200, 8), "tag": osa.TableSpec(50, 4)},
@@ -102,7 +102,8 @@ def test_fused_optimizer_equals_nnx_optimizer_and_runs_the_kernel(kernel_path):
 
 def test_the_fused_step_through_cached_partial_equals_the_plain_call(kernel_path):
     """The Flax guide's loop: the step called through ``nnx.cached_partial`` (its graph walked once) updates the
-    model and the optimizer in place as the plain ``nnx.jit`` call does, bitwise."""
+    model and the optimizer in place as the plain ``nnx.jit`` call does: bitwise on the CPU; XLA:GPU compiles the two
+    programs apart and contracts multiply-adds in each as it chooses, so there within a few float32 ulps."""
     from optax_sparse_adam import nnx as osa_nnx
 
     rng = np.random.default_rng(2)
@@ -119,9 +120,10 @@ def test_the_fused_step_through_cached_partial_equals_the_plain_call(kernel_path
         return loss
 
     cached = nnx.cached_partial(step, models[1], optimizers[1])
+    tol = {} if ON_CPU else {"rtol": 1e-6, "atol": 1e-7}
     for _ in range(3):
         batch, labels = _batch(rng), jnp.asarray(rng.standard_normal(16), jnp.float32)
-        assert_trees_equal(step(models[0], optimizers[0], batch, labels), cached(batch, labels))
-    assert_trees_equal(nnx.state(models[1]), nnx.state(models[0]))
-    assert_trees_equal(nnx.state(optimizers[1]), nnx.state(optimizers[0]))
+        assert_trees_equal(step(models[0], optimizers[0], batch, labels), cached(batch, labels), **tol)
+    assert_trees_equal(nnx.state(models[1]), nnx.state(models[0]), **tol)
+    assert_trees_equal(nnx.state(optimizers[1]), nnx.state(optimizers[0]), **tol)
     assert int(optimizers[1].step[...]) == 3

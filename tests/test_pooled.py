@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import hypothesis.strategies as st
 import jax
@@ -245,3 +246,37 @@ def test_value_and_row_grad_refuses_bags_for_another_table_and_arithmetic_on_the
 
     with pytest.raises(ValueError, match="ids"):
         osa.value_and_row_grad(shifted, lambda p: p["t"])(params, b)
+
+
+@pytest.mark.parametrize(
+    "backend, version, warns",
+    [
+        ("gpu", "0.11.0", True),
+        ("cuda", "0.10.2", True),
+        ("rocm", "0.10.3.dev20261001", True),
+        ("gpu", "0.11.1", False),
+        ("gpu", "0.11.2", False),
+        ("cpu", "0.11.0", False),
+        ("tpu", "0.10.2", False),
+    ],
+)
+def test_pooling_and_row_gradients_warn_of_a_gpu_jaxlib_with_the_slow_scatter_add(monkeypatch, backend, version, warns):
+    """A bag's sum and the gradient of rows read at repeated ids are scatter-adds whose updates collide; on a GPU,
+    jaxlib 0.10.2 to 0.11.0 run those 450 to 2,000 times slower (jax issue 38806): the library says so."""
+    from optax_sparse_adam import _row_ops
+
+    monkeypatch.setattr(_row_ops, "_platform", lambda: (backend, version))
+    params = {"t": jnp.arange(12.0).reshape(6, 2)}
+    b = osa.bags(jnp.array([[1, 2, 2], [4, -1, -1]]), 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        osa.pool(params["t"], b)
+        osa.value_and_row_grad(lambda p, b: osa.pool(p["t"], b).sum(), lambda p: p["t"])(params, b)
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if not warns:
+        assert not said, said
+        return
+    for where in ("pool", "value_and_row_grad"):
+        assert any(
+            m.startswith(f"{where} on a GPU with jaxlib {version}") and "jaxlib 0.11.1 or newer" in m for m in said
+        )

@@ -15,7 +15,7 @@ import optax_sparse_adam as osa
 from optax_sparse_adam._kernel_path import PREFIX
 from optax_sparse_adam._row_grad import distinct_ids
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
-from tests.helpers import needs_kernels
+from tests.helpers import ON_CPU, needs_kernels
 
 
 def _gather_reference(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -166,6 +166,24 @@ def _set_reference(table: np.ndarray, ids: np.ndarray, values: np.ndarray) -> np
     return out
 
 
+def _assert_set(got: jax.Array, table: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
+    """``got`` is ``table`` with ``values`` set at ``ids``, bitwise. The native kernel and XLA:CPU keep a repeated
+    id's last row; XLA:GPU's scatter leaves which one unspecified, element by element (a row can mix its entries'
+    elements; the library sets only distinct rows): there each element of a repeated id's row is one of its
+    entries'."""
+    got = np.asarray(got)
+    assert got.dtype == table.dtype
+    if ON_CPU:
+        assert got.tobytes() == _set_reference(table, ids, values).tobytes()
+        return
+    n = table.shape[0]
+    wrapped = np.where(ids < 0, ids.astype(np.int64) + n, ids)
+    bits = np.uint16  # both 16-bit float dtypes, compared by their bits (NaN, signed zeros)
+    for r in range(n):
+        candidates = table[r : r + 1] if not (wrapped == r).any() else values[wrapped == r]
+        assert (got[r].view(bits) == candidates.view(bits)).any(axis=0).all(), r
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("shape", [(50, 7), (50,), (50, 3, 2)])
 def test_scatter_rows_sets_half_float_rows_bitwise(dtype, shape, kernel_path):
@@ -179,7 +197,8 @@ def test_scatter_rows_sets_half_float_rows_bitwise(dtype, shape, kernel_path):
     hlo = step.lower(jnp.asarray(table), jnp.asarray(ids), jnp.asarray(values)).compile().as_text()
     assert (PREFIX + "set_rows" in hlo) == (kernel_path == "native-cpu")
     got = step(jnp.asarray(table), jnp.asarray(ids), jnp.asarray(values))
-    assert got.dtype == dtype and np.asarray(got).tobytes() == _set_reference(table, ids, values).tobytes()
+    assert got.dtype == dtype
+    _assert_set(got, table, ids, values)
 
 
 def test_scatter_rows_sets_half_float_rows_on_threads_under_vmap_and_in_place(kernel_path):
@@ -189,21 +208,21 @@ def test_scatter_rows_sets_half_float_rows_on_threads_under_vmap_and_in_place(ke
     values = rng.standard_normal((20_000, 16)).astype(jnp.bfloat16)
     with osa.use_kernels(kernel_path == "native-cpu", threads=4):
         got = jax.jit(lambda t, i, v: scatter_rows(t, i, v, "set"))(jnp.asarray(table), jnp.asarray(ids), values)
-    assert np.asarray(got).tobytes() == _set_reference(table, ids, values).tobytes()
+    _assert_set(got, table, ids, values)
     # vmapped over a batch of tables
     tables = jnp.asarray(rng.standard_normal((3, 20, 4)), jnp.float16)
     few = jnp.asarray(rng.integers(-2, 22, (3, 9)), jnp.int32)
     rows = jnp.asarray(rng.standard_normal((3, 9, 4)), jnp.float16)
     got = jax.jit(jax.vmap(lambda t, i, v: scatter_rows(t, i, v, "set")))(tables, few, rows)
     for b in range(3):
-        want = _set_reference(np.asarray(tables[b]), np.asarray(few[b]), np.asarray(rows[b]))
-        assert np.asarray(got[b]).tobytes() == want.tobytes()
-    # donated, the table is written in place: no temporary of its size (XLA:CPU's own scatter converts it)
+        _assert_set(got[b], np.asarray(tables[b]), np.asarray(few[b]), np.asarray(rows[b]))
+    # donated, the table is written in place: no temporary of its size (XLA:CPU's own scatter converts it; XLA:GPU
+    # scatters in place)
     big = jnp.zeros((200_000, 32), jnp.bfloat16)
     step = jax.jit(lambda t, i, v: scatter_rows(t, i, v, "set", unique=True), donate_argnums=(0,))
     compiled = step.lower(big, jnp.arange(64, dtype=jnp.int32), jnp.ones((64, 32), jnp.bfloat16)).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert (temp < big.nbytes // 4) == (kernel_path == "native-cpu"), temp
+    assert (temp < big.nbytes // 4) == (kernel_path == "native-cpu" or not ON_CPU), temp
 
 
 def test_scatter_rows_sets_rows_of_a_row_sharded_half_float_table(kernel_path):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._stochastic_rounding import _round_with
-from tests.helpers import assert_trees_equal
+from tests.helpers import ON_CPU, assert_trees_equal
 
 
 @functools.cache
@@ -195,7 +195,8 @@ def test_sparse_updates_of_half_float_tables_round_once_as_a_dense_update(dtype,
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_a_half_float_table_step_is_in_place(stochastic, kernel_path):
     """A bfloat16 table's step (``tx.update``, then its rows applied) writes only the touched rows: no temporary of
-    the table's size on the native path (XLA:CPU's own scatter into it converts the whole table to float32)."""
+    the table's size on the native path (XLA:CPU's own scatter into it converts the whole table to float32) and on a
+    GPU (XLA:GPU scatters into it in place)."""
     table = jnp.zeros((200_000, 32), jnp.bfloat16)
     tx = osa.sparse_rowwise_adam(1e-3, mu_dtype=jnp.float32)
 
@@ -206,7 +207,7 @@ def test_a_half_float_table_step_is_in_place(stochastic, kernel_path):
     args = (table, tx.init(table), jnp.arange(64, dtype=jnp.int32), jnp.ones((64, 32), jnp.float32), jax.random.key(0))
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert (temp < table.nbytes // 4) == (kernel_path == "native-cpu"), temp
+    assert (temp < table.nbytes // 4) == (kernel_path == "native-cpu" or not ON_CPU), temp
 
 
 def test_update_and_apply_with_a_key_rounds_half_float_tables_stochastically(kernel_path):
