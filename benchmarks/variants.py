@@ -77,8 +77,7 @@ VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sparse_rowwise_adam": lambda: osa.sparse_rowwise_adam(LR),
     "sparse_rowwise_adam, per-row bias correction": lambda: osa.sparse_rowwise_adam(LR, per_row_bias_correction=True),
     "sparse_rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(LR),
-    # Element-wise rules (csrc/elementwise.cc); momentum's catch-up runs its kernel fused only (its two calls: the
-    # XLA path).
+    # Element-wise rules (csrc/elementwise.cc), momentum's catch-up among them.
     "sparse_adagrad": lambda: osa.sparse_adagrad(LR),
     "sparse_ftrl": lambda: osa.sparse_ftrl(LR),
     "sparse_sgd(momentum=0.9)": lambda: osa.sparse_sgd(LR, momentum=0.9),

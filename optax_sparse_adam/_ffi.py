@@ -862,7 +862,7 @@ def elementwise_apply(
     return tuple(x.reshape(t.shape) for x, t in zip(out, (p, *tables), strict=True))
 
 
-def catch_up_momentum_apply(
+def catch_up_momentum(
     p: jax.Array,
     trace: jax.Array,
     last_step: jax.Array,
@@ -878,10 +878,14 @@ def catch_up_momentum_apply(
     cap: int,
     nesterov: bool,
     unique: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    rows: bool = False,
+) -> tuple[jax.Array, ...]:
     """``sparse_sgd(..., momentum, catch_up=True)``'s fused step: the momentum step, each touched row first taking
     the steps it sat out in closed form: ``(p, trace, last_step)``, each touched row's ``last_step`` recorded in
-    place as ``max(last_step, count)``.
+    place as ``max(last_step, count)``. With ``rows``, the leaf rule for ``tx.update``
+    (``catch_up_momentum_rows``): ``(trace, last_step, keys, step)``, ``p`` read and not written, the keys and step
+    rows packed as in :func:`sparse_adam_rows`, a row's step the XLA rule's update (the replayed row plus its step,
+    less the stored row, where it sat out steps).
 
     The kernel reads each touched row's idle steps from its record, ``idle = done - last`` (0 where ``last ==
     0``), and its two coefficients as ``_sgd``'s ``idle_coefficients`` computes them per row: ``C`` (the sum over
@@ -891,17 +895,30 @@ def catch_up_momentum_apply(
     attrs = _attrs(p.shape[0], cap=cap, nesterov=nesterov, unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, t: jax.Array, last: jax.Array, *rest: jax.Array):
-        out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, t, last))
-        return _ffi_call(
-            PREFIX + "catch_up_momentum_apply", out, input_output_aliases={0: 0, 1: 1, 2: 2}, vmap_method="sequential"
-        )(p, t, last, *rest, row_begin, **attrs)
+        if rows:
+            keys, values = rest[0], rest[1]
+            out = (
+                *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (t, last)),
+                jax.ShapeDtypeStruct(keys.shape, jnp.int32),
+                jax.ShapeDtypeStruct(values.shape, values.dtype),
+            )
+            aliases = {1: 0, 2: 1}
+        else:
+            out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, t, last))
+            aliases = {0: 0, 1: 1, 2: 2}
+        name = "catch_up_momentum_rows" if rows else "catch_up_momentum_apply"
+        return _ffi_call(PREFIX + name, out, input_output_aliases=aliases, vmap_method="sequential")(
+            p, t, last, *rest, row_begin, **attrs
+        )
 
     # Without per-key coefficients, an empty (0, 2) (z c).
     by_key = "k" if per_key is not None else "z"
     per_key = per_key if per_key is not None else jnp.zeros((0, 2), jnp.float32)
     counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
-    rule = f"n w, n w, n, k, k w, s, a, q, {by_key} c, o -> n w, n w, n"
-    new_p, new_t, new_last = _by_row_shards(fn, rule)(
-        _rows2d(p), _rows2d(trace), last_step, keys, _rows2d(values), scalars, window, powers, per_key, counts
-    )
+    operands = (_rows2d(p), _rows2d(trace), last_step, keys, _rows2d(values), scalars, window, powers, per_key, counts)
+    ins = f"n w, n w, n, k, k w, s, a, q, {by_key} c, o"
+    if rows:
+        new_t, new_last, out_keys, step = _by_row_shards(fn, ins + " -> n w, n, k, k w", summed=(3,))(*operands)
+        return new_t.reshape(trace.shape), new_last, out_keys, step.reshape(values.shape)
+    new_p, new_t, new_last = _by_row_shards(fn, ins + " -> n w, n w, n")(*operands)
     return new_p.reshape(p.shape), new_t.reshape(trace.shape), new_last

@@ -89,6 +89,7 @@ _SYMBOLS = {
     "ftrl_rows": "OptaxSparseAdamFtrlRows",
     "ftrl_apply": "OptaxSparseAdamFtrlApply",
     "catch_up_momentum_apply": "OptaxSparseAdamCatchUpMomentumApply",
+    "catch_up_momentum_rows": "OptaxSparseAdamCatchUpMomentumRows",
 }
 _MAX_ROWS = 2**31 - 1  # keys are int32, and the padding key num_rows must be one too
 

@@ -36,7 +36,16 @@ from optax_sparse_adam._catch_up import (
 )
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import Clipped, FusableUpdate
-from optax_sparse_adam._row_engine import Rule, apply_rule, elementwise_kernel, map_rule, row_full, stamp
+from optax_sparse_adam._row_engine import (
+    Arrays,
+    Kernel,
+    Rule,
+    apply_rule,
+    elementwise_kernel,
+    map_rule,
+    row_full,
+    stamp,
+)
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, param_error
@@ -243,6 +252,8 @@ def _catch_up_sgd(
             step = jnp.asarray(-lr, dtype=u.dtype) * u  # as optax.scale_by_learning_rate
             return caught_up_update(p0, p_idle, step, moved), (t, stamp(last, count))
 
+        kernel = fusion.rows_kernel(done, count, lr)
+
         def leaf(path: Any, g: Any, m: Any, last: Any, p: Any) -> tuple[Any, Any, Any]:
             if g is None:
                 return None, m, last
@@ -254,7 +265,9 @@ def _catch_up_sgd(
                     f"the trace has shape {jnp.shape(m)} but the parameter has shape {jnp.shape(p)}: the state "
                     "was built for other parameters; build it with `tx.init(params)`",
                 )
-            out, (m, last) = apply_rule(path, g, jnp.shape(p), (m, last), (p,), rule, where, whole_rows=True)
+            out, (m, last) = apply_rule(
+                path, g, jnp.shape(p), (m, last), (p,), rule, where, whole_rows=True, kernel=kernel
+            )
             return out, m, last
 
         trees = [(state.trace, "trace"), (state.last_step, "last_step"), (params, "parameters")]
@@ -295,37 +308,83 @@ class CatchUpMomentumFusion(NamedTuple):
         window of ``C`` by idle steps and the momentum's table of powers; else they are computed here per key, as
         the XLA path computes them per row."""
         trace, last = state
-        keys = leaf.keys[:, 0]
-        window = jnp.zeros((1,), jnp.float32)
-        powers = jnp.zeros((1024,), jnp.float32)
-        per_key = None
-        cap = 0
-        table = None if callable(self.learning_rate) else _geometric_table(self.momentum, self.cap, self.nesterov)
-        if table is not None:
-            cap = self.cap
-            if cap > 0:  # C of rows idle d = 1 .. cap steps, in entry d - 1: idle_coefficients' product
-                window = jnp.asarray(self.learning_rate, jnp.float32) * jnp.asarray(table[1:])
-            powers = jnp.asarray(_base_table(float(self.momentum)).reshape(-1))
-        else:
-            per_key = self.idle_coefficients(of_keys(last, keys), done)[1]
         if clip is not None:
             scalars = clip.append_to(scalars)
-        return _ffi.catch_up_momentum_apply(
+        return self._kernel(p, trace, last, leaf, scalars, done, count)
+
+    def _kernel(
+        self,
+        p: jax.Array,
+        trace: jax.Array,
+        last: jax.Array,
+        leaf: SparseLeaf,
+        scalars: jax.Array,
+        done: jax.Array,
+        count: jax.Array,
+        *,
+        rows: bool = False,
+    ) -> tuple[jax.Array, ...]:
+        """One of the two kernels (:func:`._ffi.catch_up_momentum`) on ``leaf``, with its coefficient operands."""
+        keys = leaf.keys[:, 0]
+        return _ffi.catch_up_momentum(
             p,
             trace,
             last,
             keys,
             leaf.values,
             scalars,
-            window,
-            powers,
-            per_key,
+            *self.idle_operands(last, keys, done),
             count,
             done,
-            cap=cap,
+            cap=self.kernel_cap(),
             nesterov=self.nesterov,
             unique=_kernel_path.unique_flag(leaf),
+            rows=rows,
         )
+
+    def kernel_cap(self) -> int:
+        """The window's length the kernels take: :func:`idle_cap` at a constant learning rate and momentum, else 0
+        (their coefficients per key)."""
+        return int(self.cap) if self._table() is not None else 0
+
+    def _table(self) -> np.ndarray | None:
+        return None if callable(self.learning_rate) else _geometric_table(self.momentum, self.cap, self.nesterov)
+
+    def idle_operands(
+        self, last: jax.Array, keys: jax.Array, done: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """The kernels' coefficient operands ``(window, powers, per_key)``: at a constant learning rate and
+        momentum the window of ``C`` by idle steps and the momentum's table of powers, from which the kernel picks
+        each touched row's coefficients itself; else ``per_key``, computed here as the XLA path computes them per
+        row."""
+        window = jnp.zeros((1,), jnp.float32)
+        powers = jnp.zeros((1024,), jnp.float32)
+        table = self._table()
+        if table is None:
+            return window, powers, self.idle_coefficients(of_keys(last, keys), done)[1]
+        if self.cap > 0:  # C of rows idle d = 1 .. cap steps, in entry d - 1: idle_coefficients' product
+            window = jnp.asarray(self.learning_rate, jnp.float32) * jnp.asarray(table[1:])
+        return window, jnp.asarray(_base_table(float(self.momentum)).reshape(-1)), None
+
+    def rows_kernel(self, done: jax.Array, count: jax.Array, lr: Any) -> Kernel:
+        """The catch-up momentum rows kernel in the XLA rule's place (``tx.update`` on the CPU): float32 tables,
+        a per-row ``int32`` record; ``lr`` the step's learning rate."""
+        scalars = _ffi.float32_scalars(self.momentum, -jnp.asarray(lr, jnp.float32))
+
+        def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
+            (p,), (trace, last) = reads, state
+            return (
+                last.dtype == jnp.int32
+                and last.shape == p.shape[:1]
+                and _kernel_path.supports(leaf.shape, leaf.n_sparse, trace, p, leaf.values)
+            )
+
+        def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
+            (p,), (trace, last) = reads, state
+            trace, last, keys, step = self._kernel(p, trace, last, leaf, scalars, done, count, rows=True)
+            return keys[:, None], step, (trace, last)
+
+        return Kernel(supports, run)
 
 
 def _geometric_table(momentum: Any, cap: Any, nesterov: bool) -> np.ndarray | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -492,14 +493,31 @@ def test_vmapped_step_equals_the_unbatched_steps(name):
             assert_trees_equal(jax.tree.map(lambda x, i=i: x[i], out), one)
 
 
-# --- Momentum with catch-up: the fused kernel. ---
+# --- Momentum with catch-up: the fused kernel (update_and_apply) and the rows kernel (tx.update's two calls). ---
+
+DOORS = ["fused", "two calls"]
 
 
-def _catch_up_run(tx, p, s, batches, kernels: bool):
-    step = jax.jit(lambda p, s, ids, values: osa.update_and_apply(tx, osa.IndexedRows(ids, values, p.shape[0]), s, p))
+def _catch_up_step(tx, door: str):
+    def step(p, s, ids, values):
+        g = osa.IndexedRows(ids, values, p.shape[0])
+        if door == "fused":
+            return osa.update_and_apply(tx, g, s, p)
+        u, s = tx.update(g, s, p)
+        return osa.apply_updates(p, u), s
+
+    return step
+
+
+def _catch_up_run(tx, p, s, batches, kernels: bool, door: str = "fused"):
+    step = jax.jit(_catch_up_step(tx, door))
+    kernel = "catch_up_momentum_apply" if door == "fused" else "catch_up_momentum_rows"
     with osa.use_kernels(kernels):
         # Compiled: a row-sharded table's kernel call is placed by the partitioner.
-        assert ("catch_up_momentum_apply" in step.lower(p, s, *batches[0]).compile().as_text()) == kernels
+        text = step.lower(p, s, *batches[0]).compile().as_text()
+        called = set(re.findall(f'custom_call_target="{_kernel_path.PREFIX}(\\w+)"', text))
+        other = "catch_up_momentum_rows" if door == "fused" else "catch_up_momentum_apply"
+        assert (kernel in called) == kernels and other not in called, called
         for ids, values in batches:
             p, s = step(p, s, ids, values)
     return p, s
@@ -519,14 +537,15 @@ def _zipf_batches(rng):
 @needs_kernels
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("lr", [LR, SCHEDULE], ids=["constant", "schedule"])
-def test_catch_up_momentum_fused_equals_the_xla_path(lr, nesterov):
+@pytest.mark.parametrize("door", DOORS)
+def test_catch_up_momentum_fused_equals_the_xla_path(lr, nesterov, door):
     """Forty Zipf steps over 300 rows, most of them idle for a while: the last steps bitwise; Nesterov's parameters
     and trace bitwise; the plain trace's sum rounds as lazy momentum's does, its drift within a few ulps."""
     tx = osa.sparse_sgd(lr, MU, nesterov, catch_up=True)
     rng = np.random.default_rng([30, nesterov])
     p = jnp.asarray(rng.standard_normal((300, 8)), jnp.float32)
     batches = _zipf_batches(rng)
-    native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels) for kernels in (True, False))
+    native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels, door) for kernels in (True, False))
     assert_trees_equal(native[1].last_step, xla[1].last_step)
     assert int(native[1].count) == 40
     if nesterov:
@@ -538,7 +557,8 @@ def test_catch_up_momentum_fused_equals_the_xla_path(lr, nesterov):
 
 
 @needs_kernels
-def test_catch_up_momentum_with_an_injected_momentum_takes_its_coefficients_per_key():
+@pytest.mark.parametrize("door", DOORS)
+def test_catch_up_momentum_with_an_injected_momentum_takes_its_coefficients_per_key(door):
     """A momentum injected (traced: no table of its powers, no window) reaches the kernel as coefficients per key,
     computed as the XLA path computes them per row: Nesterov's parameters, trace and last steps bitwise the XLA
     path's over forty Zipf steps."""
@@ -548,14 +568,15 @@ def test_catch_up_momentum_with_an_injected_momentum_takes_its_coefficients_per_
     rng = np.random.default_rng(33)
     p = jnp.asarray(rng.standard_normal((300, 8)), jnp.float32)
     batches = _zipf_batches(rng)
-    native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels) for kernels in (True, False))
+    native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels, door) for kernels in (True, False))
     assert_trees_equal(native, xla)
     assert int(native[1].inner_state.count) == 40
 
 
 @needs_kernels
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_catch_up_momentum_rows_idle_for_any_count(nesterov):
+@pytest.mark.parametrize("door", DOORS)
+def test_catch_up_momentum_rows_idle_for_any_count(nesterov, door):
     """One step from a state whose rows sat out 0 to 2**30 steps (and rows that never moved): the kernel's caught-up
     rows as the XLA path's, from the same coefficients."""
     tx = osa.sparse_sgd(LR, MU, nesterov, catch_up=True)
@@ -574,7 +595,7 @@ def test_catch_up_momentum_rows_idle_for_any_count(nesterov):
             jnp.asarray(rng.standard_normal((30, 6)), jnp.float32),
         )
     ]
-    native, xla = (_catch_up_run(tx, p, s, batch, kernels) for kernels in (True, False))
+    native, xla = (_catch_up_run(tx, p, s, batch, kernels, door) for kernels in (True, False))
     assert_trees_equal(native[1].last_step, xla[1].last_step)
     assert_trees_equal(native[1].trace, xla[1].trace)  # distinct ids: one entry a row
     if nesterov:
@@ -584,7 +605,60 @@ def test_catch_up_momentum_rows_idle_for_any_count(nesterov):
 
 
 @needs_kernels
-def test_catch_up_momentum_fuses_after_global_norm_clipping():
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize(
+    ("tail", "kind"), [((1,), "extreme"), ((), "dups"), ((513,), "promised"), ((3, 4), "dups"), ((5,), "distinct")]
+)
+def test_catch_up_momentum_shapes_padding_promises_and_threads(tail, kind, door):
+    """Widths 1 and 513, a 1-D and a 3-D table, int32 extremes as padding, duplicates and promised-distinct ids, from
+    a state whose rows sat out 0 to 9 steps (and never moved): Nesterov's trace and records bitwise the XLA path's,
+    its parameters within a rounding of the replayed row and one of the new (at some widths XLA:CPU contracts the
+    replay's ``p - C t`` into a multiply-add in some elements and not in others; the kernel always does),
+    and the same bits on 1 and 4 threads."""
+    tx = osa.sparse_sgd(LR, MU, True, catch_up=True)
+    rng = np.random.default_rng([50, len(tail), sum(tail), len(kind)])
+    p = jnp.asarray(rng.standard_normal((ROWS, *tail)), jnp.float32)
+    s = tx.init(p)._replace(
+        count=jnp.int32(10),
+        trace=jnp.asarray(rng.standard_normal((ROWS, *tail)), jnp.float32),
+        last_step=jnp.asarray(rng.integers(0, 11, ROWS), jnp.int32),
+    )
+    ids, values = map(jnp.asarray, _batch(rng, kind, 24, tail))
+    step = jax.jit(_step(tx, door == "fused", kind == "promised"))
+    outs = {}
+    for kernels, threads in ((False, None), (True, 1), (True, 4)):
+        with osa.use_kernels(kernels, threads=threads):
+            text = step.lower(p, s, ids, values).as_text()
+            assert ("catch_up_momentum_" + ("apply" if door == "fused" else "rows") in text) == kernels
+            outs[kernels, threads] = step(p, s, ids, values)[:2]
+    assert_trees_equal(outs[True, 1], outs[True, 4])
+    (pn, sn), (px, sx) = outs[True, 1], outs[False, None]
+    assert_trees_equal((sn.trace, sn.last_step, sn.count), (sx.trace, sx.last_step, sx.count))
+    # One rounding of the replayed row p - C t apart (C < lr mu**2 / (1 - mu) with Nesterov), then of the new one.
+    replayed = np.abs(np.asarray(p)) + LR * MU**2 / (1 - MU) * np.abs(np.asarray(s.trace))
+    ulps = np.spacing(replayed.astype(F32)) + np.spacing(np.abs(np.asarray(px)))
+    assert np.all(np.abs(np.asarray(pn) - np.asarray(px)) <= ulps)
+    assert int(sn.last_step.max()) == 11
+
+
+@needs_kernels
+@pytest.mark.parametrize("door", DOORS)
+def test_catch_up_momentum_in_place_under_donation(door):
+    """Donated, the table, trace and records are updated in place: temporaries of the batch's size only."""
+    tx = osa.sparse_sgd(LR, MU, catch_up=True)
+    temps = {}
+    for rows in (1_000, 100_000):
+        step = jax.jit(_step(tx, door == "fused", num_rows=rows), donate_argnums=(0, 1))
+        args = _step_args(tx, rows, 16)
+        temps[rows] = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    report = osa.step_report(step, *args, min_bytes=100_000 * 4)
+    assert report.in_place and report.kernel_path == "native-cpu", str(report)
+    assert temps[100_000] == temps[1_000] < 1_000 * 16 * 4
+
+
+@needs_kernels
+@pytest.mark.parametrize("door", DOORS)
+def test_catch_up_momentum_fuses_after_global_norm_clipping(door):
     """``chain(sparse_aware(clip_by_global_norm), sparse_sgd(..., catch_up=True))``: one fused pass, which clips
     each summed row as it reads the entries; the XLA path's numbers to a rounding (XLA may fuse the clipping's
     product into the trace's multiply-add)."""
@@ -593,7 +667,7 @@ def test_catch_up_momentum_fuses_after_global_norm_clipping():
     p = jnp.asarray(rng.standard_normal((100, 6)), jnp.float32)
     ids = [jnp.asarray((rng.zipf(1.3, 24) - 1) % 100, jnp.int32) for _ in range(12)]
     batches = [(i, jnp.asarray(rng.standard_normal((24, 6)), jnp.float32)) for i in ids]
-    native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels) for kernels in (True, False))
+    native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels, door) for kernels in (True, False))
     assert_trees_equal(native, xla, rtol=2e-6, atol=1e-6)
     assert int(optax.tree.get(native[1], "CatchUpSgdState").last_step.max()) == 12
 
@@ -650,7 +724,8 @@ def test_ftrl_with_injected_power_is_the_xla_path_bitwise():
 
 
 @needs_kernels
-def test_catch_up_momentum_sharded_vmapped_and_empty():
+@pytest.mark.parametrize("door", DOORS)
+def test_catch_up_momentum_sharded_vmapped_and_empty(door):
     """The catch-up kernel on a table and record split by rows over 8 devices, under vmap, and on an empty batch."""
     tx = osa.sparse_sgd(LR, MU, True, catch_up=True)
     rng = np.random.default_rng(42)
@@ -663,13 +738,13 @@ def test_catch_up_momentum_sharded_vmapped_and_empty():
     mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
     by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
     place = functools.partial(jax.tree.map, lambda x: jax.device_put(x, by_rows if x.ndim else None))
-    one = _catch_up_run(tx, p0, tx.init(p0), batches, kernels=True)
-    sharded = _catch_up_run(tx, place(p0), place(tx.init(p0)), batches, kernels=True)
+    one = _catch_up_run(tx, p0, tx.init(p0), batches, kernels=True, door=door)
+    sharded = _catch_up_run(tx, place(p0), place(tx.init(p0)), batches, kernels=True, door=door)
     assert sharded[0].sharding.is_equivalent_to(by_rows, 2)
     assert sharded[1].last_step.sharding.is_equivalent_to(by_rows, 1)
     assert_trees_equal(sharded, one)
 
-    step = jax.jit(lambda p, s, ids, v: osa.update_and_apply(tx, osa.IndexedRows(ids, v, rows), s, p))
+    step = jax.jit(_catch_up_step(tx, door))
     starts = [(p0, tx.init(p0)), one]
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *[(*a, *b) for a, b in zip(starts, batches[:2], strict=True)])
     out = jax.jit(jax.vmap(step))(*stacked)

@@ -23,7 +23,7 @@
 //     z' = z + fma(-s, p, gs),  p_new = |z'| > l1 ? fma(sign(z'), l1, -z') / fma(root(n'), 1 / alpha, q0) : 0
 //     (with `divides`: s = (root(n') - root(n)) / alpha, and root(n') / alpha + q0 in the last denominator),
 //     u = p_new - p,  p' = p + u (apply_updates' sum: p_new to within a rounding, as on the XLA path).
-// And one fused handler with catch-up:
+// And the two handlers of momentum with catch-up:
 //   catch_up_momentum_apply (p, trace, last_step, keys, values, scalars, window, powers, per_key, counts)
 //       -> (p, trace, last_step)
 //     sparse_sgd(momentum, catch_up=True)'s step: a row that sat out idle > 0 steps since its record first takes
@@ -34,6 +34,9 @@
 //     then the momentum step from t, and p' = p + ((q + neg_lr u) - p), the update the XLA path rounds and
 //     applies (p' = p + neg_lr u for a row that did not sit out); each touched row's record takes the step's
 //     count in place, last_step = max(last_step, count).
+//   catch_up_momentum_rows (the same operands) -> (trace, last_step, keys, step)
+//     the leaf rule for tx.update: p read, not written; the step rows, packed as the rows handlers pack theirs,
+//     hold the XLA rule's update, (q + neg_lr u) - p where the row sat out steps and neg_lr u elsewhere.
 // Per entry, with the expressions XLA:CPU compiles the XLA path to (it contracts a product into the following
 // add, and turns a division by a constant scalar into a multiplication by its reciprocal); built with
 // -ffp-contract=off so that only the fused multiply-adds written here occur. The apply handlers take the
@@ -135,11 +138,14 @@ struct IdleRecords {
   int32_t count, done;
 };
 
-template <bool kNesterov>
+// kApplies: p (`out`, the parameters) updated in place; else p read (`p`) and the update written to `out` at the
+// row's slot.
+template <bool kApplies, bool kNesterov>
 struct CatchUpMomentumRule {
-  static constexpr bool kApply = true;
+  static constexpr bool kApply = kApplies;
   float momentum, neg_lr;
   float* trace;
+  const float* p;  // the parameters (apply: p == out)
   float* out;
   IdleRecords keys;
   int64_t width;
@@ -148,14 +154,15 @@ struct CatchUpMomentumRule {
 
   OSA_ROW_INLINE void Prefetch(int64_t r) const {
     PrefetchRow(trace + r * width, width);
-    PrefetchRow(out + r * width, width);
+    PrefetchRow(p + r * width, width);
     __builtin_prefetch(keys.last_step + r, 1, 3);
   }
 
-  OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t, int64_t entry, float*) const {
+  OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t slot, int64_t entry, float*) const {
     const float mu = momentum, neg_lr_ = neg_lr;
     float* __restrict t = trace + r * width;
-    float* __restrict q = out + r * width;
+    const float* pr = p + r * width;  // may be dst (apply): read before written, entry by entry
+    float* dst = kApply ? out + r * width : out + slot * width;
     const int32_t last = keys.last_step[r];
     keys.last_step[r] = std::max(last, keys.count);
     const int32_t idle = IdleSince(keys.done, last);
@@ -163,7 +170,12 @@ struct CatchUpMomentumRule {
       for (int64_t j = 0; j < width; ++j) {
         const float tn = kNesterov ? std::fma(t[j], mu, g[j]) : g[j] + mu * t[j];
         t[j] = tn;
-        q[j] = q[j] + neg_lr_ * (kNesterov ? std::fma(tn, mu, g[j]) : tn);
+        const float step = neg_lr_ * (kNesterov ? std::fma(tn, mu, g[j]) : tn);
+        if constexpr (kApply) {
+          dst[j] = pr[j] + step;
+        } else {
+          dst[j] = step;
+        }
       }
       return;
     }
@@ -176,13 +188,18 @@ struct CatchUpMomentumRule {
       decay = TablePower(keys.powers, idle);
     }
     for (int64_t j = 0; j < width; ++j) {
-      const float p0 = q[j];
+      const float p0 = pr[j];
       const float caught = std::fma(-c, t[j], p0);
       const float m = t[j] * decay;
       const float tn = kNesterov ? std::fma(m, mu, g[j]) : g[j] + mu * m;
       t[j] = tn;
       const float step = neg_lr_ * (kNesterov ? std::fma(tn, mu, g[j]) : tn);
-      q[j] = p0 + ((caught + step) - p0);
+      const float update = (caught + step) - p0;
+      if constexpr (kApply) {
+        dst[j] = p0 + update;
+      } else {
+        dst[j] = update;
+      }
     }
   }
 };
@@ -396,15 +413,12 @@ ffi::Error MomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi:
                        });
 }
 
-ffi::Error CatchUpMomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> trace,
-                                    ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::S32> keys,
-                                    ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                                    ffi::BufferR1<ffi::F32> window, ffi::BufferR1<ffi::F32> powers,
-                                    ffi::BufferR2<ffi::F32> per_key, ffi::BufferR1<ffi::S32> counts,
-                                    ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
-                                    ffi::ResultBuffer<ffi::F32> trace_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
-                                    int64_t num_rows, int64_t cap, int64_t nesterov, int64_t unique, int64_t threads) {
-  const auto k = static_cast<int64_t>(keys.element_count());
+// The catch-up momentum handlers' coefficient operands, checked (k keys), and each touched row's records, read
+// into their result; `records` is set.
+ffi::Error ReadIdleRecords(const ffi::BufferR1<ffi::S32>& last_step, const ffi::BufferR1<ffi::F32>& window,
+                           const ffi::BufferR1<ffi::F32>& powers, const ffi::BufferR2<ffi::F32>& per_key,
+                           const ffi::BufferR1<ffi::S32>& counts, ffi::ResultBufferR1<ffi::S32>& last_step_out,
+                           int64_t k, int64_t cap, const Shard& shard, IdleRecords& records) {
   const bool by_key = per_key.element_count() != 0;
   if (by_key && (per_key.dimensions()[0] != k || per_key.dimensions()[1] != 2))
     return ffi::Error::InvalidArgument("per_key must be empty or hold 2 values per key");
@@ -413,29 +427,80 @@ ffi::Error CatchUpMomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     return ffi::Error::InvalidArgument("without per_key, window must hold C for each idle count up to cap and "
                                        "powers the momentum's table");
   if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
+  if (static_cast<int64_t>(last_step.element_count()) != shard.local_rows ||
+      last_step_out->element_count() != last_step.element_count())
+    return ffi::Error::InvalidArgument("last_step must have one entry per row");
+  int32_t* last = last_step_out->typed_data();
+  CopyIfNotAliased(last, last_step.typed_data(), last_step.element_count());
+  records = IdleRecords{by_key ? nullptr : window.typed_data(), cap,  by_key ? nullptr : powers.typed_data(),
+                        by_key ? per_key.typed_data() : nullptr, last, counts.typed_data()[0],
+                        counts.typed_data()[1]};
+  return ffi::Error::Success();
+}
+
+template <bool kApply>
+void RunCatchUpMomentum(ffi::ThreadPool& pool, bool nesterov, const float* x, float* trace, const float* p,
+                        float* out, const IdleRecords& records, int64_t width, const Options& o,
+                        const ffi::BufferR1<ffi::S32>& keys, const Shard& shard, const ffi::Buffer<ffi::F32>& values,
+                        int32_t* out_keys) {
+  const int32_t* k = keys.typed_data();
+  const auto n = static_cast<int64_t>(keys.element_count());
+  if (nesterov) {
+    Run(pool, CatchUpMomentumRule<kApply, true>{x[0], x[1], trace, p, out, records, width}, o, k, n, shard,
+        values.typed_data(), out_keys);
+  } else {
+    Run(pool, CatchUpMomentumRule<kApply, false>{x[0], x[1], trace, p, out, records, width}, o, k, n, shard,
+        values.typed_data(), out_keys);
+  }
+}
+
+#define OSA_CATCH_UP_MOMENTUM_ARGS                                                                                \
+  ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> trace, ffi::BufferR1<ffi::S32> last_step, \
+      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,              \
+      ffi::BufferR1<ffi::F32> window, ffi::BufferR1<ffi::F32> powers, ffi::BufferR2<ffi::F32> per_key,          \
+      ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin
+
+ffi::Error CatchUpMomentumApplyImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer<ffi::F32> p_out,
+                                    ffi::ResultBuffer<ffi::F32> trace_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
+                                    int64_t num_rows, int64_t cap, int64_t nesterov, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
   return OneTableApply(
       p, trace, keys, values, scalars, row_begin, p_out, trace_out, num_rows,
       [&](float* t, float* q, int64_t width, const Shard& shard, const Clip& clip) {
-        if (static_cast<int64_t>(last_step.element_count()) != shard.local_rows ||
-            last_step_out->element_count() != last_step.element_count())
-          return ffi::Error::InvalidArgument("last_step must have one entry per row");
-        int32_t* last = last_step_out->typed_data();
-        CopyIfNotAliased(last, last_step.typed_data(), last_step.element_count());
-        const IdleRecords records{by_key ? nullptr : window.typed_data(), cap,
-                                  by_key ? nullptr : powers.typed_data(), by_key ? per_key.typed_data() : nullptr,
-                                  last,                                  counts.typed_data()[0],
-                                  counts.typed_data()[1]};
-        const float* x = scalars.typed_data();
-        const Options o{unique, threads, clip};
-        if (nesterov != 0) {
-          Run(pool, CatchUpMomentumRule<true>{x[0], x[1], t, q, records, width}, o, keys.typed_data(), k, shard,
-              values.typed_data(), nullptr);
-        } else {
-          Run(pool, CatchUpMomentumRule<false>{x[0], x[1], t, q, records, width}, o, keys.typed_data(), k, shard,
-              values.typed_data(), nullptr);
-        }
+        IdleRecords records{};
+        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap, shard,
+                                           records);
+            e.failure())
+          return e;
+        RunCatchUpMomentum<true>(pool, nesterov != 0, scalars.typed_data(), t, q, q, records, width,
+                                 Options{unique, threads, clip}, keys, shard, values, nullptr);
         return ffi::Error::Success();
       });
+}
+
+ffi::Error CatchUpMomentumRowsImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer<ffi::F32> trace_out,
+                                   ffi::ResultBufferR1<ffi::S32> last_step_out,
+                                   ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
+                                   int64_t num_rows, int64_t cap, int64_t nesterov, int64_t unique, int64_t threads) {
+  const auto k = static_cast<int64_t>(keys.element_count());
+  Shard shard{num_rows, *row_begin.typed_data(), 0};
+  int64_t width = 0;
+  if (ffi::Error e = CheckTables(trace.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
+  if (ffi::Error e = CheckSame(p, trace); e.failure()) return e;
+  if (ffi::Error e = CheckScalars(scalars, 2, false); e.failure()) return e;
+  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values);
+      e.failure())
+    return e;
+  IdleRecords records{};
+  if (ffi::Error e =
+          ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap, shard, records);
+      e.failure())
+    return e;
+  float* t = trace_out->typed_data();
+  CopyIfNotAliased(t, trace.typed_data(), trace.element_count());
+  RunCatchUpMomentum<false>(pool, nesterov != 0, scalars.typed_data(), t, p.typed_data(), step_out->typed_data(),
+                            records, width, Options{unique, threads}, keys, shard, values, keys_out->typed_data());
+  return ffi::Error::Success();
 }
 
 // ---- FTRL.
@@ -651,25 +716,38 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamFtrlApply, optax_sparse_adam::FtrlA
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
+// The catch-up momentum handlers' operands, through row_begin.
+#define OSA_CATCH_UP_MOMENTUM_BIND                                                            \
+  ffi::Ffi::Bind()                                                                            \
+      .Ctx<ffi::ThreadPool>()                                                                 \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* p */                                                \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* trace */                                            \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* last_step: per row, the step recorded */            \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* keys */                                             \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* values */                                           \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* scalars */                                          \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* window: C of rows idle 1 .. cap steps */            \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* powers: the momentum's table */                     \
+      .Arg<ffi::BufferR2<ffi::F32>>()  /* per_key: C, momentum**idle, or empty */             \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* counts: the step's (recorded), done */              \
+      .Arg<ffi::BufferR0<ffi::S32>>()  /* row_begin: first row held */
+
+#define OSA_CATCH_UP_MOMENTUM_ATTRS \
+  .Attr<int64_t>("num_rows")        \
+      .Attr<int64_t>("cap")         \
+      .Attr<int64_t>("nesterov")    \
+      .Attr<int64_t>("unique")      \
+      .Attr<int64_t>("threads")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumApply, optax_sparse_adam::CatchUpMomentumApplyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // p
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // trace
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last_step: per row, the step recorded
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
-                                  .Arg<ffi::BufferR1<ffi::F32>>()  // scalars
-                                  .Arg<ffi::BufferR1<ffi::F32>>()  // window: C of rows idle 1 .. cap steps
-                                  .Arg<ffi::BufferR1<ffi::F32>>()  // powers: the momentum's table
-                                  .Arg<ffi::BufferR2<ffi::F32>>()  // per_key: C, momentum**idle, or empty
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // counts: the step's (recorded), done
-                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // trace
-                                  .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<int64_t>("cap")
-                                  .Attr<int64_t>("nesterov")
-                                  .Attr<int64_t>("unique")
-                                  .Attr<int64_t>("threads"));
+                              OSA_CATCH_UP_MOMENTUM_BIND.Ret<ffi::Buffer<ffi::F32>>()  // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()                        // trace
+                                  .Ret<ffi::BufferR1<ffi::S32>>()                      // last_step
+                                      OSA_CATCH_UP_MOMENTUM_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumRows, optax_sparse_adam::CatchUpMomentumRowsImpl,
+                              OSA_CATCH_UP_MOMENTUM_BIND.Ret<ffi::Buffer<ffi::F32>>()  // trace
+                                  .Ret<ffi::BufferR1<ffi::S32>>()                      // last_step
+                                  .Ret<ffi::Buffer<ffi::S32>>()                        // keys, packed
+                                  .Ret<ffi::Buffer<ffi::F32>>()                        // step rows
+                                      OSA_CATCH_UP_MOMENTUM_ATTRS);
