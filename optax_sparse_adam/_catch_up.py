@@ -774,10 +774,10 @@ def _kernel_operands(
 def _rows_kernel(
     replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array, adamw: AdamWLeaf | None = None
 ) -> Kernel:
-    """The catch-up Adam rows kernel in the XLA rule's place (``tx.update`` on the CPU; with ``adamw``, AdamW's rule
-    on a leaf its mask decays): where the kernel takes every row itself (:func:`_may_flag`: a constant learning rate
-    and weight decay, a table of bias corrections) and the closed form applies to float32 tables; elsewhere (and on
-    a leaf AdamW's mask leaves out) the XLA rule runs."""
+    """The catch-up Adam rows kernel in the XLA rule's place (``tx.update`` on the CPU; with ``adamw``, AdamW's rule,
+    with its decay on a leaf its mask decays, and Adam's catch-up with AdamW's record on one it leaves out): where
+    the kernel takes every row itself (:func:`_may_flag`: a constant learning rate and weight decay, a table of bias
+    corrections) and the closed form applies to float32 tables; elsewhere the XLA rule runs."""
     hp = replayer.hp
     decay = None if adamw is None else adamw.decay.of(adamw.flag, None)
 
@@ -788,8 +788,7 @@ def _rows_kernel(
         (p,), last = reads, state[2]
         plan = plan_of(state, p)
         return (
-            (adamw is None or decay is not None)
-            and plan is not None
+            plan is not None
             and (plan.cap == 0 or plan.table is not None)
             and not _may_flag(plan, replayer, decay)
             and last.dtype == jnp.int32
@@ -803,15 +802,15 @@ def _rows_kernel(
         plan = plan_of(state, p)
         assert plan is not None, "supports() checks the plan"
         extra: tuple[jax.Array, ...] = ()
-        weights = new_log = None
+        weights = None
         if decay is not None:
-            assert adamw is not None
-            extra, new_log = (jnp.asarray(decay.weight_decay),), adamw.new_log
+            extra = (jnp.asarray(decay.weight_decay),)
             weights = _DecayWeights(decay, replayer, None, done, plan.cap)
         scalars = kernel_scalars(hp, count, -jnp.asarray(lr, jnp.float32), *extra)
-        ops = _kernel_operands(plan, replayer, done, decay, weights, None, 0.0 if new_log is None else new_log)
+        new_log = adamw.new_log if adamw is not None else 0.0
+        ops = _kernel_operands(plan, replayer, done, decay, weights, None, new_log)
         keys, flags = leaf.keys[:, 0], kernel_flags(hp, leaf)
-        mark = state[3] if decay is not None else None
+        mark = state[3] if adamw is not None else None
         m, v, last, mark, keys, out, _ = _ffi.catch_up_adam_rows(
             p,
             m,
@@ -825,7 +824,7 @@ def _rows_kernel(
             count,
             done,
             cap=plan.cap,
-            decay=mark is not None,
+            decay=decay is not None,
             **flags,
         )
         return keys[:, None], out, (m, v, last) if mark is None else (m, v, last, mark)

@@ -367,7 +367,7 @@ def test_native_step_equals_the_xla_path(case: str, door: str) -> None:
     decays, those never touched too, and its record of the decay (``decay_mark``, ``log_decay``) is bitwise; a
     table its mask leaves out takes Adam's catch-up. The two calls (``tx.update``, then ``apply_updates``) at a
     constant rate run the rows kernel, each row replayed and stepped as the fused step's kernel takes it, within
-    the same bound; under a schedule, and on a table AdamW's mask leaves out, the XLA rule runs."""
+    the same bound (a table AdamW's mask leaves out too); under a schedule the XLA rule runs."""
     rows, width, k = 200, 8, 48
     kwargs: dict[str, Any] = {
         "optax": {},
@@ -403,7 +403,7 @@ def test_native_step_equals_the_xla_path(case: str, door: str) -> None:
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
     if door == "two calls":
-        rows_kernel = not schedule and case not in ("no series (eps_root)", "adamw masked out")
+        rows_kernel = not schedule and case != "no series (eps_root)"
         assert (PREFIX + "catch_up_adam_rows" in text) == rows_kernel and PREFIX + "catch_up_adam_apply" not in text
     else:
         assert (PREFIX + "catch_up_adam_apply" in text) == (case != "no series (eps_root)")
@@ -419,6 +419,38 @@ def test_native_step_equals_the_xla_path(case: str, door: str) -> None:
         assert_trees_equal(sn, sx)  # the moments, last steps, count (and AdamW's record of the decay)
         np.testing.assert_allclose(np.asarray(pn), np.asarray(px), rtol=0, atol=2 * 2.0**-23 * np.abs(px).max())
         p, state = px, sx
+
+
+@needs_kernels
+def test_the_rows_kernel_moves_every_row_that_sat_out_on_a_table_adamw_masks_out() -> None:
+    """On a table AdamW's mask leaves out, the rule's update is ``(replayed + step) - p`` for every row that sat out
+    a step, also where the replay left the row as it was (a zero first moment: Adam's rule gives the step itself
+    there): ``tx.update``'s updates on the rows kernel bitwise the XLA rule's, and its state."""
+    tx = osa.sparse_adamw(1e-2, weight_decay=0.3, catch_up=True, mask=False)
+    rows, width = 16, 8
+    rng = np.random.default_rng(12)
+    p = jnp.asarray(rng.normal(size=(rows, width)) * 100, jnp.float32)  # large: the update rounds on p's scale
+    m = rng.normal(size=(rows, width)) * 0.1
+    m[::2] = 0.0  # even rows: a zero first moment, so the replay leaves them as they were
+    state = tx.init(p)._replace(
+        count=jnp.asarray(20, jnp.int32),
+        mu=jnp.asarray(m, jnp.float32),
+        nu=jnp.asarray(rng.random((rows, width)) * 0.01, jnp.float32),
+        last_step=jnp.asarray(rng.integers(1, 20, rows), jnp.int32),
+    )
+    g = osa.IndexedRows(
+        jnp.arange(rows, dtype=jnp.int32), jnp.asarray(rng.normal(size=(rows, width)), jnp.float32), rows
+    )
+
+    def update(p: jax.Array, s: Any) -> Any:
+        u, s = tx.update(g, s, p)
+        return u.todense(), s
+
+    native, xla = jax.jit(update), jax.jit(osa.use_kernels(False)(update))
+    assert PREFIX + "catch_up_adam_rows" in native.lower(p, state).as_text()
+    (un, sn), (ux, sx) = native(p, state), xla(p, state)
+    assert_trees_equal(sn, sx)
+    assert_trees_equal(un, ux)
 
 
 def _record_flags(monkeypatch: pytest.MonkeyPatch) -> list[np.ndarray]:

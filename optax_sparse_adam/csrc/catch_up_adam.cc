@@ -326,7 +326,8 @@ OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, int64
 // _catch_up._rule (and AdamWLeaf.rule with kDecay) computes it: the row replayed into scratch (CatchUpRow), Adam's
 // step u (adam_row.h's UpdateRow), with kDecay u + wd (the replayed row) as one multiply-add, times neg_lr (-lr),
 // and where the replay moved the row, (replayed + step) - p, which apply_updates adds to p (caught_up_update).
-// Moved: without decay, an element of the replayed row changed (or is NaN); with it, the row sat out a step. False,
+// Moved: without decay, an element of the replayed row changed (or is NaN); with it, or with AdamW's decay mark on a
+// table its mask leaves out (AdamWLeaf.rule), the row sat out a step. False,
 // and a row of NaN written, for a row whose idle steps are not at hand (the caller runs this mode only where none
 // is: _may_flag).
 template <bool kTorch, bool kMaximize, bool kDecay>
@@ -344,7 +345,7 @@ OSA_ROW_INLINE bool UpdateOfRow(const Scalars& s, const CatchUp& cu, int64_t slo
       return false;
     }
     caught = q;
-    if constexpr (kDecay) {
+    if (kDecay || cu.decay_mark != nullptr) {
       moved = 1;
     } else {
       for (int64_t j = 0; j < width; ++j) moved |= !(q[j] == p[j]);
