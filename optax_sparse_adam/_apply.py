@@ -41,7 +41,8 @@ def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
     A bfloat16 or float16 ``p`` with one sparse axis takes its touched rows' ``p + u`` as a dense update's
     (optax's ``(p + u).astype(p.dtype)``: formed in the wider dtype, rounded once), the duplicates summed first,
     and sets them: a scatter-add into the 16-bit table would round each update to it first, and XLA:CPU would
-    convert the whole table to float32 and back to add them.
+    convert the whole table to float32 and back to add them. On the CPU, float32 updates take one native pass
+    over the touched rows (``add_rows_half``: the same bits), where the XLA path gathers, adds and sets them.
     """
     if jnp.dtype(p.dtype) in HALF_FLOATS and leaf.n_sparse == 1:
 
@@ -50,8 +51,16 @@ def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
             new = jnp.asarray(take_rows(p, idx) + chunk.values).astype(p.dtype)
             return scatter_rows(p, idx, new, "set", unique=True)
 
-        # Summed, the rows fill the first slots: the chunks stop after the last.
-        return for_each_chunk(coalesce_unless_known(leaf), add, p)
+        summed = coalesce_unless_known(leaf)
+
+        def xla() -> jax.Array:  # summed, the rows fill the first slots: the chunks stop after the last
+            return for_each_chunk(summed, add, p)
+
+        # Keys the library made distinct (2): a user's promise (1) is not checked on this path.
+        native = _kernel_path.unique_flag(summed) == 2 and _kernel_path.supports(p.shape, 1, summed.values, params=p)
+        if native:
+            return _kernel_path.select(lambda: _ffi.add_rows_half(p, summed.keys[:, 0], summed.values), xla)
+        return xla()
     if not _kernel_path.supports(p.shape, leaf.n_sparse, p, leaf.values):
         return leaf.add_to(p)
     unique = _kernel_path.unique_flag(leaf)

@@ -565,6 +565,13 @@ def scatter_add(table: jax.Array, keys: jax.Array, values: jax.Array, unique: in
     return _write_rows("scatter_add", table, keys, values, unique=unique)
 
 
+def add_rows_half(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
+    """A bfloat16 or float16 ``table`` with float32 ``values[i]`` added to row ``keys[i]``, in place: each element
+    ``(p + u).astype(table.dtype)`` (rounded once, to nearest even); the keys distinct (the library's), padding
+    dropped."""
+    return _write_rows("add_rows_half", table, keys, values)
+
+
 def set_rows(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
     """``table.at[keys].set(values, mode="drop")`` in place, for a table of a 2-byte dtype: a negative key counts
     from the end, a key out of range after that is dropped, a repeated key keeps its last row."""

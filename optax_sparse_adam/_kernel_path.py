@@ -71,6 +71,7 @@ _SYMBOLS = {
     "catch_up_adam_steps": "OptaxSparseAdamCatchUpSteps",
     "catch_up_adam_rows": "OptaxSparseAdamCatchUpRows",
     "scatter_add": "OptaxSparseAdamScatterAdd",
+    "add_rows_half": "OptaxSparseAdamAddRowsHalf",
     "set_rows": "OptaxSparseAdamSetRows",
     "coalesce": "OptaxSparseAdamCoalesce",
     "distinct": "OptaxSparseAdamDistinct",

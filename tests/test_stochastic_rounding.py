@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._stochastic_rounding import _round_with
-from tests.helpers import ON_CPU, assert_trees_equal
+from tests.helpers import ON_CPU, assert_trees_equal, needs_kernels
 
 
 @functools.cache
@@ -244,3 +244,82 @@ def test_a_broken_unique_indices_promise_sums_its_duplicates_on_half_float_table
     else:
         got = jax.jit(osa.apply_updates)(p, u)
     np.testing.assert_array_equal(np.asarray(got, np.float32), [[0] * 8, [2] * 8, [1] * 8, [0] * 8])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("tail", [(1,), (), (513,), (3, 4)])
+def test_the_half_table_add_kernel_equals_the_xla_path(dtype, tail):
+    """``apply_updates`` of float32 rows into a 16-bit table on the native kernel (``add_rows_half``): bitwise a
+    NumPy loop of the rule (each touched element ``(p + u).astype(p.dtype)``, ``u`` the summed rows, rounded to
+    nearest even once), with duplicates, padding and int32 extremes, NaN, infinities, sums past the dtype's range,
+    subnormals and a negative zero in the table; the same bits on 1 and 4 threads, under vmap, donated in place,
+    and for an empty batch. The XLA path is within an ulp of the table: inside its program XLA:CPU may add the
+    summed entries onto ``p`` one by one (seen at width 513, a tie rounded the other way), where the rule adds
+    their sum."""
+    rng = np.random.default_rng([60, len(tail), sum(tail), jnp.dtype(dtype).itemsize])
+    rows = 50
+    p = np.asarray(rng.standard_normal((rows, *tail)) * 10, dtype)
+    flat = p.reshape(rows, -1)
+    flat[0, :1] = np.inf
+    flat[1, :1] = np.nan
+    flat[2, :1] = -0.0
+    # float16's subnormals; bfloat16's are float32 subnormals, which XLA:CPU's threads (and so the kernel) flush
+    tiny = np.finfo(dtype).smallest_subnormal if dtype == jnp.float16 else np.finfo(dtype).smallest_normal
+    flat[3, :1] = tiny
+    ids = rng.integers(0, rows, 40).astype(np.int32)
+    ids[:8] = [0, 1, 2, 3, 4, np.iinfo(np.int32).min, np.iinfo(np.int32).max, rows]
+    ids[8:14] = 5  # a row summed six times
+    values = rng.standard_normal((40, *tail)).astype(np.float32) * 10
+    v = values.reshape(40, -1)
+    v[4, :1] = float(np.finfo(dtype).max)  # past the dtype's range: to infinity
+    v[3, :1] = float(tiny)
+    u = osa.IndexedRows(jnp.asarray(ids), jnp.asarray(values), rows)
+    summed = np.asarray(jax.jit(lambda u: u.todense())(u))  # the entries summed from zero in entry order
+    touched = np.isin(np.arange(rows), ids)
+    want = p.copy()
+    want[touched] = (p[touched].astype(np.float32) + summed[touched]).astype(dtype)
+    step = jax.jit(osa.apply_updates, donate_argnums=(0,))
+    outs = {}
+    for kernels, threads in ((False, None), (True, 1), (True, 4)):
+        with osa.use_kernels(kernels, threads=threads):
+            text = step.lower(jnp.asarray(p), u).as_text()
+            assert ("add_rows_half" in text) == kernels
+            outs[kernels, threads] = np.asarray(step(jnp.asarray(p), u))
+    assert outs[True, 1].dtype == dtype and outs[True, 1].tobytes() == outs[True, 4].tobytes()
+    nan = np.isnan(want.astype(np.float32))
+    assert np.array_equal(np.isnan(outs[True, 1].astype(np.float32)), nan)
+    assert outs[True, 1][~nan].tobytes() == want[~nan].tobytes()
+    xla = outs[False, None].astype(np.float32)
+    finite = np.isfinite(want.astype(np.float32))
+    assert np.array_equal(xla[~finite], want.astype(np.float32)[~finite], equal_nan=True)
+    with np.errstate(over="ignore"):  # the spacing at the dtype's largest value is infinite
+        ulp = np.spacing(np.abs(want[finite]).astype(dtype)).astype(np.float32)
+    assert np.all(np.abs(xla[finite] - want[finite].astype(np.float32)) <= ulp)
+    # donated, written in place: no temporary of the table's size
+    big = jnp.zeros((200_000, 32), dtype)
+    small = osa.IndexedRows(jnp.arange(64, dtype=jnp.int32), jnp.ones((64, 32), jnp.float32), 200_000)
+    assert step.lower(big, small).compile().memory_analysis().temp_size_in_bytes < big.nbytes // 4
+    # vmapped over tables, and an empty batch
+    tables = jnp.asarray(rng.standard_normal((3, rows, *tail)), dtype)
+    stacked = osa.IndexedRows(
+        jnp.asarray(rng.integers(-1, rows + 1, (3, 9)), jnp.int32),
+        jnp.asarray(rng.standard_normal((3, 9, *tail)), jnp.float32),
+        rows,
+    )
+    batched = jax.jit(jax.vmap(osa.apply_updates))(tables, stacked)
+    for b in range(3):
+        one = jax.tree.map(lambda x, b=b: x[b], stacked)
+        assert np.asarray(batched[b]).tobytes() == np.asarray(osa.apply_updates(tables[b], one)).tobytes()
+    # a table split by rows over 8 devices: the kernel on each shard, the same bits
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
+    by_rows = jax.sharding.NamedSharding(mesh, jax.P("rows"))
+    u48 = osa.IndexedRows(u.indices, u.values, 48)
+    placed = jax.device_put(jnp.asarray(p[:48]), by_rows)
+    assert "add_rows_half" in jax.jit(osa.apply_updates).lower(placed, u48).compile().as_text()
+    sharded = jax.jit(osa.apply_updates)(placed, u48)
+    assert sharded.sharding.is_equivalent_to(by_rows, sharded.ndim)
+    alone = jax.jit(osa.apply_updates)(jnp.asarray(p[:48]), u48)
+    assert np.asarray(sharded).tobytes() == np.asarray(alone).tobytes()
+    empty = osa.IndexedRows(jnp.zeros((0,), jnp.int32), jnp.zeros((0, *tail), jnp.float32), rows)
+    assert np.asarray(jax.jit(osa.apply_updates)(jnp.asarray(p), empty)).tobytes() == p.tobytes()

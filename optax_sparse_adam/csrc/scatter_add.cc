@@ -8,6 +8,12 @@
 // 0 otherwise. Distinct keys are split over the threads by position, into
 // parts of about equal numbers of held rows (ParallelForOwned), with nothing
 // hashed; others by key (ForEachKeyPart), so that each row is one thread's.
+//   optax_sparse_adam_v4_add_rows_half  (table, keys, values, row_begin) -> table
+// apply_updates' sum into a bfloat16 or float16 table: keys the library made
+// distinct (the duplicates summed before), float32 update rows, each touched
+// element (p + u).astype(p.dtype) as optax forms it, widened, added in
+// float32 and rounded once to nearest even (rows.h's Bf16 and F16), where
+// XLA:CPU gathers the rows, adds them and sets them back in three passes.
 #include <cstdint>
 
 #include "rows.h"
@@ -33,17 +39,68 @@ OSA_TARGET_CLONES void AddRows(const int32_t* entries, int64_t count, const int3
   }
 }
 
-// The entries [lo, hi) of a batch whose keys are distinct, those of rows this shard holds.
-OSA_TARGET_CLONES void AddRange(const int32_t* keys, const Shard& shard, const float* values, float* table,
+// float32 tables: their entries read and written as they are (the 16-bit formats are rows.h's Bf16 and F16).
+struct F32Format {
+  OSA_ROW_INLINE static float Widen(float x) { return x; }
+  OSA_ROW_INLINE static float Nearest(float x) { return x; }
+};
+
+// The entries [lo, hi) of a batch whose keys are distinct, those of rows this shard holds, added into a table of
+// format Format (entries of type T): each entry widened to float32, the update added, the sum rounded once.
+template <class Format, typename T>
+OSA_ROW_INLINE void AddDistinct(const int32_t* keys, const Shard& shard, const float* values, T* table,
                                 int64_t width, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; ++i) {
     if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance]))
       PrefetchRow(table + shard.Local(keys[i + kPrefetchDistance]) * width, width);
     if (!shard.Owns(keys[i])) continue;
-    float* __restrict row = table + shard.Local(keys[i]) * width;
+    T* __restrict row = table + shard.Local(keys[i]) * width;
     const float* __restrict u = values + i * width;
-    for (int64_t j = 0; j < width; ++j) row[j] = row[j] + u[j];
+    for (int64_t j = 0; j < width; ++j) row[j] = Format::Nearest(Format::Widen(row[j]) + u[j]);
   }
+}
+
+OSA_TARGET_CLONES void AddRange(const int32_t* keys, const Shard& shard, const float* values, float* table,
+                                int64_t width, int64_t lo, int64_t hi) {
+  AddDistinct<F32Format>(keys, shard, values, table, width, lo, hi);
+}
+
+OSA_TARGET_CLONES void AddBf16Range(const int32_t* keys, const Shard& shard, const float* values, uint16_t* table,
+                                    int64_t width, int64_t lo, int64_t hi) {
+  AddDistinct<Bf16>(keys, shard, values, table, width, lo, hi);
+}
+
+OSA_TARGET_CLONES void AddF16Range(const int32_t* keys, const Shard& shard, const float* values, uint16_t* table,
+                                   int64_t width, int64_t lo, int64_t hi) {
+  AddDistinct<F16>(keys, shard, values, table, width, lo, hi);
+}
+
+ffi::Error AddRowsHalfImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::BufferR1<ffi::S32> keys,
+                           ffi::Buffer<ffi::F32> values, ffi::BufferR0<ffi::S32> row_begin,
+                           ffi::Result<ffi::AnyBuffer> table_out, int64_t num_rows, int64_t threads) {
+  auto dims = table.dimensions();
+  if (dims.size() < 1) return ffi::Error::InvalidArgument("the table must have at least one dimension");
+  const Shard shard{num_rows, *row_begin.typed_data(), dims[0]};
+  if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
+  const ffi::DataType type = table.element_type();
+  if ((type != ffi::DataType::BF16 && type != ffi::DataType::F16) || table_out->element_type() != type)
+    return ffi::Error::InvalidArgument("add_rows_half takes bfloat16 and float16 tables");
+  const int64_t width = RowWidth(dims);
+  const auto k = static_cast<int64_t>(keys.element_count());
+  if (static_cast<int64_t>(values.element_count()) != k * width)
+    return ffi::Error::InvalidArgument("values must have one row per key");
+  auto* out = static_cast<uint16_t*>(table_out->untyped_data());
+  CopyIfNotAliased(out, static_cast<const uint16_t*>(table.untyped_data()), table.element_count());
+  const int32_t* key = keys.typed_data();
+  const float* u = values.typed_data();
+  ParallelForOwned(pool, key, k, shard, threads, [&](int64_t lo, int64_t hi) {
+    if (type == ffi::DataType::BF16) {
+      AddBf16Range(key, shard, u, out, width, lo, hi);
+    } else {
+      AddF16Range(key, shard, u, out, width, lo, hi);
+    }
+  });
+  return ffi::Error::Success();
 }
 
 ffi::Error ScatterAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::BufferR1<ffi::S32> keys,
@@ -87,3 +144,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamScatterAdd, optax_sparse_adam::Scat
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamAddRowsHalf, optax_sparse_adam::AddRowsHalfImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()           // table
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys: distinct, the library's
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::AnyBuffer>()           // table
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("threads"));
