@@ -42,7 +42,8 @@ def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
     (optax's ``(p + u).astype(p.dtype)``: formed in the wider dtype, rounded once), the duplicates summed first,
     and sets them: a scatter-add into the 16-bit table would round each update to it first, and XLA:CPU would
     convert the whole table to float32 and back to add them. On the CPU, float32 updates take one native pass
-    over the touched rows (``add_rows_half``: the same bits), where the XLA path gathers, adds and sets them.
+    over the touched rows (``add_rows_half``: that rule's bits), where the XLA path gathers, adds and sets them
+    (within an ulp of it: inside its program XLA:CPU may add a row's summed entries onto ``p`` one by one).
     """
     if jnp.dtype(p.dtype) in HALF_FLOATS and leaf.n_sparse == 1:
 
@@ -56,9 +57,9 @@ def add_rows(p: jax.Array, leaf: SparseLeaf) -> jax.Array:
         def xla() -> jax.Array:  # summed, the rows fill the first slots: the chunks stop after the last
             return for_each_chunk(summed, add, p)
 
-        # Keys the library made distinct (2): a user's promise (1) is not checked on this path.
-        native = _kernel_path.unique_flag(summed) == 2 and _kernel_path.supports(p.shape, 1, summed.values, params=p)
-        if native:
+        # Distinct keys (coalesce_unless_known sums a user's unchecked promise too): the kernel splits them over its
+        # threads by position.
+        if _kernel_path.supports(p.shape, 1, summed.values, params=p):
             return _kernel_path.select(lambda: _ffi.add_rows_half(p, summed.keys[:, 0], summed.values), xla)
         return xla()
     if not _kernel_path.supports(p.shape, leaf.n_sparse, p, leaf.values):

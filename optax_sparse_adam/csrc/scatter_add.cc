@@ -93,6 +93,7 @@ ffi::Error AddRowsHalfImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::Buff
   CopyIfNotAliased(out, static_cast<const uint16_t*>(table.untyped_data()), table.element_count());
   const int32_t* key = keys.typed_data();
   const float* u = values.typed_data();
+  // Split by position: the keys must be distinct (the caller, _apply.add_rows, sums their duplicates first).
   ParallelForOwned(pool, key, k, shard, threads, [&](int64_t lo, int64_t hi) {
     if (type == ffi::DataType::BF16) {
       AddBf16Range(key, shard, u, out, width, lo, hi);
