@@ -30,12 +30,20 @@ __all__ = ["explicit_sharding", "replicate", "scatter_rows", "take_rows"]
 HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # jaxlib releases whose GPU scatter-add runs 450 to 2,000 times slower when its updates collide on one index (jax
-# issue 38806, openxla issue 46225): from 0.10.2, the oldest the library supports, up to the fix in 0.11.1.
-SLOW_GPU_SCATTER_ADD = ((0, 10, 2), (0, 11, 1))
+# issue 38806, openxla issue 46225): from 0.10.2, the oldest the library supports, up to the fix in 0.11.1 (its
+# pre-releases and nightlies included: they may predate the fix).
+SLOW_GPU_SCATTER_ADD = ((0, 10, 2, 0), (0, 11, 1, 0))
 
 
 def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(n) for n in re.findall(r"\d+", version)[:3])
+    """``major, minor, micro`` and 0 for a release, -1 for a pre-release or nightly of it (``0.11.1.dev2026``,
+    ``0.11.1rc1``), which sorts before it."""
+    numbers = re.match(r"(\d+)\.(\d+)\.(\d+)(.*)", version)
+    if numbers is None:
+        return (0, 0, 0, 0)
+    rest = numbers.group(4)
+    pre = re.match(r"[.-]?(dev|rc|a|b)", rest) is not None
+    return (*(int(numbers.group(i)) for i in (1, 2, 3)), -1 if pre else 0)
 
 
 def _platform() -> tuple[str, str]:

@@ -369,7 +369,6 @@ class CatchUpMomentumFusion(NamedTuple):
     def rows_kernel(self, done: jax.Array, count: jax.Array, lr: Any) -> Kernel:
         """The catch-up momentum rows kernel in the XLA rule's place (``tx.update`` on the CPU): float32 tables,
         a per-row ``int32`` record; ``lr`` the step's learning rate."""
-        scalars = _ffi.float32_scalars(self.momentum, -jnp.asarray(lr, jnp.float32))
 
         def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
             (p,), (trace, last) = reads, state
@@ -381,6 +380,7 @@ class CatchUpMomentumFusion(NamedTuple):
 
         def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
             (p,), (trace, last) = reads, state
+            scalars = _ffi.float32_scalars(self.momentum, -jnp.asarray(lr, jnp.float32))
             trace, last, keys, step = self._kernel(p, trace, last, leaf, scalars, done, count, rows=True)
             return keys[:, None], step, (trace, last)
 

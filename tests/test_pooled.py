@@ -255,7 +255,11 @@ def test_value_and_row_grad_refuses_bags_for_another_table_and_arithmetic_on_the
         ("cuda", "0.10.2", True),
         ("rocm", "0.10.3.dev20261001", True),
         ("gpu", "0.11.1", False),
+        ("gpu", "0.11.1.dev20260115", True),  # a nightly before the release may predate the fix
+        ("gpu", "0.11.1rc1", True),
+        ("gpu", "0.11.1+cuda13", False),
         ("gpu", "0.11.2", False),
+        ("gpu", "0.10.2.dev20250101", False),  # before the oldest supported release
         ("cpu", "0.11.0", False),
         ("tpu", "0.10.2", False),
     ],
