@@ -498,19 +498,8 @@ def test_vmapped_step_equals_the_unbatched_steps(name):
 DOORS = ["fused", "two calls"]
 
 
-def _catch_up_step(tx, door: str):
-    def step(p, s, ids, values):
-        g = osa.IndexedRows(ids, values, p.shape[0])
-        if door == "fused":
-            return osa.update_and_apply(tx, g, s, p)
-        u, s = tx.update(g, s, p)
-        return osa.apply_updates(p, u), s
-
-    return step
-
-
 def _catch_up_run(tx, p, s, batches, kernels: bool, door: str = "fused"):
-    step = jax.jit(_catch_up_step(tx, door))
+    step = jax.jit(_step(tx, door == "fused", num_rows=p.shape[0]))
     kernel = "catch_up_momentum_apply" if door == "fused" else "catch_up_momentum_rows"
     with osa.use_kernels(kernels):
         # Compiled: a row-sharded table's kernel call is placed by the partitioner.
@@ -519,7 +508,7 @@ def _catch_up_run(tx, p, s, batches, kernels: bool, door: str = "fused"):
         other = "catch_up_momentum_rows" if door == "fused" else "catch_up_momentum_apply"
         assert (kernel in called) == kernels and other not in called, called
         for ids, values in batches:
-            p, s = step(p, s, ids, values)
+            p, s, _ = step(p, s, ids, values)
     return p, s
 
 
@@ -744,7 +733,7 @@ def test_catch_up_momentum_sharded_vmapped_and_empty(door):
     assert sharded[1].last_step.sharding.is_equivalent_to(by_rows, 1)
     assert_trees_equal(sharded, one)
 
-    step = jax.jit(_catch_up_step(tx, door))
+    step = jax.jit(_step(tx, door == "fused", num_rows=rows))
     starts = [(p0, tx.init(p0)), one]
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *[(*a, *b) for a, b in zip(starts, batches[:2], strict=True)])
     out = jax.jit(jax.vmap(step))(*stacked)
@@ -752,7 +741,7 @@ def test_catch_up_momentum_sharded_vmapped_and_empty(door):
         assert_trees_equal(jax.tree.map(lambda x, i=i: x[i], out), step(*starts[i], *batches[i]))
 
     empty = (jnp.zeros((0,), jnp.int32), jnp.zeros((0, 5), jnp.float32))
-    p, s = step(*one, *empty)
+    p, s, _ = step(*one, *empty)
     assert_trees_equal((p, s.trace, s.last_step), (one[0], one[1].trace, one[1].last_step))
 
 

@@ -300,7 +300,8 @@ ffi::Error CheckRowsResults(size_t keys_out, size_t step_out, const ffi::BufferR
 
 // ---- The handlers of the rules with one state table (Adagrad's accumulators, momentum's trace).
 
-// A rows handler's checks and copy: run(table, step rows, width, shard, keys out), with the table in its result.
+// A rows handler's checks and copy: run(table, step rows, width, shard, keys out), with the table in its result;
+// run checks what else its handler takes before it writes a row, and returns its error.
 template <typename F>
 ffi::Error OneTableRows(const ffi::Buffer<ffi::F32>& table, const ffi::BufferR1<ffi::S32>& keys,
                         const ffi::Buffer<ffi::F32>& values, const ffi::BufferR1<ffi::F32>& scalars,
@@ -317,8 +318,7 @@ ffi::Error OneTableRows(const ffi::Buffer<ffi::F32>& table, const ffi::BufferR1<
     return e;
   float* t = table_out->typed_data();
   CopyIfNotAliased(t, table.typed_data(), table.element_count());
-  run(t, step_out->typed_data(), width, shard, keys_out->typed_data());
-  return ffi::Error::Success();
+  return run(t, step_out->typed_data(), width, shard, keys_out->typed_data());
 }
 
 // An apply handler's checks and copies: run(table, parameters, width, shard, clip), with both in their results;
@@ -354,6 +354,7 @@ ffi::Error AdagradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> acc, ffi:
                       [&](float* a, float* step, int64_t width, const Shard& shard, int32_t* out_keys) {
                         Run(pool, AdagradRule<false>{x[0], x[1], a, step, width}, Options{unique, threads},
                             keys.typed_data(), keys.element_count(), shard, values.typed_data(), out_keys);
+                        return ffi::Error::Success();
                       });
 }
 
@@ -397,6 +398,7 @@ ffi::Error MomentumRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> trace, f
                       [&](float* t, float* step, int64_t width, const Shard& shard, int32_t* out_keys) {
                         RunMomentum<false>(pool, nesterov != 0, scalars.typed_data(), t, step, width,
                                            Options{unique, threads}, keys, shard, values, out_keys);
+                        return ffi::Error::Success();
                       });
 }
 
@@ -483,25 +485,22 @@ ffi::Error CatchUpMomentumRowsImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer
                                    ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
                                    int64_t num_rows, int64_t cap, int64_t nesterov, int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
-  Shard shard{num_rows, *row_begin.typed_data(), 0};
-  int64_t width = 0;
-  if (ffi::Error e = CheckTables(trace.dimensions(), values.dimensions(), k, shard, width); e.failure()) return e;
-  if (ffi::Error e = CheckSame(p, trace); e.failure()) return e;
-  if (ffi::Error e = CheckScalars(scalars, 2, false); e.failure()) return e;
-  if (ffi::Error e = CheckRowsResults(keys_out->element_count(), step_out->element_count(), keys, values);
-      e.failure())
-    return e;
-  IdleRecords records{};
-  if (ffi::Error e =
-          ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap, shard, records);
-      e.failure())
-    return e;
-  float* t = trace_out->typed_data();
-  CopyIfNotAliased(t, trace.typed_data(), trace.element_count());
-  RunCatchUpMomentum<false>(pool, nesterov != 0, scalars.typed_data(), t, p.typed_data(), step_out->typed_data(),
-                            records, width, Options{unique, threads}, keys, shard, values, keys_out->typed_data());
-  return ffi::Error::Success();
+  return OneTableRows(
+      trace, keys, values, scalars, row_begin, trace_out, keys_out, step_out, num_rows,
+      [&](float* t, float* step, int64_t width, const Shard& shard, int32_t* out_keys) {
+        if (ffi::Error e = CheckSame(p, trace); e.failure()) return e;
+        IdleRecords records{};
+        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap, shard,
+                                           records);
+            e.failure())
+          return e;
+        RunCatchUpMomentum<false>(pool, nesterov != 0, scalars.typed_data(), t, p.typed_data(), step, records, width,
+                                  Options{unique, threads}, keys, shard, values, out_keys);
+        return ffi::Error::Success();
+      });
 }
+
+#undef OSA_CATCH_UP_MOMENTUM_ARGS
 
 // ---- FTRL.
 
@@ -716,38 +715,45 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamFtrlApply, optax_sparse_adam::FtrlA
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
-// The catch-up momentum handlers' operands, through row_begin.
-#define OSA_CATCH_UP_MOMENTUM_BIND                                                            \
-  ffi::Ffi::Bind()                                                                            \
-      .Ctx<ffi::ThreadPool>()                                                                 \
-      .Arg<ffi::Buffer<ffi::F32>>()    /* p */                                                \
-      .Arg<ffi::Buffer<ffi::F32>>()    /* trace */                                            \
-      .Arg<ffi::BufferR1<ffi::S32>>()  /* last_step: per row, the step recorded */            \
-      .Arg<ffi::BufferR1<ffi::S32>>()  /* keys */                                             \
-      .Arg<ffi::Buffer<ffi::F32>>()    /* values */                                           \
-      .Arg<ffi::BufferR1<ffi::F32>>()  /* scalars */                                          \
-      .Arg<ffi::BufferR1<ffi::F32>>()  /* window: C of rows idle 1 .. cap steps */            \
-      .Arg<ffi::BufferR1<ffi::F32>>()  /* powers: the momentum's table */                     \
-      .Arg<ffi::BufferR2<ffi::F32>>()  /* per_key: C, momentum**idle, or empty */             \
-      .Arg<ffi::BufferR1<ffi::S32>>()  /* counts: the step's (recorded), done */              \
+// The operands of both catch-up momentum handlers (the rows handler reads p).
+#define OSA_CATCH_UP_MOMENTUM_OPERANDS                                                  \
+  Arg<ffi::Buffer<ffi::F32>>()         /* p */                                          \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* trace */                                      \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* last_step: per row, the step recorded */      \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* keys */                                       \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* values */                                     \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* scalars */                                    \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* window: C of rows idle 1 .. cap steps */      \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* powers: the momentum's table */               \
+      .Arg<ffi::BufferR2<ffi::F32>>()  /* per_key: C, momentum**idle, or empty */       \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* counts: the step's (recorded), done */        \
       .Arg<ffi::BufferR0<ffi::S32>>()  /* row_begin: first row held */
 
-#define OSA_CATCH_UP_MOMENTUM_ATTRS \
-  .Attr<int64_t>("num_rows")        \
-      .Attr<int64_t>("cap")         \
-      .Attr<int64_t>("nesterov")    \
-      .Attr<int64_t>("unique")      \
-      .Attr<int64_t>("threads")
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumApply, optax_sparse_adam::CatchUpMomentumApplyImpl,
-                              OSA_CATCH_UP_MOMENTUM_BIND.Ret<ffi::Buffer<ffi::F32>>()  // p
-                                  .Ret<ffi::Buffer<ffi::F32>>()                        // trace
-                                  .Ret<ffi::BufferR1<ffi::S32>>()                      // last_step
-                                      OSA_CATCH_UP_MOMENTUM_ATTRS);
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .OSA_CATCH_UP_MOMENTUM_OPERANDS
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // trace
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("cap")
+                                  .Attr<int64_t>("nesterov")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumRows, optax_sparse_adam::CatchUpMomentumRowsImpl,
-                              OSA_CATCH_UP_MOMENTUM_BIND.Ret<ffi::Buffer<ffi::F32>>()  // trace
-                                  .Ret<ffi::BufferR1<ffi::S32>>()                      // last_step
-                                  .Ret<ffi::Buffer<ffi::S32>>()                        // keys, packed
-                                  .Ret<ffi::Buffer<ffi::F32>>()                        // step rows
-                                      OSA_CATCH_UP_MOMENTUM_ATTRS);
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .OSA_CATCH_UP_MOMENTUM_OPERANDS
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // trace
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // keys, packed
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // step rows
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("cap")
+                                  .Attr<int64_t>("nesterov")
+                                  .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("threads"));
+
+#undef OSA_CATCH_UP_MOMENTUM_OPERANDS
