@@ -66,12 +66,17 @@ import optax_sparse_adam as osa
 from optax_sparse_adam import _kernel_path
 
 LR = 1e-3
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, LR, 100, 100_000)
 
 VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sparse_adam (plain)": lambda: osa.sparse_adam(LR),
     "sparse_adamw": lambda: osa.sparse_adamw(LR, weight_decay=1e-4),
     "sparse_adam, catch_up": lambda: osa.sparse_adam(LR, catch_up=True),
     "sparse_adamw, catch_up": lambda: osa.sparse_adamw(LR, weight_decay=1e-4, catch_up=True),
+    # Under a schedule the kernels take the long-idle rows' coefficients per id, and leave those that need steps
+    # one by one to the XLA rule.
+    "sparse_adam, catch_up, schedule": lambda: osa.sparse_adam(SCHEDULE, catch_up=True),
+    "sparse_adamw, catch_up, schedule": lambda: osa.sparse_adamw(SCHEDULE, weight_decay=1e-4, catch_up=True),
     "sparse_amsgrad": lambda: osa.sparse_amsgrad(LR),
     "sparse_amsgrad, catch_up": lambda: osa.sparse_amsgrad(LR, catch_up=True),
     "sparse_rowwise_adam": lambda: osa.sparse_rowwise_adam(LR),

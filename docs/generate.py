@@ -389,8 +389,9 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
         "(`apply_updates_stochastic` after the two calls' update, `update_and_apply(..., key=)`): see "
         "[Low precision](../guides/low_precision.md). Element-wise Adagrad (`sparse_adagrad`), FTRL (`sparse_ftrl`) "
         "and lazy momentum SGD (`sparse_sgd(..., momentum=)`) run the element-wise kernels at both doors; momentum "
-        "SGD's catch-up (`catch_up=True`), and Adam's, AdamW's and AMSGrad's, run a kernel at both doors (Adam's and "
-        "AdamW's two calls at a constant learning rate).",
+        "SGD's catch-up (`catch_up=True`), and Adam's, AdamW's and AMSGrad's, run a kernel at both doors; under a "
+        "schedule Adam's and AdamW's leave the long-idle rows that need their idle steps one by one to the XLA rule, "
+        "in a conditional branch.",
         "",
         f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}, "
         f"1-minute load average {load} (start/end). This page is generated at build time from "

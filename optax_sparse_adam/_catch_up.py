@@ -56,7 +56,7 @@ from optax_sparse_adam._checks import check_dense_gradient, check_params, check_
 from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._fusion import Clipped, FusableUpdate
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._row_engine import Kernel, Rule, apply_rule, map_rule, row_full, stamp
+from optax_sparse_adam._row_engine import Kernel, Rule, _run_rows, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
 
@@ -775,9 +775,10 @@ def _rows_kernel(
     replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array, adamw: AdamWLeaf | None = None
 ) -> Kernel:
     """The catch-up Adam rows kernel in the XLA rule's place (``tx.update`` on the CPU; with ``adamw``, AdamW's rule,
-    with its decay on a leaf its mask decays, and Adam's catch-up with AdamW's record on one it leaves out): where
-    the kernel takes every row itself (:func:`_may_flag`: a constant learning rate and weight decay, a table of bias
-    corrections) and the closed form applies to float32 tables; elsewhere the XLA rule runs."""
+    with its decay on a leaf its mask decays, and Adam's catch-up with AdamW's record on one it leaves out), where
+    the closed form applies to float32 tables; elsewhere the XLA rule runs. The rows it flags (:func:`_may_flag`:
+    idle steps not at hand, under a schedule or without a table of bias corrections) keep their records and take
+    the XLA rule, on those rows alone, their updates placed in the kernel's slots by key."""
     hp = replayer.hp
     decay = None if adamw is None else adamw.decay.of(adamw.flag, None)
 
@@ -786,11 +787,8 @@ def _rows_kernel(
 
     def supports(leaf: SparseLeaf, state: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> bool:
         (p,), last = reads, state[2]
-        plan = plan_of(state, p)
         return (
-            plan is not None
-            and (plan.cap == 0 or plan.table is not None)
-            and not _may_flag(plan, replayer, decay)
+            plan_of(state, p) is not None
             and last.dtype == jnp.int32
             and last.shape == p.shape[:1]
             and p.dtype == jnp.float32
@@ -801,17 +799,13 @@ def _rows_kernel(
         (p,), (m, v, last) = reads, state[:3]
         plan = plan_of(state, p)
         assert plan is not None, "supports() checks the plan"
-        extra: tuple[jax.Array, ...] = ()
-        weights = None
-        if decay is not None:
-            extra = (jnp.asarray(decay.weight_decay),)
-            weights = _DecayWeights(decay, replayer, None, done, plan.cap)
+        keys, rows = leaf.keys[:, 0], p.shape[0]
+        keyed = _by_key(plan, replayer, state, keys, done, decay, adamw)
+        extra = () if decay is None else (jnp.asarray(decay.weight_decay),)
         scalars = kernel_scalars(hp, count, -jnp.asarray(lr, jnp.float32), *extra)
-        new_log = adamw.new_log if adamw is not None else 0.0
-        ops = _kernel_operands(plan, replayer, done, decay, weights, None, new_log)
-        keys, flags = leaf.keys[:, 0], kernel_flags(hp, leaf)
+        ops = _kernel_operands(plan, replayer, done, keyed.decay, keyed.weights, keyed.far, keyed.new_log)
         mark = state[3] if adamw is not None else None
-        m, v, last, mark, keys, out, _ = _ffi.catch_up_adam_rows(
+        m, v, last, mark, out_keys, out, flagged = _ffi.catch_up_adam_rows(
             p,
             m,
             v,
@@ -820,16 +814,38 @@ def _rows_kernel(
             keys,
             leaf.values,
             scalars,
+            keyed.per_key,
             ops,
             count,
             done,
             cap=plan.cap,
             decay=decay is not None,
-            **flags,
+            far_by_key=keyed.far is not None,
+            **kernel_flags(hp, leaf),
         )
-        return keys[:, None], out, (m, v, last) if mark is None else (m, v, last, mark)
+        tables = (m, v, last) if mark is None else (m, v, last, mark)
+        if not _may_flag(plan, replayer, keyed.decay):
+            return out_keys[:, None], out, tables
+
+        def by_steps() -> tuple[jax.Array, ...]:  # the flagged rows' updates and records by the XLA rule
+            g = coalesce(leaf._replace(keys=jnp.where(flagged[:, None] > 0, leaf.keys, rows)))
+            rule = _rule(replayer, done, count, lr) if adamw is None else adamw.rule(replayer, done, count, lr)
+            new, stepped = _run_rows(g, p.shape, tables, (p,), rule)
+            return _placed(out_keys, out, g.keys[:, 0], stepped, rows), *new
+
+        out, *tables = jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (out, *tables))
+        return out_keys[:, None], out, tuple(tables)
 
     return Kernel(supports, run)
+
+
+def _placed(keys: jax.Array, rows: jax.Array, by: jax.Array, by_rows: jax.Array, num_rows: int) -> jax.Array:
+    """``rows`` (one per entry of ``keys``), those of the in-range keys that ``by`` holds replaced by the rows of
+    ``by_rows`` at those keys (the keys distinct in each)."""
+    order = jnp.argsort(by)
+    at = jnp.clip(jnp.searchsorted(by[order], keys), 0, by.shape[0] - 1)
+    hit = (by[order][at] == keys) & (keys >= 0) & (keys < num_rows)
+    return jnp.where(broadcast_rows(hit, rows.ndim), by_rows[order[at]], rows)
 
 
 def fused_apply(
@@ -867,27 +883,9 @@ def fused_apply(
     decay = None if adamw is None else adamw.decay.of(adamw.flag, None)
     plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=decay)
     assert plan is not None, "fusable() checks the plan"
-    # The kernel reads each row's record and computes its idle steps, the moments' decays (from tables of b1's and
-    # b2's powers) and AdamW's decay (from gamma's, and the window's products), as the XLA path does per row, and
-    # picks its series coefficients from the window or the long-idle table (:func:`_coefficients`). Computed here
-    # per key, only what the kernel has no table for: long-idle coefficients that no table holds (a schedule, or
-    # bias corrections that take too long to reach 1), and AdamW's decay under a schedule (from the state's log).
-    far_by_key = plan.cap > 0 and plan.table is None
-    schedule_decay = adamw is not None and decay is not None and decay.log_gamma is None
-    last_k = of_keys(last, keys) if far_by_key or schedule_decay else None
-    if adamw is not None and schedule_decay:
-        decay = adamw.decay.of(adamw.flag, adamw.old_log - of_keys(state[3], keys))
-    idle = None
-    if last_k is not None:  # with decay a row decays through its idle steps from step 0 on, moved or not
-        idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
-    weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
-    per_key = jnp.stack([weights.rows, weights.far], axis=1) if weights is not None and schedule_decay else None
-    far = None
-    if plan.cap > 0 and plan.table is None:  # far_by_key: the keys' last steps and idle steps are at hand
-        assert last_k is not None and idle is not None
-        far = _long_idle_loop(plan, replayer.lr, last_k, idle > plan.cap, weights)
-    new_log = adamw.new_log if adamw is not None else 0.0
-    ops = _kernel_operands(plan, replayer, done, decay, weights, far, new_log)
+    keyed = _by_key(plan, replayer, state, keys, done, decay, adamw)
+    decay = keyed.decay
+    ops = _kernel_operands(plan, replayer, done, decay, keyed.weights, keyed.far, keyed.new_log)
     if clip is not None:
         scalars = clip.append_to(scalars)
     # The kernel records the rows it steps (the last step, AdamW's decay mark) in place; the rows it flags keep
@@ -903,13 +901,13 @@ def fused_apply(
         keys,
         leaf.values,
         scalars,
-        per_key,
+        keyed.per_key,
         ops,
         count,
         done,
         cap=plan.cap,
         decay=decay is not None,
-        far_by_key=far_by_key,
+        far_by_key=keyed.far is not None,
         **flags,
     )
     tables = (m, v, last) if mark is None else (m, v, last, mark)
@@ -935,6 +933,48 @@ def fused_apply(
     if not _may_flag(plan, replayer, decay):
         return p, *tables
     return jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, *tables))
+
+
+class _ByKey(NamedTuple):
+    """What the catch-up Adam kernels take per key where they have no table for it (:func:`_by_key`)."""
+
+    decay: Decay | None  # AdamW's decay, per key under a schedule
+    weights: _DecayWeights | None
+    per_key: jax.Array | None  # (k, 2) under a scheduled decay: each row's decay W and its far terms' weight
+    far: jax.Array | None  # (k, 8): the long-idle coefficients per key, where the plan has no table
+    new_log: Any
+
+
+def _by_key(
+    plan: _SeriesPlan,
+    replayer: Replayer,
+    state: tuple[jax.Array, ...],
+    keys: jax.Array,
+    done: jax.Array,
+    decay: Decay | None,
+    adamw: AdamWLeaf | None,
+) -> _ByKey:
+    """The kernels read each touched row's record and compute its idle steps, the moments' decays (from tables of
+    b1's and b2's powers) and AdamW's decay (from gamma's, and the window's products), as the XLA path does per row,
+    and pick its series coefficients from the window or the long-idle table (:func:`_coefficients`). Computed here
+    per key (``keys``, the leaf's entries; ``state`` with the last steps third and AdamW's decay mark fourth), only
+    what the kernels have no table for: long-idle coefficients that no table holds (a schedule, or bias corrections
+    that take too long to reach 1), and AdamW's decay under a schedule (from the state's log)."""
+    far_by_key = plan.cap > 0 and plan.table is None
+    schedule_decay = adamw is not None and decay is not None and decay.log_gamma is None
+    last_k = of_keys(state[2], keys) if far_by_key or schedule_decay else None
+    if adamw is not None and schedule_decay:
+        decay = adamw.decay.of(adamw.flag, adamw.old_log - of_keys(state[3], keys))
+    idle = None
+    if last_k is not None:  # with decay a row decays through its idle steps from step 0 on, moved or not
+        idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
+    weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
+    per_key = jnp.stack([weights.rows, weights.far], axis=1) if weights is not None and schedule_decay else None
+    far = None
+    if far_by_key:  # the keys' last steps and idle steps are at hand
+        assert last_k is not None and idle is not None
+        far = _long_idle_loop(plan, replayer.lr, last_k, idle > plan.cap, weights)
+    return _ByKey(decay, weights, per_key, far, adamw.new_log if adamw is not None else 0.0)
 
 
 def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> bool:

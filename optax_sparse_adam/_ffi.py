@@ -363,6 +363,7 @@ def catch_up_adam_rows(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
+    per_key: jax.Array | None,
     ops: CatchUpOperands,
     count: jax.Array,
     done: jax.Array,
@@ -372,20 +373,23 @@ def catch_up_adam_rows(
     maximize: bool,
     unique: int,
     decay: bool = False,
+    far_by_key: bool = False,
 ) -> tuple[Any, ...]:
     """``sparse_adam(catch_up=True)``'s leaf rule on the CPU (``tx.update``), and with ``decay``
     ``sparse_adamw(catch_up=True)``'s: ``(m, v, last_step, decay_mark, keys, updates, flags)``, the moments and
     records in place, ``p`` read only.
 
-    Each touched row is replayed and stepped as :func:`catch_up_adam_apply` takes it (the same operands; no per-key
-    values, ``far`` by the row's last step) in a scratch copy; its update, packed as :func:`sparse_adam_rows` packs
-    its step rows, is the step (``scalars``' ``neg_lr`` times Adam's, with ``decay`` times ``u + wd p`` on the
-    replayed row), or where the replay moved the row (with ``decay``: where it sat out a step), ``(replayed + step)
-    - p``, as the XLA rules compute it. ``flags`` marks the keys of rows whose idle steps were not at hand (their
-    updates NaN); the caller runs this only where none can be."""
-    attrs = _attrs(p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique)
+    Each touched row is replayed and stepped as :func:`catch_up_adam_apply` takes it (the same operands) in a
+    scratch copy; its update, packed as :func:`sparse_adam_rows` packs its step rows, is the step (``scalars``'
+    ``neg_lr`` times Adam's, with ``decay`` times ``u + wd p`` on the replayed row), or where the replay moved the
+    row (with ``decay``: where it sat out a step), ``(replayed + step) - p``, as the XLA rules compute it.
+    ``flags`` marks the keys of rows whose idle steps were not at hand: their updates NaN, their moments and
+    records as they were, for the caller to take by the XLA rule."""
+    attrs = _attrs(
+        p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key
+    )
     tables = (p, m, v, last_step, decay_mark)
-    return _catch_up_adam(True, tables, keys, values, scalars, None, ops, count, done, attrs)
+    return _catch_up_adam(True, tables, keys, values, scalars, per_key, ops, count, done, attrs)
 
 
 def catch_up_adam_apply(

@@ -367,7 +367,8 @@ def test_native_step_equals_the_xla_path(case: str, door: str) -> None:
     decays, those never touched too, and its record of the decay (``decay_mark``, ``log_decay``) is bitwise; a
     table its mask leaves out takes Adam's catch-up. The two calls (``tx.update``, then ``apply_updates``) at a
     constant rate run the rows kernel, each row replayed and stepped as the fused step's kernel takes it, within
-    the same bound (a table AdamW's mask leaves out too); under a schedule the XLA rule runs."""
+    the same bound (a table AdamW's mask leaves out too; under a schedule too, the rows it flags taken by the XLA
+    rule)."""
     rows, width, k = 200, 8, 48
     kwargs: dict[str, Any] = {
         "optax": {},
@@ -403,7 +404,7 @@ def test_native_step_equals_the_xla_path(case: str, door: str) -> None:
     native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
     text = native.lower(p, state, jnp.zeros(k, jnp.int32), jnp.zeros((k, width), jnp.float32)).as_text()
     if door == "two calls":
-        rows_kernel = not schedule and case != "no series (eps_root)"
+        rows_kernel = case != "no series (eps_root)"
         assert (PREFIX + "catch_up_adam_rows" in text) == rows_kernel and PREFIX + "catch_up_adam_apply" not in text
     else:
         assert (PREFIX + "catch_up_adam_apply" in text) == (case != "no series (eps_root)")
@@ -453,19 +454,20 @@ def test_the_rows_kernel_moves_every_row_that_sat_out_on_a_table_adamw_masks_out
     assert_trees_equal(un, ux)
 
 
-def _record_flags(monkeypatch: pytest.MonkeyPatch) -> list[np.ndarray]:
-    """The rows each call of the catch-up kernel flags for the XLA path (its flags per entry), as steps run."""
+def _record_flags(monkeypatch: pytest.MonkeyPatch, kernel: str = "catch_up_adam_apply") -> list[np.ndarray]:
+    """The rows each call of a catch-up kernel (the fused step's, or ``catch_up_adam_rows``) flags for the XLA path
+    (its flags per entry), as steps run."""
     from optax_sparse_adam import _ffi
 
     flagged: list[np.ndarray] = []
-    call = _ffi.catch_up_adam_apply
+    call = getattr(_ffi, kernel)
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         out = call(*args, **kwargs)
         jax.debug.callback(lambda f: flagged.append(np.asarray(f)), out[-1])
         return out
 
-    monkeypatch.setattr(_ffi, "catch_up_adam_apply", recording)
+    monkeypatch.setattr(_ffi, kernel, recording)
     return flagged
 
 
@@ -599,30 +601,49 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
 
 
 @needs_kernels
-@pytest.mark.parametrize("case", ["optax", "torch", "adamw"])
-def test_the_rows_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str) -> None:
+@pytest.mark.parametrize(
+    "case", ["optax", "torch", "adamw", "schedule", "schedule, distinct", "adamw schedule", "adamw injected"]
+)
+def test_the_rows_kernel_takes_the_idle_steps_the_series_does_not_reach(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``tx.update`` then ``apply_updates`` on the rows kernel, from a state with rows idle within the window and
     longer and elements the series does not take (replayed one by one in the kernel): moments and last steps
     bitwise the XLA path's, the parameters within two ulps of the larger of the old and new value and one of the
     update (the XLA rule's update ``(replayed + step) - p`` from a replayed row rounded its own way). AdamW's
-    (``sparse_adamw(catch_up=True)``): each idle step decays the row too, and its record of the decay is bitwise."""
+    (``sparse_adamw(catch_up=True)``): each idle step decays the row too, and its record of the decay is bitwise.
+    Under a schedule (and with AdamW's rates injected) the kernel flags the long-idle rows that need steps, exactly
+    those, as the fused step's does; the XLA rule takes them, and their updates land in the kernel's slots by key
+    (ids repeated, padded, or given as distinct)."""
+    flagged = _record_flags(monkeypatch, "catch_up_adam_rows")
     rows, width, k, count = _IDLE_SHAPE
-    if case == "adamw":
-        tx = osa.sparse_adamw(1e-2, weight_decay=0.3, catch_up=True)
+    lr = optax.cosine_decay_schedule(1e-2, 1000) if case.endswith("schedule") or ", " in case else 1e-2
+    if case == "adamw injected":
+        static = ("catch_up", "b1", "b2", "eps", "eps_root")
+        tx = optax.inject_hyperparams(osa.sparse_adamw, static_args=static)(lr, weight_decay=0.3, catch_up=True)
+    elif case.startswith("adamw"):
+        tx = osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True)
     else:
-        tx = osa.sparse_adam(1e-2, catch_up=True, eps_placement=case)
+        tx = osa.sparse_adam(lr, catch_up=True, eps_placement="torch" if case == "torch" else "optax")
     rng = np.random.default_rng(6)
     p, state, last = _idle_start(tx.init, rng)
-    ids = jnp.asarray(np.concatenate([rng.permutation(rows)[:k], rng.integers(0, rows, 8), [-1, rows]]), jnp.int32)
-    g = osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(ids.size, width)).astype(np.float32)), rows)
+    distinct = case.endswith("distinct")
+    extra = [] if distinct else [rng.integers(0, rows, 8), [-1, rows]]  # repeated ids, padding
+    ids = jnp.asarray(np.concatenate([rng.permutation(rows)[:k], *extra]), jnp.int32)
+    values = jnp.asarray(rng.normal(size=(ids.size, width)).astype(np.float32))
+    g = osa.IndexedRows(ids, values, rows, unique_indices=distinct)
 
-    def step(p: jax.Array, s: Any) -> Any:
+    def step(p: jax.Array, s: Any, g: osa.IndexedRows) -> Any:
         updates, s = tx.update(g, s, p)
         return osa.apply_updates(p, updates), s
 
     native = jax.jit(step)
-    assert PREFIX + "catch_up_adam_rows" in native.lower(p, state).as_text()
-    (pn, sn), (px, sx) = native(p, state), jax.jit(osa.use_kernels(False)(step))(p, state)
+    assert PREFIX + "catch_up_adam_rows" in native.lower(p, state, g).as_text()
+    # The XLA path's program for ids promised distinct rounds mu an ulp apart from its program for the same ids
+    # unpromised in the rows whose idle steps it takes one by one (XLA:CPU fuses them otherwise); both kernels give
+    # the latter's bits.
+    reference = osa.IndexedRows(ids, values, rows) if distinct else g
+    (pn, sn), (px, sx) = native(p, state, g), jax.jit(osa.use_kernels(False)(step))(p, state, reference)
     assert_trees_equal(sn, sx)
     old, pn, px = np.asarray(p), np.asarray(pn), np.asarray(px)
     bound = 2 * np.spacing(np.maximum(np.abs(px), np.abs(old))) + np.spacing(np.abs(px - old))
@@ -631,6 +652,17 @@ def test_the_rows_kernel_takes_the_idle_steps_the_series_does_not_reach(case: st
     assert (np.abs(px - old) > 0)[touched].all()
     cap = int(idle_cap(0.9, 0.999))
     assert (count - 1 - last[touched] > cap).any() and (count - 1 - last[touched] <= cap).any()
+    (flags,) = flagged
+    if case in ("optax", "torch", "adamw"):
+        assert not flags.any()
+    else:  # every entry of a long-idle row with tiny elements (those the series does not take), none of the others
+        at = np.clip(np.asarray(ids), 0, rows - 1)
+        (s0,) = (x for x in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "last_step")) if hasattr(x, "nu"))
+        tiny = (np.sqrt(np.asarray(s0.nu)) < 1e-6).any(axis=1)[at]
+        in_range = (np.asarray(ids) >= 0) & (np.asarray(ids) < rows)
+        needs_steps = in_range & tiny & (count - 1 - last[at] > cap)
+        assert needs_steps.sum() > 10
+        np.testing.assert_array_equal(flags > 0, needs_steps)
 
 
 @needs_kernels

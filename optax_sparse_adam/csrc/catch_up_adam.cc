@@ -328,8 +328,8 @@ OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, int64
 // and where the replay moved the row, (replayed + step) - p, which apply_updates adds to p (caught_up_update).
 // Moved: without decay, an element of the replayed row changed (or is NaN); with it, or with AdamW's decay mark on a
 // table its mask leaves out (AdamWLeaf.rule), the row sat out a step. False,
-// and a row of NaN written, for a row whose idle steps are not at hand (the caller runs this mode only where none
-// is: _may_flag).
+// and a row of NaN written, for a row whose idle steps are not at hand (its moments and records as they were: the
+// caller takes such rows by the XLA rule).
 template <bool kTorch, bool kMaximize, bool kDecay>
 OSA_ROW_INLINE bool UpdateOfRow(const Scalars& s, const CatchUp& cu, int64_t slot, int64_t r, const float* g,
                                 const float* __restrict p, float* m, float* v, float* __restrict out,
@@ -525,7 +525,6 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
   if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
   const auto table = corrections.dimensions();
-  if (kRows && far_by_key != 0) return ffi::Error::InvalidArgument("the rows handler takes far by the row's last step");
   float* m = mu_out->typed_data();
   float* v = nu_out->typed_data();
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
@@ -597,9 +596,9 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                        far_by_key, threads);
 }
 
-// tx.update's rule (sparse_adam(catch_up=True), and with `decay` sparse_adamw(catch_up=True)'s at a constant rate):
-// the apply handler's operands, p read only, no per-key values, far by the row's last step; the moments and
-// records in place, the keys and the rows' updates packed as sparse_adam.cc's rows handler packs them.
+// tx.update's rule (sparse_adam(catch_up=True), and with `decay` sparse_adamw(catch_up=True)'s): the apply
+// handler's operands and attributes, p read only; the moments and records in place, the keys and the rows' updates
+// packed as sparse_adam.cc's rows handler packs them. A flagged row keeps its moments and records, its update NaN.
 ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                     ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
                     ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
@@ -611,14 +610,14 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
                     ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
                     ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
                     ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t torch_eps,
-                    int64_t maximize, int64_t decay, int64_t unique, int64_t threads) {
+                    int64_t maximize, int64_t decay, int64_t unique, int64_t far_by_key, int64_t threads) {
   if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
   return Handle<true>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers,
                       through, limits, neg_rates, corrections, counts, row_begin, const_cast<float*>(p.typed_data()),
                       mu_out, nu_out, last_step_out, decay_mark_out, flags, step_out->typed_data(),
-                      keys_out->typed_data(), num_rows, cap, torch_eps, maximize, decay, unique,
-                      /*far_by_key=*/0, threads);
+                      keys_out->typed_data(), num_rows, cap, torch_eps, maximize, decay, unique, far_by_key,
+                      threads);
 }
 
 // The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
@@ -771,6 +770,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::Row
                                   .Attr<int64_t>("maximize")
                                   .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
+                                  .Attr<int64_t>("far_by_key")
                                   .Attr<int64_t>("threads"));
 
 #undef OSA_CATCH_UP_ADAM_ARGS
