@@ -597,9 +597,16 @@ def _long_idle_loop(
             return total + term, power, through
 
         zeros = _zeros(last, plan.rho.size)
-        return jax.lax.fori_loop(1, plan.cap + 1, body, (zeros, jnp.ones_like(zeros), zeros))[0]
+        # Unrolled: a GPU runs each trip of a loop as kernel launches of its own and a copy of the condition to the
+        # host (221 trips at optax's betas took 4 ms of AdamW's step under a schedule on an H200); the same
+        # arithmetic in the same order, in fewer trips.
+        init = (zeros, jnp.ones_like(zeros), zeros)
+        return jax.lax.fori_loop(1, plan.cap + 1, body, init, unroll=_UNROLL)[0]
 
     return jax.lax.cond(jnp.any(rows), run, lambda last: _zeros(last, plan.rho.size), last)
+
+
+_UNROLL = 16  # idle steps a trip of the per-row loops over a window's steps
 
 
 def _zeros(last: jax.Array, terms: int) -> jax.Array:
@@ -643,8 +650,13 @@ def _replay_steps(
         p_new = (p + broadcast_rows(-lr, p.ndim).astype(step.dtype) * step).astype(p.dtype)
         return k, jnp.where(active, p_new, p), jnp.where(active, m_new, m), jnp.where(active, v_new, v), through
 
+    def trip(carry: Carry) -> Carry:  # _UNROLL steps a trip (those past a row's n leave it as it is)
+        for _ in range(_UNROLL):
+            carry = body(carry)
+        return carry
+
     start = (jnp.zeros([], jnp.int32), p, m, v, jnp.zeros_like(idle, jnp.float32))  # varying as idle is (shard_map)
-    _, p, m, v, through = jax.lax.while_loop(cond, body, start)
+    _, p, m, v, through = jax.lax.while_loop(cond, trip, start)
     if decay is not None:  # the idle steps past the first K decay the row, and move it by less than 2**-24
         rest_decay = jnp.where(idle > n, decay.rest(idle, n, through), 1.0)
         p = (broadcast_rows(rest_decay, p.ndim) * p).astype(p.dtype)
