@@ -582,10 +582,13 @@ def _long_idle_loop(
 ) -> jax.Array:
     """``G_j(last)`` for the ``rows`` idle more than ``K`` steps, one step at a time (a schedule, or bias
     corrections too long for a table); nothing runs where no row is. With ``weights`` the ``k``-th term is divided
-    by the decay of the row's first ``k`` idle steps."""
+    by the decay of the row's first ``k`` idle steps. ``G`` is a function of the last step alone: on the CPU and
+    TPUs it is computed once for each distinct last step among the ``rows``, in chunks of ``_LAST_STEPS`` as far as
+    they go (a batch's long-idle rows share few last steps, and each costs ``K`` evaluations of the schedule and
+    the bias corrections), and gathered; on GPUs, where a step is bound by launches, for every entry at once."""
     rho = jnp.asarray(plan.rho, jnp.float32)
 
-    def run(last: jax.Array) -> jax.Array:
+    def coefficients(last: jax.Array) -> jax.Array:
         def body(k: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             total, power, through = carry
             power = power * rho[None, :]
@@ -603,7 +606,30 @@ def _long_idle_loop(
         init = (zeros, jnp.ones_like(zeros), zeros)
         return jax.lax.fori_loop(1, plan.cap + 1, body, init, unroll=_UNROLL)[0]
 
+    def by_last_step(last: jax.Array) -> jax.Array:
+        n, size = last.shape[0], min(last.shape[0], _LAST_STEPS)
+        unused = jnp.iinfo(jnp.int32).max
+        keyed = jnp.where(rows, last, unused)
+        distinct = jnp.unique(keyed, size=n, fill_value=unused)  # sorted, the rows' last steps first
+        count = jnp.sum(distinct != unused)
+
+        def chunk(c: jax.Array, out: jax.Array) -> jax.Array:
+            start = jnp.minimum(c * size, n - size)  # the last chunk may overlap the one before: the same values
+            block = coefficients(jax.lax.dynamic_slice_in_dim(distinct, start, size))
+            return jax.lax.dynamic_update_slice_in_dim(out, block, start, 0)
+
+        out = jax.lax.fori_loop(0, (count + size - 1) // size, chunk, _zeros(last, plan.rho.size))
+        return out[jnp.clip(jnp.searchsorted(distinct, keyed), 0, n - 1)]
+
+    def run(last: jax.Array) -> jax.Array:
+        if last.ndim != 1 or last.shape[0] <= _LAST_STEPS:
+            return coefficients(last)
+        return jax.lax.platform_dependent(last, cuda=coefficients, rocm=coefficients, default=by_last_step)
+
     return jax.lax.cond(jnp.any(rows), run, lambda last: _zeros(last, plan.rho.size), last)
+
+
+_LAST_STEPS = 64  # distinct last steps a chunk of the long-idle coefficients' loop
 
 
 _UNROLL = 16  # idle steps a trip of the per-row loops over a window's steps

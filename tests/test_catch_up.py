@@ -242,6 +242,49 @@ def test_the_window_is_within_a_few_ulps_of_its_recurrence_in_double(b1, b2, lea
     assert np.max(np.abs(got - want) / np.abs(want)) <= 8 * 2.0**-24
 
 
+@pytest.mark.parametrize("decay", [False, True])
+def test_the_long_idle_coefficients_are_taken_once_per_last_step(decay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a schedule the coefficients ``G_j(last) = sum_{k=1..K} h_j(last + k) rho_j^k`` of rows idle longer than
+    the window are a function of the last step alone: on the CPU they are computed once for each distinct last
+    step among the long-idle entries, in chunks of ``_LAST_STEPS`` (several here, the last one overlapping the one
+    before), and gathered for every entry. Each long-idle entry's is within 64 units of ``2**-24`` (relative) of
+    the sum in double on the same float32 ``h`` (with AdamW's decay, each term divided by the decay of the row's
+    first ``k`` idle steps; the loop takes ``rho**k`` and the sum as ``K = 221`` float32 products and additions, each
+    rounded: about 26 units here), and within 2 of its value computed for every entry on its own (XLA contracts the
+    sum's multiply-adds by its own choice in each program)."""
+    lr = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 30, 5000)
+    replayer = _catch_up.Replayer(lr, _adam._hyperparams(0.9, 0.999, 1e-8, 0.0, False, "optax"))
+    weights = None
+    if decay:
+        decay_ = _catch_up.Decay(0.3, None, jnp.zeros(1, jnp.float32))
+        weights = _catch_up._DecayWeights(decay_, replayer, None, jnp.int32(4000), 221)
+    plan = _catch_up._series_plan(replayer, jnp.float32, decay=None if weights is None else weights.decay)
+    rng = np.random.default_rng(2)
+    n = 1000
+    last = rng.integers(1, 3000, 300)[rng.integers(0, 300, n)].astype(np.int32)  # repeated last steps
+    long_idle = rng.random(n) < 0.7
+    run = jax.jit(lambda last, rows: _catch_up._long_idle_loop(plan, replayer.lr, last, rows, weights))
+    assert "sort" in run.lower(last, long_idle).as_text()  # the distinct last steps
+    got = np.asarray(run(last, long_idle), np.float64)[long_idle]
+    assert len(np.unique(last[long_idle])) > 3 * _catch_up._LAST_STEPS
+    k = np.arange(1, plan.cap + 1)
+    tau = jnp.asarray(np.unique(last)[:, None] + k[None, :], jnp.int32)
+    h = np.asarray(plan.rates(tau, replayer.lr(tau - 1), jnp), np.float64)  # (lasts, K, terms)
+    powers = plan.rho[None, :] ** k[:, None]
+    terms = h * powers[None]
+    if decay:
+        through = np.cumsum(np.asarray(weights.decay.log(replayer, tau), np.float64), axis=1)
+        terms = terms * np.exp(-through)[..., None]
+    want = terms.sum(axis=1)[np.searchsorted(np.unique(last), last[long_idle])]
+    assert np.max(np.abs(got - want) / np.abs(want)) <= 64 * 2.0**-24
+    monkeypatch.setattr(_catch_up, "_LAST_STEPS", n)  # every entry on its own
+    each = np.asarray(
+        jax.jit(lambda last, rows: _catch_up._long_idle_loop(plan, replayer.lr, last, rows, weights))(last, long_idle),
+        np.float64,
+    )[long_idle]
+    assert np.max(np.abs(got - each) / np.abs(each)) <= 2 * 2.0**-24
+
+
 def test_each_step_is_dense_adam_within_a_few_ulps() -> None:
     """Rows touched now and then, one step at a time: each step takes the touched rows from the catch-up state
     where dense Adam in float64 (with float32's bias corrections), replaying every idle step from that same state,
