@@ -391,7 +391,11 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
         "and lazy momentum SGD (`sparse_sgd(..., momentum=)`) run the element-wise kernels at both doors; momentum "
         "SGD's catch-up (`catch_up=True`), and Adam's, AdamW's and AMSGrad's, run a kernel at both doors; under a "
         "schedule Adam's and AdamW's leave the long-idle rows that need their idle steps one by one to the XLA rule, "
-        "in a conditional branch.",
+        "in a conditional branch. The doors take each batch in turn on the same rows: under a schedule the first "
+        "(the two calls) computes the coefficients of the batch's rows idle longer than the window (once for each "
+        "distinct last step, the schedule and the bias corrections at each of its `idle_cap` idle steps), and the "
+        "doors after it find those rows caught up. For the two variants under a schedule, the two calls' column is "
+        "what a step on rows with idle histories costs; the `update_and_apply` columns are not.",
         "",
         f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}, "
         f"1-minute load average {load} (start/end). This page is generated at build time from "
