@@ -619,7 +619,8 @@ def _long_idle_loop(
             return jax.lax.dynamic_update_slice_in_dim(out, block, start, 0)
 
         out = jax.lax.fori_loop(0, (count + size - 1) // size, chunk, _zeros(last, plan.rho.size))
-        return out[jnp.clip(jnp.searchsorted(distinct, keyed), 0, n - 1)]
+        # Zero for the other entries (a last chunk past the distinct steps computes garbage from the sentinel).
+        return jnp.where(rows[:, None], out[jnp.clip(jnp.searchsorted(distinct, keyed), 0, n - 1)], 0.0)
 
     def run(last: jax.Array) -> jax.Array:
         if last.ndim != 1 or last.shape[0] <= _LAST_STEPS:

@@ -303,6 +303,10 @@ def catch_up_amsgrad(
             *args, row_begin, **attrs
         )
 
+    if keys.shape[0] == 0:  # an empty batch touches nothing (and empty per-key operands would not say what they are)
+        if rows:
+            return m, v, v_max, last_step, keys.astype(jnp.int32), values
+        return p, m, v, v_max, last_step
     # Without per-key decays, an empty one, replicated (z).
     by_key = "k" if ops.decay2 is not None else "z"
     decay2 = ops.decay2 if ops.decay2 is not None else jnp.zeros((0,), jnp.float32)
@@ -470,6 +474,11 @@ def _catch_up_adam(
     """The catch-up Adam handler on ``tables = (p, m, v, last_step, decay_mark)``: the fused step (``rows``
     false: :func:`catch_up_adam_apply`'s results) or ``tx.update``'s rule (:func:`catch_up_adam_rows`')."""
     p, m, v, last_step, decay_mark = tables
+    if keys.shape[0] == 0:  # an empty batch touches nothing (and empty per-key operands would not say what they are)
+        flags = jnp.zeros((0,), jnp.int32)
+        if rows:
+            return m, v, last_step, decay_mark, keys.astype(jnp.int32), values, flags
+        return p, m, v, last_step, decay_mark, flags
 
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)

@@ -285,6 +285,36 @@ def test_the_long_idle_coefficients_are_taken_once_per_last_step(decay: bool, mo
     assert np.max(np.abs(got - each) / np.abs(each)) <= 2 * 2.0**-24
 
 
+@pytest.mark.parametrize("door", ["update_and_apply", "two calls"])
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "amsgrad", "amsgrad, b2 injected", "sgd"])
+def test_an_empty_batch_under_a_schedule_touches_nothing(optimizer: str, door: str) -> None:
+    """A batch of no ids under a schedule (the kernels' per-key operands then empty): the step is the XLA path's,
+    bitwise, and moves no row; the count advances."""
+    lr = optax.linear_schedule(1e-2, 1e-3, 100)
+    tx = {
+        "adam": lambda: osa.sparse_adam(lr, catch_up=True),
+        "adamw": lambda: osa.sparse_adamw(lr, weight_decay=0.1, catch_up=True),
+        "amsgrad": lambda: osa.sparse_amsgrad(lr, catch_up=True),
+        "amsgrad, b2 injected": lambda: optax.inject_hyperparams(osa.sparse_amsgrad, static_args=("catch_up", "b1"))(
+            lr, catch_up=True
+        ),
+        "sgd": lambda: osa.sparse_sgd(lr, momentum=0.9, catch_up=True),
+    }[optimizer]()
+    p = jnp.asarray(np.random.default_rng(0).normal(size=(300, 8)), jnp.float32)
+    g = osa.IndexedRows(jnp.zeros(0, jnp.int32), jnp.zeros((0, 8), jnp.float32), 300)
+
+    def step(p: jax.Array, s: Any) -> Any:
+        if door == "update_and_apply":
+            return osa.update_and_apply(tx, g, s, p)
+        updates, s = tx.update(g, s, p)
+        return osa.apply_updates(p, updates), s
+
+    state = tx.init(p)
+    (pn, sn), (px, sx) = jax.jit(step)(p, state), jax.jit(osa.use_kernels(False)(step))(p, state)
+    assert_trees_equal((pn, sn), (px, sx))
+    np.testing.assert_array_equal(np.asarray(pn), np.asarray(p))
+
+
 def test_each_step_is_dense_adam_within_a_few_ulps() -> None:
     """Rows touched now and then, one step at a time: each step takes the touched rows from the catch-up state
     where dense Adam in float64 (with float32's bias corrections), replaying every idle step from that same state,
