@@ -739,6 +739,49 @@ def test_the_rows_kernel_takes_the_idle_steps_the_series_does_not_reach(
 
 
 @needs_kernels
+@pytest.mark.parametrize("door", ["update_and_apply", "two calls"])
+def test_flagged_rows_on_a_table_split_by_rows_and_under_vmap(door: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AdamW's catch-up under a schedule, from a state with rows the kernel flags (idle longer than the window, with
+    tiny elements): on a table and records split by rows over 8 devices (the kernel on each block, the flags summed,
+    the XLA rule's rows placed by key) the step is the one-device step, bitwise; under vmap over two states, each
+    state's own step, the state bitwise and the parameters within two ulps of the larger of the old and new value
+    (the XLA rule on the flagged rows is another program under vmap, whose multiply-adds XLA contracts by its own
+    choice)."""
+    flagged = _record_flags(monkeypatch, "catch_up_adam_rows" if door == "two calls" else "catch_up_adam_apply")
+    rows, width, k, _ = _IDLE_SHAPE
+    tx = osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 1000), weight_decay=0.3, catch_up=True)
+    rng = np.random.default_rng(7)
+    p, state, _ = _idle_start(tx.init, rng)
+    ids = jnp.asarray(np.concatenate([rng.permutation(rows)[:k], rng.integers(0, rows, 8), [-1, rows]]), jnp.int32)
+    values = jnp.asarray(rng.normal(size=(ids.size, width)), jnp.float32)
+
+    def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
+        g = osa.IndexedRows(ids, values, rows)
+        if door == "update_and_apply":
+            return osa.update_and_apply(tx, g, s, p)
+        updates, s = tx.update(g, s, p)
+        return osa.apply_updates(p, updates), s
+
+    one = jax.jit(step)(p, state, ids, values)
+    assert flagged[0].any()
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
+    by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    place = functools.partial(jax.tree.map, lambda x: jax.device_put(x, by_rows) if x.shape[:1] == (rows,) else x)
+    sharded = jax.jit(step)(place(p), place(state), ids, values)
+    assert sharded[0].sharding.is_equivalent_to(by_rows, 2)
+    assert_trees_equal(sharded, one)
+    starts = [(p, state), one]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *[(*start, ids, values) for start in starts])
+    out = jax.jit(jax.vmap(step))(*stacked)
+    for i, start in enumerate(starts):
+        (pv, sv), (pw, sw) = jax.tree.map(lambda x, i=i: x[i], out), jax.jit(step)(*start, ids, values)
+        assert_trees_equal(sv, sw)
+        pv, pw = np.asarray(pv), np.asarray(pw)
+        bound = 2 * np.spacing(np.maximum(np.abs(pw), np.abs(np.asarray(start[0]))))
+        assert np.all(np.abs(pv - pw) <= bound), np.abs(pv - pw).max()
+
+
+@needs_kernels
 def test_a_clipped_step_sums_and_clips_the_rows_it_leaves_to_the_xla_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """chain(sparse_aware(clip_by_global_norm), sparse_adam(schedule, catch_up=True)) under update_and_apply, ids
     repeated: the kernel sums and clips each row as it reads the entries, and the rows it flags (idle longer than
