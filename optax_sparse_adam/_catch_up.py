@@ -835,42 +835,23 @@ def _rows_kernel(
         )
 
     def run(leaf: SparseLeaf, state: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
-        (p,), (m, v, last) = reads, state[:3]
+        (p,) = reads
         plan = plan_of(state, p)
         assert plan is not None, "supports() checks the plan"
-        keys, rows = leaf.keys[:, 0], p.shape[0]
-        keyed = _by_key(plan, replayer, state, keys, done, decay, adamw)
         extra = () if decay is None else (jnp.asarray(decay.weight_decay),)
         scalars = kernel_scalars(hp, count, -jnp.asarray(lr, jnp.float32), *extra)
-        ops = _kernel_operands(plan, replayer, done, keyed.decay, keyed.weights, keyed.far, keyed.new_log)
-        mark = state[3] if adamw is not None else None
-        m, v, last, mark, out_keys, out, flagged = _ffi.catch_up_adam_rows(
-            p,
-            m,
-            v,
-            last,
-            mark,
-            keys,
-            leaf.values,
-            scalars,
-            keyed.per_key,
-            ops,
-            count,
-            done,
-            cap=plan.cap,
-            decay=decay is not None,
-            far_by_key=keyed.far is not None,
-            **kernel_flags(hp, leaf),
+        keyed, (*tables, out_keys, out, flagged) = _call(
+            _ffi.catch_up_adam_rows, plan, replayer, p, state, leaf, scalars, count, done, decay, adamw
         )
-        tables = (m, v, last) if mark is None else (m, v, last, mark)
+        tables = [t for t in tables if t is not None]  # no decay mark but AdamW's
         if not _may_flag(plan, replayer, keyed.decay):
-            return out_keys[:, None], out, tables
+            return out_keys[:, None], out, tuple(tables)
 
         def by_steps() -> tuple[jax.Array, ...]:  # the flagged rows' updates and records by the XLA rule
-            g = coalesce(leaf._replace(keys=jnp.where(flagged[:, None] > 0, leaf.keys, rows)))
-            rule = _rule(replayer, done, count, lr) if adamw is None else adamw.rule(replayer, done, count, lr)
-            new, stepped = _run_rows(g, p.shape, tables, (p,), rule)
-            return _placed(out_keys, out, g.keys[:, 0], stepped, rows), *new
+            g, rule, _ = _flagged(leaf, flagged, p.shape[0], replayer, done, count, lr, adamw)
+            g = coalesce(g)
+            new, stepped = _run_rows(g, p.shape, tuple(tables), (p,), rule)
+            return _placed(out_keys, out, g.keys[:, 0], stepped, p.shape[0]), *new
 
         out, *tables = jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (out, *tables))
         return out_keys[:, None], out, tuple(tables)
@@ -882,8 +863,9 @@ def _placed(keys: jax.Array, rows: jax.Array, by: jax.Array, by_rows: jax.Array,
     """``rows`` (one per entry of ``keys``), those of the in-range keys that ``by`` holds replaced by the rows of
     ``by_rows`` at those keys (the keys distinct in each)."""
     order = jnp.argsort(by)
-    at = jnp.clip(jnp.searchsorted(by[order], keys), 0, by.shape[0] - 1)
-    hit = (by[order][at] == keys) & (keys >= 0) & (keys < num_rows)
+    ordered = by[order]
+    at = jnp.clip(jnp.searchsorted(ordered, keys), 0, by.shape[0] - 1)
+    hit = (ordered[at] == keys) & (keys >= 0) & (keys < num_rows)
     return jnp.where(broadcast_rows(hit, rows.ndim), by_rows[order[at]], rows)
 
 
@@ -916,26 +898,60 @@ def fused_apply(
     ``leaf`` is the table's entries, which the kernel sums and clips row by row (its two scalars after Adam's), and
     which are summed and clipped alike for the flagged rows.
     """
-    m, v, last = state[:3]
-    hp = replayer.hp
-    keys, rows = leaf.keys[:, 0], p.shape[0]
     decay = None if adamw is None else adamw.decay.of(adamw.flag, None)
-    plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=decay)
+    plan = _series_plan(replayer, p.dtype, state[0].dtype, state[1].dtype, decay=decay)
     assert plan is not None, "fusable() checks the plan"
-    keyed = _by_key(plan, replayer, state, keys, done, decay, adamw)
-    decay = keyed.decay
-    ops = _kernel_operands(plan, replayer, done, decay, keyed.weights, keyed.far, keyed.new_log)
     if clip is not None:
         scalars = clip.append_to(scalars)
     # The kernel records the rows it steps (the last step, AdamW's decay mark) in place; the rows it flags keep
     # their records for the XLA rule below, which reads and writes them.
+    keyed, (p, *tables, flagged) = _call(
+        _ffi.catch_up_adam_apply, plan, replayer, p, state, leaf, scalars, count, done, decay, adamw
+    )
+    tables = [t for t in tables if t is not None]  # no decay mark but AdamW's
+
+    def by_steps() -> tuple[jax.Array, ...]:  # p and the tables, the flagged rows taken by the XLA rule
+        g, rule, where = _flagged(leaf, flagged, p.shape[0], replayer, done, count, replayer.lr(done), adamw)
+        if clip is not None:  # the table's entries, summed here, then clipped
+            g = coalesce(g)
+            (div, mul), t = clip.scalars(), g.values
+            # optax.clip_by_global_norm's expression, select(trigger, t, (t / g_norm) * max_norm): XLA:CPU keeps
+            # that division a division, where a bare (t / div) * mul becomes t * (1 / div) * mul and the moments
+            # round apart from the two calls'.
+            g = g._replace(values=jax.lax.select((div == 1) & (mul == 1), t, (t / div) * mul))
+        # g is known distinct where the leaf is: the rule does not coalesce it again.
+        out, new = apply_rule((), g.to_leaf(), p.shape, tuple(tables), (p,), rule, where, whole_rows=True)
+        return apply_updates(p, out), *new
+
+    if not _may_flag(plan, replayer, keyed.decay):
+        return p, *tables
+    return jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, *tables))
+
+
+def _call(
+    kernel: Callable[..., tuple[Any, ...]],
+    plan: _SeriesPlan,
+    replayer: Replayer,
+    p: jax.Array,
+    state: tuple[jax.Array, ...],
+    leaf: SparseLeaf,
+    scalars: jax.Array,
+    count: jax.Array,
+    done: jax.Array,
+    decay: Decay | None,
+    adamw: AdamWLeaf | None,
+) -> tuple[_ByKey, tuple[Any, ...]]:
+    """One of the catch-up Adam kernels (:func:`._ffi.catch_up_adam_apply`, :func:`._ffi.catch_up_adam_rows`) on a
+    sparse leaf and its ``state`` (with AdamW's decay mark fourth), with what it reads per key (:func:`_by_key`)
+    and of the step (:func:`_kernel_operands`): ``(keyed, results)``, the decay mark among the results ``None``
+    without ``adamw``."""
+    keys = leaf.keys[:, 0]
+    keyed = _by_key(plan, replayer, state, keys, done, decay, adamw)
+    ops = _kernel_operands(plan, replayer, done, keyed.decay, keyed.weights, keyed.far, keyed.new_log)
     mark = state[3] if adamw is not None else None
-    flags = kernel_flags(hp, leaf)
-    p, m, v, last, mark, flagged = _ffi.catch_up_adam_apply(
+    results = kernel(
         p,
-        m,
-        v,
-        last,
+        *state[:3],
         mark,
         keys,
         leaf.values,
@@ -945,33 +961,29 @@ def fused_apply(
         count,
         done,
         cap=plan.cap,
-        decay=decay is not None,
+        decay=keyed.decay is not None,
         far_by_key=keyed.far is not None,
-        **flags,
+        **kernel_flags(replayer.hp, leaf),
     )
-    tables = (m, v, last) if mark is None else (m, v, last, mark)
+    return keyed, results
 
-    def by_steps() -> tuple[jax.Array, ...]:  # p and the tables, the flagged rows taken by the XLA rule
-        g = leaf._replace(keys=jnp.where(flagged[:, None] > 0, leaf.keys, rows))
-        if clip is not None:  # the table's entries, summed here, then clipped
-            g = coalesce(g)
-            (div, mul), t = clip.scalars(), g.values
-            # optax.clip_by_global_norm's expression, select(trigger, t, (t / g_norm) * max_norm): XLA:CPU keeps
-            # that division a division, where a bare (t / div) * mul becomes t * (1 / div) * mul and the moments
-            # round apart from the two calls'.
-            g = g._replace(values=jax.lax.select((div == 1) & (mul == 1), t, (t / div) * mul))
-        lr = replayer.lr(done)
-        if adamw is None:
-            rule, where = _rule(replayer, done, count, lr), _WHERE
-        else:
-            rule, where = adamw.rule(replayer, done, count, lr), _WHERE_ADAMW
-        # g is known distinct where the leaf is: the rule does not coalesce it again.
-        out, new = apply_rule((), g.to_leaf(), p.shape, tables, (p,), rule, where, whole_rows=True)
-        return apply_updates(p, out), *new
 
-    if not _may_flag(plan, replayer, decay):
-        return p, *tables
-    return jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, *tables))
+def _flagged(
+    leaf: SparseLeaf,
+    flagged: jax.Array,
+    rows: int,
+    replayer: Replayer,
+    done: jax.Array,
+    count: jax.Array,
+    lr: jax.Array,
+    adamw: AdamWLeaf | None,
+) -> tuple[SparseLeaf, Rule, str]:
+    """The entries of ``leaf`` whose rows a catch-up Adam kernel flagged (the others made padding), and the XLA
+    rule that takes those rows (AdamW's with ``adamw``), with its name for errors."""
+    g = leaf._replace(keys=jnp.where(flagged[:, None] > 0, leaf.keys, rows))
+    if adamw is None:
+        return g, _rule(replayer, done, count, lr), _WHERE
+    return g, adamw.rule(replayer, done, count, lr), _WHERE_ADAMW
 
 
 class _ByKey(NamedTuple):
