@@ -386,8 +386,9 @@ def _concrete_cap(b1: float, b2: float) -> int:
 def _rates(tau: Any, lr: Any, hp: AdamHyperparams, xp: Any) -> Any:
     """``h_j(tau)``: the learning rate times the bias corrections' factor of term ``j`` at step ``tau``, shape
     ``tau.shape + (_TERMS,)``: in float32 as the steps compute the corrections (``xp`` jnp), or in double (NumPy,
-    for the table). With optax's placement of ``eps``, ``h_j = lr sqrt(c2)^(j + 1) / c1``; with torch's,
-    ``lr sqrt(c2) / c1`` for every ``j``."""
+    for the table). With optax's placement of ``eps``, ``h_j = lr sqrt(c2)^(j + 1) / c1``, the powers of
+    ``sqrt(c2)`` taken as products (a float ``pow`` per term was most of the long-idle coefficients' cost under a
+    schedule, 221 of them per last step); with torch's, ``lr sqrt(c2) / c1`` for every ``j``."""
     if xp is np:
         c1, c2 = 1 - float(hp.b1) ** tau, 1 - float(hp.b2) ** tau
     elif hp.eps_placement == "optax":
@@ -395,9 +396,10 @@ def _rates(tau: Any, lr: Any, hp: AdamHyperparams, xp: Any) -> Any:
     else:
         c1, c2 = _torch_corrections(hp, tau)
     root = xp.sqrt(c2)
-    powers = xp.arange(_TERMS) if hp.eps_placement == "optax" else xp.zeros(_TERMS)
-    powers = powers.reshape((1,) * xp.ndim(root) + (_TERMS,))
-    return (lr * root / c1)[..., None] * root[..., None] ** powers
+    powers = [xp.ones_like(root)]
+    for _ in range(_TERMS - 1):
+        powers.append(powers[-1] * root if hp.eps_placement == "optax" else powers[0])
+    return (lr * root / c1)[..., None] * xp.stack(powers, axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)

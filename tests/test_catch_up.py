@@ -221,6 +221,31 @@ def _float32_correction_table() -> tuple[np.ndarray, np.ndarray]:
     return tuple(np.asarray(jax.jit(lambda t, b=b: 1 - b**t)(counts), np.float64) for b in (0.9, 0.999))
 
 
+@pytest.mark.parametrize("eps_placement", ["optax", "torch"])
+def test_the_idle_steps_rates_are_within_a_few_ulps_of_their_values_in_double(eps_placement: str) -> None:
+    """``h_j(tau)``, the factors of the idle steps' terms, in float32 (``sqrt(c2)``'s powers taken as products):
+    within ``j + 3`` units of ``2**-24`` (relative) of ``lr sqrt(c2)^(j + 1) / c1`` (optax's placement of ``eps``)
+    or ``lr sqrt(c2) / c1`` (torch's) in double, on the float32 corrections the steps use, at every step of a
+    schedule's first 3,000. Every coefficient of the series, in the window and past it, is a sum of these."""
+    lr = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 30, 5000)
+    hp = _adam._hyperparams(0.9, 0.999, 1e-8, 0.0, False, eps_placement)
+    replayer = _catch_up.Replayer(lr, hp)
+    plan = _catch_up._series_plan(replayer, jnp.float32)
+    tau = jnp.arange(1, 3001, dtype=jnp.int32)
+
+    @jax.jit
+    def rates(t: jax.Array) -> tuple[jax.Array, ...]:  # with the float32 rates and corrections they are made of
+        corrections = (1 - hp.b1**t, 1 - hp.b2**t) if eps_placement == "optax" else _adam._torch_corrections(hp, t)
+        return plan.rates(t, replayer.lr(t - 1), jnp), replayer.lr(t - 1), *corrections
+
+    got, rate, c1, c2 = (np.asarray(x, np.float64) for x in rates(tau))
+    j = np.arange(8) if eps_placement == "optax" else np.zeros(8)
+    want = (rate / c1)[:, None] * np.sqrt(c2)[:, None] ** (j[None, :] + 1)
+    assert np.all(want[1:] > 0)
+    units = np.abs(got[1:] - want[1:]) / want[1:] / 2.0**-24  # step 1 of the warm-up: lr 0
+    assert np.all(units <= np.arange(8) + 3), units.max(axis=0)
+
+
 @pytest.mark.parametrize(("b1", "b2"), [(0.9, 0.999), (0.99, 0.999), (0.95, 0.9999)])
 @pytest.mark.parametrize("learning_rate", ["constant", "schedule"])
 def test_the_window_is_within_a_few_ulps_of_its_recurrence_in_double(b1, b2, learning_rate) -> None:
