@@ -203,18 +203,21 @@ def make_osa_dense(cfg: Config, batches: Batches) -> Stepper:
     return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), [(_dense_grad_jax(cfg, batches),)])
 
 
-def sparse_step(num_rows: int, fused: bool = False) -> tuple[optax.GradientTransformation, Callable[..., Any]]:
-    """The library's sparse step on an ``IndexedRows`` gradient, and its transformation (not jitted).
+def sparse_step(
+    num_rows: int, fused: bool = False, tx: optax.GradientTransformation | None = None
+) -> tuple[optax.GradientTransformation, Callable[..., Any]]:
+    """The library's sparse step on an ``IndexedRows`` gradient, and its transformation (not jitted): ``tx``, by
+    default ``osa.sparse_adam(LEARNING_RATE)``.
 
     ``fused``: ``osa.update_and_apply`` rather than ``tx.update`` and ``osa.apply_updates``.
     """
-    tx = osa.sparse_adam(LEARNING_RATE)
+    tx = osa.sparse_adam(LEARNING_RATE) if tx is None else tx
 
     def step(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> tuple[jax.Array, Any]:
         grads = osa.IndexedRows(ids, values, num_rows)
         if fused:
             return osa.update_and_apply(tx, grads, state, params)
-        updates, state = tx.update(grads, state)
+        updates, state = tx.update(grads, state, params)  # params: catch-up moves them
         return osa.apply_updates(params, updates), state
 
     return tx, step

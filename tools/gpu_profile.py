@@ -14,14 +14,13 @@ import shutil
 import statistics
 import sys
 import time
-from typing import Any
 
 import jax
 import numpy as np
 import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-from contenders import sample_ids
+from contenders import sample_ids, sparse_step
 
 import optax_sparse_adam as osa
 
@@ -36,17 +35,6 @@ VARIANTS = {
 }
 
 
-def make_step(tx: optax.GradientTransformation, fused: bool) -> Any:
-    def step(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array) -> Any:
-        grads = osa.IndexedRows(ids, values, ROWS)
-        if fused:
-            return osa.update_and_apply(tx, grads, state, params)
-        updates, state = tx.update(grads, state, params)
-        return osa.apply_updates(params, updates), state
-
-    return step
-
-
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -55,7 +43,8 @@ def main() -> None:
     steps = {}
     for name, fused in (("fused", True), ("two_calls", False)):
         tx = VARIANTS[os.environ.get("VARIANT", "plain")]()
-        jitted = jax.jit(make_step(tx, fused), donate_argnums=(0, 1))
+        _, step = sparse_step(ROWS, fused, tx)
+        jitted = jax.jit(step, donate_argnums=(0, 1))
         params = jax.numpy.full((ROWS, WIDTH), 0.01, jax.numpy.float32)
         state = tx.init(params)
         compiled = jitted.lower(params, state, ids[0], values).compile()
