@@ -288,7 +288,7 @@ def catch_up_amsgrad(
     tables, ``b1``'s then ``b2``'s), or ``b2**idle`` from ``decay2`` per key where ``b2`` has no table."""
     p, m, v, v_max, last_step = tables
     name = "catch_up_amsgrad_rows" if rows else "catch_up_amsgrad_apply"
-    attrs = _attrs(p.shape[0], cap=ops.cap, far_by_key=ops.far_by_key, unique=unique)
+    attrs = _attrs(p.shape[0], cap=ops.cap, far_by_key=ops.far_by_key, decay2=ops.decay2 is not None, unique=unique)
 
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
@@ -303,10 +303,6 @@ def catch_up_amsgrad(
             *args, row_begin, **attrs
         )
 
-    if keys.shape[0] == 0:  # an empty batch touches nothing (and empty per-key operands would not say what they are)
-        if rows:
-            return m, v, v_max, last_step, keys.astype(jnp.int32), values
-        return p, m, v, v_max, last_step
     # Without per-key decays, an empty one, replicated (z).
     by_key = "k" if ops.decay2 is not None else "z"
     decay2 = ops.decay2 if ops.decay2 is not None else jnp.zeros((0,), jnp.float32)
@@ -389,9 +385,7 @@ def catch_up_adam_rows(
     row (with ``decay``: where it sat out a step), ``(replayed + step) - p``, as the XLA rules compute it.
     ``flags`` marks the keys of rows whose idle steps were not at hand: their updates NaN, their moments and
     records as they were, for the caller to take by the XLA rule."""
-    attrs = _attrs(
-        p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key
-    )
+    attrs = dict(cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key)
     tables = (p, m, v, last_step, decay_mark)
     return _catch_up_adam(True, tables, keys, values, scalars, per_key, ops, count, done, attrs)
 
@@ -452,9 +446,7 @@ def catch_up_adam_apply(
     and for rows idle longer where it has gamma's table (their first ``cap``
     steps, then ``gamma**(idle - cap)``); it flags the others that need them.
     """
-    attrs = _attrs(
-        p.shape[0], cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key
-    )
+    attrs = dict(cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key)
     tables = (p, m, v, last_step, decay_mark)
     return _catch_up_adam(False, tables, keys, values, scalars, per_key, ops, count, done, attrs)
 
@@ -469,16 +461,13 @@ def _catch_up_adam(
     ops: CatchUpOperands,
     count: jax.Array,
     done: jax.Array,
-    attrs: dict[str, Any],
+    flags: dict[str, bool | int],
 ) -> tuple[Any, ...]:
     """The catch-up Adam handler on ``tables = (p, m, v, last_step, decay_mark)``: the fused step (``rows``
-    false: :func:`catch_up_adam_apply`'s results) or ``tx.update``'s rule (:func:`catch_up_adam_rows`')."""
+    false: :func:`catch_up_adam_apply`'s results) or ``tx.update``'s rule (:func:`catch_up_adam_rows`'), with
+    its attributes ``flags`` and whether ``per_key`` is given (an empty batch's per-key operand cannot say)."""
     p, m, v, last_step, decay_mark = tables
-    if keys.shape[0] == 0:  # an empty batch touches nothing (and empty per-key operands would not say what they are)
-        flags = jnp.zeros((0,), jnp.int32)
-        if rows:
-            return m, v, last_step, decay_mark, keys.astype(jnp.int32), values, flags
-        return p, m, v, last_step, decay_mark, flags
+    attrs = _attrs(p.shape[0], **flags, per_key=per_key is not None)
 
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
@@ -912,7 +901,7 @@ def catch_up_momentum(
     the idle steps of the learning rate times a power of the momentum) from ``window[min(idle, cap) - 1]``
     (``(max(cap, 1),)``; 0 for ``cap == 0``) and ``momentum**idle`` from ``powers`` (the momentum's
     :func:`._catch_up.power_table`), or both from ``per_key`` (``(k, 2)``) where given."""
-    attrs = _attrs(p.shape[0], cap=cap, nesterov=nesterov, unique=unique)
+    attrs = _attrs(p.shape[0], cap=cap, per_key=per_key is not None, nesterov=nesterov, unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, t: jax.Array, last: jax.Array, *rest: jax.Array):
         if rows:

@@ -6,9 +6,11 @@
 //      neg_rates, corrections, counts) -> (p, mu, nu, last_step, decay_mark, flags)
 // (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
 // global-norm clipping's divisor and factor, each summed gradient row then
-// clipped first as sparse_adam.cc does), and tx.update's rule without decay:
+// clipped first as sparse_adam.cc does; the attributes far_by_key and
+// per_key say whether far holds a row per key and whether per_key is given,
+// which an empty batch's operands cannot say), and tx.update's rule:
 //   optax_sparse_adam_v4_catch_up_adam_rows
-//     (the same operands, p read only, per_key empty)
+//     (the same operands and attributes, p read only)
 //     -> (mu, nu, last_step, decay_mark, keys, updates, flags)
 // each touched row replayed and stepped in a scratch copy, its update (UpdateOfRow) packed as sparse_adam.cc's
 // rows handler packs its step rows.
@@ -483,7 +485,7 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
                   ffi::ResultBufferR1<ffi::S32>& last_step_out, ffi::ResultBufferR1<ffi::F32>& decay_mark_out,
                   ffi::ResultBufferR1<ffi::S32>& flags, float* rows_out, int32_t* keys_out, int64_t num_rows,
                   int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
-                  int64_t far_by_key, int64_t threads) {
+                  int64_t far_by_key, int64_t per_key_given, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   const auto dims = p.dimensions();
@@ -505,9 +507,11 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   if (static_cast<int64_t>(scalars.element_count()) != num_scalars &&
       static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars)
     return ffi::Error::InvalidArgument("scalars must hold 10 values (11 with decay; 2 more to clip)");
-  const bool by_key = per_key.element_count() != 0;
-  if (by_key && (decay == 0 || per_key.dimensions()[0] != k || per_key.dimensions()[1] != 2))
-    return ffi::Error::InvalidArgument("per_key must be empty, or with decay hold 2 values per key");
+  // Whether per_key is given is an attribute: an empty batch's per_key is empty too.
+  const bool by_key = per_key_given != 0;
+  if (by_key ? decay == 0 || per_key.dimensions()[0] != k || per_key.dimensions()[1] != 2
+             : per_key.element_count() != 0)
+    return ffi::Error::InvalidArgument("per_key must hold 2 values per key where given (with decay), else be empty");
   if (static_cast<int64_t>(flags->element_count()) != k)
     return ffi::Error::InvalidArgument("flags must have one entry per key");
   const int64_t tables = decay != 0 && !by_key ? 3 : 2;
@@ -519,7 +523,7 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   const auto window_dims = window.dimensions(), far_dims = far.dimensions();
   if (window_dims[1] != kTerms || window_dims[0] < std::max<int64_t>(cap, 1))
     return ffi::Error::InvalidArgument("window must hold 8 coefficients for each idle count up to cap");
-  if (far_dims[1] != kTerms || far_dims[0] < 1 || (far_by_key != 0 && far_dims[0] != k))
+  if (far_dims[1] != kTerms || (far_by_key != 0 ? far_dims[0] != k : far_dims[0] < 1))
     return ffi::Error::InvalidArgument("far must hold 8 coefficients per last step (or per key with far_by_key)");
   if (limits.element_count() != 5) return ffi::Error::InvalidArgument("limits must hold 5 values");
   if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
@@ -586,14 +590,14 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                      ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
                      ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
                      int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
-                     int64_t far_by_key, int64_t threads) {
+                     int64_t far_by_key, int64_t per_key_given, int64_t threads) {
   if (p_out->element_count() != p.element_count()) return ffi::Error::InvalidArgument("p's result must have its shape");
   float* q = p_out->typed_data();
   CopyIfNotAliased(q, p.typed_data(), p.element_count());
   return Handle<false>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers,
                        through, limits, neg_rates, corrections, counts, row_begin, q, mu_out, nu_out, last_step_out,
                        decay_mark_out, flags, nullptr, nullptr, num_rows, cap, torch_eps, maximize, decay, unique,
-                       far_by_key, threads);
+                       far_by_key, per_key_given, threads);
 }
 
 // tx.update's rule (sparse_adam(catch_up=True), and with `decay` sparse_adamw(catch_up=True)'s): the apply
@@ -610,14 +614,15 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
                     ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
                     ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
                     ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t torch_eps,
-                    int64_t maximize, int64_t decay, int64_t unique, int64_t far_by_key, int64_t threads) {
+                    int64_t maximize, int64_t decay, int64_t unique, int64_t far_by_key, int64_t per_key_given,
+                    int64_t threads) {
   if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
   return Handle<true>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers,
                       through, limits, neg_rates, corrections, counts, row_begin, const_cast<float*>(p.typed_data()),
                       mu_out, nu_out, last_step_out, decay_mark_out, flags, step_out->typed_data(),
                       keys_out->typed_data(), num_rows, cap, torch_eps, maximize, decay, unique, far_by_key,
-                      threads);
+                      per_key_given, threads);
 }
 
 // The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
@@ -751,6 +756,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("far_by_key")
+                                  .Attr<int64_t>("per_key")
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::RowsImpl,
@@ -771,6 +777,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::Row
                                   .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("far_by_key")
+                                  .Attr<int64_t>("per_key")
                                   .Attr<int64_t>("threads"));
 
 #undef OSA_CATCH_UP_ADAM_ARGS

@@ -420,10 +420,11 @@ ffi::Error MomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi:
 ffi::Error ReadIdleRecords(const ffi::BufferR1<ffi::S32>& last_step, const ffi::BufferR1<ffi::F32>& window,
                            const ffi::BufferR1<ffi::F32>& powers, const ffi::BufferR2<ffi::F32>& per_key,
                            const ffi::BufferR1<ffi::S32>& counts, ffi::ResultBufferR1<ffi::S32>& last_step_out,
-                           int64_t k, int64_t cap, const Shard& shard, IdleRecords& records) {
-  const bool by_key = per_key.element_count() != 0;
-  if (by_key && (per_key.dimensions()[0] != k || per_key.dimensions()[1] != 2))
-    return ffi::Error::InvalidArgument("per_key must be empty or hold 2 values per key");
+                           int64_t k, int64_t cap, int64_t per_key_given, const Shard& shard, IdleRecords& records) {
+  // Whether per_key is given is an attribute: an empty batch's per_key is empty too.
+  const bool by_key = per_key_given != 0;
+  if (by_key ? per_key.dimensions()[0] != k || per_key.dimensions()[1] != 2 : per_key.element_count() != 0)
+    return ffi::Error::InvalidArgument("per_key must hold 2 values per key where given, else be empty");
   if (!by_key && (cap < 0 || static_cast<int64_t>(window.element_count()) < std::max<int64_t>(cap, 1) ||
                   powers.element_count() != 1024))
     return ffi::Error::InvalidArgument("without per_key, window must hold C for each idle count up to cap and "
@@ -464,14 +465,15 @@ void RunCatchUpMomentum(ffi::ThreadPool& pool, bool nesterov, const float* x, fl
 
 ffi::Error CatchUpMomentumApplyImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer<ffi::F32> p_out,
                                     ffi::ResultBuffer<ffi::F32> trace_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
-                                    int64_t num_rows, int64_t cap, int64_t nesterov, int64_t unique, int64_t threads) {
+                                    int64_t num_rows, int64_t cap, int64_t per_key_given, int64_t nesterov,
+                                    int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   return OneTableApply(
       p, trace, keys, values, scalars, row_begin, p_out, trace_out, num_rows,
       [&](float* t, float* q, int64_t width, const Shard& shard, const Clip& clip) {
         IdleRecords records{};
-        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap, shard,
-                                           records);
+        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap,
+                                           per_key_given, shard, records);
             e.failure())
           return e;
         RunCatchUpMomentum<true>(pool, nesterov != 0, scalars.typed_data(), t, q, q, records, width,
@@ -483,15 +485,16 @@ ffi::Error CatchUpMomentumApplyImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffe
 ffi::Error CatchUpMomentumRowsImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer<ffi::F32> trace_out,
                                    ffi::ResultBufferR1<ffi::S32> last_step_out,
                                    ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
-                                   int64_t num_rows, int64_t cap, int64_t nesterov, int64_t unique, int64_t threads) {
+                                   int64_t num_rows, int64_t cap, int64_t per_key_given, int64_t nesterov,
+                                   int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   return OneTableRows(
       trace, keys, values, scalars, row_begin, trace_out, keys_out, step_out, num_rows,
       [&](float* t, float* step, int64_t width, const Shard& shard, int32_t* out_keys) {
         if (ffi::Error e = CheckSame(p, trace); e.failure()) return e;
         IdleRecords records{};
-        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap, shard,
-                                           records);
+        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap,
+                                           per_key_given, shard, records);
             e.failure())
           return e;
         RunCatchUpMomentum<false>(pool, nesterov != 0, scalars.typed_data(), t, p.typed_data(), step, records, width,
@@ -738,6 +741,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumApply, optax_sparse_
                                   .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("cap")
+                                  .Attr<int64_t>("per_key")
                                   .Attr<int64_t>("nesterov")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
@@ -752,6 +756,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumRows, optax_sparse_a
                                   .Ret<ffi::Buffer<ffi::F32>>()    // step rows
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("cap")
+                                  .Attr<int64_t>("per_key")
                                   .Attr<int64_t>("nesterov")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));

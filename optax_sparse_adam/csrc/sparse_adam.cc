@@ -431,16 +431,17 @@ ffi::Error ReadIdleRows(int64_t k, int64_t rows_held, ffi::BufferR1<ffi::S32>& l
                         ffi::BufferR1<ffi::F32>& window, ffi::BufferR1<ffi::F32>& far, ffi::BufferR1<ffi::F32>& powers,
                         ffi::BufferR1<ffi::F32>& decay2, ffi::BufferR1<ffi::S32>& counts,
                         ffi::ResultBufferR1<ffi::S32>& last_step_out, int64_t cap, int64_t far_by_key,
-                        IdleRows& rows) {
+                        int64_t decay2_given, IdleRows& rows) {
   const auto window_len = static_cast<int64_t>(window.element_count());
   const auto far_len = static_cast<int64_t>(far.element_count());
   if (cap < 0 || window_len < std::max<int64_t>(cap, 1))
     return ffi::Error::InvalidArgument("window must hold a coefficient for each idle count up to cap");
-  if (far_len < 1 || (far_by_key != 0 && far_len != k))
+  if (far_by_key != 0 ? far_len != k : far_len < 1)
     return ffi::Error::InvalidArgument("far must hold a coefficient per last step (or per key with far_by_key)");
-  const bool by_key = decay2.element_count() != 0;
-  if (by_key && static_cast<int64_t>(decay2.element_count()) != k)
-    return ffi::Error::InvalidArgument("decay2 must be empty or hold b2**idle per key");
+  // Whether decay2 is given is an attribute: an empty batch's decay2 is empty too.
+  const bool by_key = decay2_given != 0;
+  if (static_cast<int64_t>(decay2.element_count()) != (by_key ? k : 0))
+    return ffi::Error::InvalidArgument("decay2 must hold b2**idle per key where given, else be empty");
   if (static_cast<int64_t>(powers.element_count()) != (by_key ? 1024 : 2048))
     return ffi::Error::InvalidArgument("powers must hold b1's table, and b2's unless decay2 is given");
   if (static_cast<int64_t>(last_step.element_count()) != rows_held ||
@@ -465,12 +466,12 @@ ffi::Error CatchUpAmsgradApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p
                                    ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
                                    ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBuffer<ffi::F32> nu_max_out,
                                    ffi::ResultBufferR1<ffi::S32> last_step_out, int64_t num_rows, int64_t cap,
-                                   int64_t far_by_key, int64_t unique, int64_t threads) {
+                                   int64_t far_by_key, int64_t decay2_given, int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   const auto rows_held = p.dimensions().size() > 0 ? p.dimensions()[0] : 0;
   IdleRows rows{};
   if (ffi::Error e = ReadIdleRows(k, rows_held, last_step, window, far, powers, decay2, counts, last_step_out, cap,
-                                  far_by_key, rows);
+                                  far_by_key, decay2_given, rows);
       e.failure())
     return e;
   return AmsgradApply(pool, p, mu, nu, nu_max, keys, values, scalars, row_begin, p_out, mu_out, nu_out, nu_max_out,
@@ -531,13 +532,13 @@ ffi::Error CatchUpAmsgradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p,
                                   ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
                                   ffi::ResultBuffer<ffi::F32> nu_max_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
                                   ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
-                                  int64_t num_rows, int64_t cap, int64_t far_by_key, int64_t unique,
-                                  int64_t threads) {
+                                  int64_t num_rows, int64_t cap, int64_t far_by_key, int64_t decay2_given,
+                                  int64_t unique, int64_t threads) {
   if (p.element_count() != mu.element_count()) return ffi::Error::InvalidArgument("p must have mu's shape");
   const auto rows_held = mu.dimensions().size() > 0 ? mu.dimensions()[0] : 0;
   IdleRows rows{};
   if (ffi::Error e = ReadIdleRows(static_cast<int64_t>(keys.element_count()), rows_held, last_step, window, far,
-                                  powers, decay2, counts, last_step_out, cap, far_by_key, rows);
+                                  powers, decay2, counts, last_step_out, cap, far_by_key, decay2_given, rows);
       e.failure())
     return e;
   rows.table = p.typed_data();
@@ -662,6 +663,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradApply, optax_sparse_a
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("cap")
                                   .Attr<int64_t>("far_by_key")
+                                  .Attr<int64_t>("decay2")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
@@ -679,6 +681,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpAmsgradRows, optax_sparse_ad
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("cap")
                                   .Attr<int64_t>("far_by_key")
+                                  .Attr<int64_t>("decay2")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("threads"));
 
