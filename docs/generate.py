@@ -370,6 +370,7 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
     commit = _commit(m)
     load = ", ".join(f"{x:.2f}" for x in (*m["load_average_start"][:1], *m.get("load_average_end", [])[:1]))
     base = next(r["fused_ms"] for r in doc["results"] if r["variant"] == "sparse_adam (plain)")
+    per_door = s.get("batches") == "per door"  # runs before each door had batches of its own shared them
     lines = [
         "# Benchmark: optimizer variants",
         "",
@@ -377,8 +378,14 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
         f"benchmarks/results/variants.json`: a jitted step of each variant, the parameters and state donated, on a "
         f"{s['rows']:,} x {s['width']} float32 table, a fresh batch of {s['batch']:,} Zipf(1.2) ids each step "
         f"({doc['distinct']:,.0f} distinct rows a batch on average), through both doors: the two calls "
-        "(`tx.update` then `apply_updates`) and `update_and_apply`, taking turns on the same table and state. "
-        f"Variants and doors take turns {s['block']} steps at a time; the median of the steps after {s['warmup']} "
+        "(`tx.update` then `apply_updates`) and `update_and_apply`, taking turns on the same table and state"
+        + (
+            ", each door with fresh batches of its own (given the batch another door had just taken, a door would "
+            "find its rows in the cache, and under catch-up, caught up). "
+            if per_door
+            else ". "
+        )
+        + f"Variants and doors take turns {s['block']} steps at a time; the median of the steps after {s['warmup']} "
         "(the catch-up variants' rows have idle histories by then), each block's first step left out (it pays for "
         "the switch between the native kernels' threads and XLA's), each round of blocks starting one variant "
         "further on. Ratios are to the plain `sparse_adam` step "
@@ -391,11 +398,17 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
         "and lazy momentum SGD (`sparse_sgd(..., momentum=)`) run the element-wise kernels at both doors; momentum "
         "SGD's catch-up (`catch_up=True`), and Adam's, AdamW's and AMSGrad's, run a kernel at both doors; under a "
         "schedule Adam's and AdamW's leave the long-idle rows that need their idle steps one by one to the XLA rule, "
-        "in a conditional branch. The doors take each batch in turn on the same rows: under a schedule the first "
-        "(the two calls) computes the coefficients of the batch's rows idle longer than the window (once for each "
-        "distinct last step, the schedule and the bias corrections at each of its `idle_cap` idle steps), and the "
-        "doors after it find those rows caught up. For the two variants under a schedule, the two calls' column is "
-        "what a step on rows with idle histories costs; the `update_and_apply` columns are not.",
+        "in a conditional branch."
+        + (
+            " Under a schedule, a step computes the coefficients of its rows idle longer than the window once for "
+            "each distinct last step among them (the schedule and the bias corrections at each of its `idle_cap` "
+            "idle steps)."
+            if per_door
+            else " The doors took each batch in turn on the same rows: under a schedule the first (the two calls) "
+            "computed the coefficients of the batch's rows idle longer than the window, and the doors after it found "
+            "those rows caught up, and in the cache. For the two variants under a schedule, the two calls' column is "
+            "what a step on rows with idle histories costs; the `update_and_apply` columns are not."
+        ),
         "",
         f"Measured at commit `{commit}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, {m['date_utc']}, "
         f"1-minute load average {load} (start/end). This page is generated at build time from "
@@ -472,7 +485,9 @@ def _variants_gpu_section(doc: dict[str, Any]) -> list[str]:
         f"`python benchmarks/variants.py --steps {s['steps']} --warmup {s['warmup']} --json "
         f"benchmarks/results/variants_gpu.json` with the GPU as jax's default device: the same variants, table and "
         f"batches ({s['rows']:,} x {s['width']}, {s['batch']:,} Zipf(1.2) ids, {doc['distinct']:,.0f} distinct on "
-        f"average), the library's XLA path (the only one on a GPU), no floor column (the floor is a CPU kernel). "
+        "average"
+        + ("" if s.get("batches") == "per door" else "; the doors took each batch in turn on the same rows")
+        + "), the library's XLA path (the only one on a GPU), no floor column (the floor is a CPU kernel). "
         f"Measured at commit `{_commit(m)}`, jax {m['jax']}, {m['date_utc']}. At this batch size a step moves a few "
         "MB, microseconds of a GPU's memory bandwidth: its time is kernel launches and the host's dispatch, which is "
         "why the variants sit so close together.",

@@ -96,6 +96,9 @@ def test_variants_benchmark_runs_small_and_its_page_renders(tmp_path: pathlib.Pa
     for name in names:
         assert re.search(rf"^\| `{re.escape(name)}` {row}", page, re.M), page
     assert "--steps 2 --warmup 1 --json" in page, page  # the command that made the results
+    assert doc["settings"]["batches"] == "per door" and "each door with fresh batches of its own" in page, page
+    old = doc | {"settings": {k: v for k, v in doc["settings"].items() if k != "batches"}}  # a run before that
+    assert "The doors took each batch in turn" in generate.variants_page(old)
     # A run on a GPU (no floor there) renders as a section of its own, its rows without the floor's cells.
     gpu = doc | {"results": [{k: v for k, v in r.items() if not k.startswith("floor")} for r in doc["results"]]}
     gpu["machine"] = doc["machine"] | {"jax_device": "a GPU"}
