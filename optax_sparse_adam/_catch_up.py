@@ -53,7 +53,7 @@ from optax_sparse_adam._adam import (
 )
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._checks import check_dense_gradient, check_params, check_state, mask_tree
-from optax_sparse_adam._coalesce import coalesce
+from optax_sparse_adam._coalesce import coalesce, distinct_ids
 from optax_sparse_adam._fusion import Clipped, FusableUpdate
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_engine import Kernel, Rule, _run_rows, apply_rule, map_rule, row_full, stamp
@@ -611,8 +611,9 @@ def _long_idle_loop(
     def by_last_step(last: jax.Array) -> jax.Array:
         n, size = last.shape[0], min(last.shape[0], _LAST_STEPS)
         unused = jnp.iinfo(jnp.int32).max
-        keyed = jnp.where(rows, last, unused)
-        distinct = jnp.unique(keyed, size=n, fill_value=unused)  # sorted, the rows' last steps first
+        # The rows' distinct last steps packed first, and each entry's slot (a sort and a search of the steps took
+        # 1.2 of this function's 1.9 ms at 8,192 entries and 286 distinct long-idle last steps).
+        distinct, slot = distinct_ids(jnp.where(rows, last, -1), unused)
         count = jnp.sum(distinct != unused)
 
         def chunk(c: jax.Array, out: jax.Array) -> jax.Array:
@@ -622,7 +623,7 @@ def _long_idle_loop(
 
         out = jax.lax.fori_loop(0, (count + size - 1) // size, chunk, _zeros(last, plan.rho.size))
         # Zero for the other entries (a last chunk past the distinct steps computes garbage from the sentinel).
-        return jnp.where(rows[:, None], out[jnp.clip(jnp.searchsorted(distinct, keyed), 0, n - 1)], 0.0)
+        return jnp.where(rows[:, None], out[slot], 0.0)
 
     def run(last: jax.Array) -> jax.Array:
         if last.ndim != 1 or last.shape[0] <= _LAST_STEPS:

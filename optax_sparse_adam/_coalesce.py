@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
+from optax_sparse_adam._indexed_rows import normalise_keys
 from optax_sparse_adam._sparse_leaf import SparseLeaf, padding_key
 
 
@@ -61,6 +62,37 @@ def representatives(keys: jax.Array, valid: jax.Array) -> jax.Array:
 
     rep, _ = jax.lax.while_loop(cond, body, (rep0, jnp.int32(0)))
     return rep
+
+
+def distinct_ids(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """The distinct in-range ids of a flat batch, packed into the leading slots, and each id's slot.
+
+    By :func:`~optax_sparse_adam._coalesce.pack_distinct`: sort-free on the CPU
+    and TPU, O(k) for ``k`` ids whatever the table's size (on GPUs one sort of
+    the ids). On the CPU a native kernel packs the same ids in order of first
+    occurrence (the XLA path's hash rounds give an order of their own).
+
+    Args:
+      ids: ``(k,)`` integer ids; ids ``< 0`` or ``>= num_rows`` are padding.
+      num_rows: The number of rows of the table.
+
+    Returns:
+      ``(indices, inverse)``: ``(k,)`` int32 distinct ids, ``num_rows`` in the
+      slots after them; ``(k,)`` int32 slot of each id, where a padding id
+      gets the last slot (padding whenever there is a padding id).
+    """
+    keys = normalise_keys(ids[:, None], (num_rows,))
+
+    def xla(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+        valid = keys[:, 0] < num_rows
+        # The distinct ids go into the leading slots, so that the optimizer stops after the last one
+        # (for_each_chunk).
+        target, packed = pack_distinct(keys, valid, padding_key((num_rows,), 1))
+        return packed[:, 0], jnp.where(valid, target, ids.shape[0] - 1)
+
+    if ids.shape[0] > 0 and _kernel_path.supports_rows((num_rows,), keys):
+        return _kernel_path.select(lambda keys: _ffi.distinct(keys[:, 0], num_rows), xla, keys)
+    return xla(keys)
 
 
 def pack_distinct(keys: jax.Array, valid: jax.Array, pad: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -33,9 +33,8 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_sparse_adam._coalesce import coalesce_unless_known
+from optax_sparse_adam._coalesce import coalesce_unless_known, distinct_ids
 from optax_sparse_adam._indexed_rows import IndexedRows, is_bcoo
-from optax_sparse_adam._row_grad import distinct_ids
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import to_sparse_leaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_sparse_adam import _catch_up, _ffi, _kernel_path
-from optax_sparse_adam._coalesce import pack_distinct
-from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, normalise_keys
+from optax_sparse_adam import _catch_up, _kernel_path
+from optax_sparse_adam._coalesce import distinct_ids
+from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array
 from optax_sparse_adam._pooled import Bags
 from optax_sparse_adam._row_ops import replicate, take_rows, warn_if_gpu_scatter_add_is_slow
-from optax_sparse_adam._sparse_leaf import mark_distinct, padding_key
+from optax_sparse_adam._sparse_leaf import mark_distinct
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, path_str
 
 __all__ = [
@@ -155,37 +155,6 @@ def lookup(table: jax.Array, ids: jax.typing.ArrayLike) -> RowLookup:
     indices, inverse = distinct_ids(replicate(ids.reshape(-1)), table.shape[0])
     rows = take_rows(table, indices)
     return RowLookup(indices, rows, inverse.reshape(ids.shape), table.shape[0])
-
-
-def distinct_ids(ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
-    """The distinct in-range ids of a flat batch, packed into the leading slots, and each id's slot.
-
-    By :func:`~optax_sparse_adam._coalesce.pack_distinct`: sort-free on the CPU
-    and TPU, O(k) for ``k`` ids whatever the table's size (on GPUs one sort of
-    the ids). On the CPU a native kernel packs the same ids in order of first
-    occurrence (the XLA path's hash rounds give an order of their own).
-
-    Args:
-      ids: ``(k,)`` integer ids; ids ``< 0`` or ``>= num_rows`` are padding.
-      num_rows: The number of rows of the table.
-
-    Returns:
-      ``(indices, inverse)``: ``(k,)`` int32 distinct ids, ``num_rows`` in the
-      slots after them; ``(k,)`` int32 slot of each id, where a padding id
-      gets the last slot (padding whenever there is a padding id).
-    """
-    keys = normalise_keys(ids[:, None], (num_rows,))
-
-    def xla(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-        valid = keys[:, 0] < num_rows
-        # The distinct ids go into the leading slots, so that the optimizer stops after the last one
-        # (for_each_chunk).
-        target, packed = pack_distinct(keys, valid, padding_key((num_rows,), 1))
-        return packed[:, 0], jnp.where(valid, target, ids.shape[0] - 1)
-
-    if ids.shape[0] > 0 and _kernel_path.supports_rows((num_rows,), keys):
-        return _kernel_path.select(lambda keys: _ffi.distinct(keys[:, 0], num_rows), xla, keys)
-    return xla(keys)
 
 
 # What the guard knows of a value in the loss's jaxpr. A value it knows nothing of (None) is an ordinary one: it may
