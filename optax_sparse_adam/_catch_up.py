@@ -605,7 +605,7 @@ def _long_idle_loop(
         # Unrolled: a GPU runs each trip of a loop as kernel launches of its own and a copy of the condition to the
         # host (221 trips at optax's betas took 4 ms of AdamW's step under a schedule on an H200); the same
         # arithmetic in the same order, in fewer trips.
-        init = (zeros, jnp.ones_like(zeros), zeros)
+        init = (zeros, jnp.ones_like(zeros), zeros[..., :1])  # through: one per row (one exp per row and step)
         return jax.lax.fori_loop(1, plan.cap + 1, body, init, unroll=_UNROLL)[0]
 
     def by_last_step(last: jax.Array) -> jax.Array:
