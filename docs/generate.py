@@ -370,7 +370,7 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
     commit = _commit(m)
     load = ", ".join(f"{x:.2f}" for x in (*m["load_average_start"][:1], *m.get("load_average_end", [])[:1]))
     base = next(r["fused_ms"] for r in doc["results"] if r["variant"] == "sparse_adam (plain)")
-    per_door = s.get("batches") == "per door"  # runs before each door had batches of its own shared them
+    per_door = _per_door(s)
     lines = [
         "# Benchmark: optimizer variants",
         "",
@@ -475,6 +475,11 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
     return "\n".join(lines) + "\n"
 
 
+def _per_door(settings: dict[str, Any]) -> bool:
+    """Whether a variants run gave each door batches of its own (runs before that took each batch in turn)."""
+    return settings.get("batches") == "per door"
+
+
 def _variants_gpu_section(doc: dict[str, Any]) -> list[str]:
     """The same variants on a GPU (``variants_gpu.json``): the XLA path, no floor column."""
     m, s = doc["machine"], doc["settings"]
@@ -486,7 +491,7 @@ def _variants_gpu_section(doc: dict[str, Any]) -> list[str]:
         f"benchmarks/results/variants_gpu.json` with the GPU as jax's default device: the same variants, table and "
         f"batches ({s['rows']:,} x {s['width']}, {s['batch']:,} Zipf(1.2) ids, {doc['distinct']:,.0f} distinct on "
         "average"
-        + ("" if s.get("batches") == "per door" else "; the doors took each batch in turn on the same rows")
+        + ("" if _per_door(s) else "; the doors took each batch in turn on the same rows")
         + "), the library's XLA path (the only one on a GPU), no floor column (the floor is a CPU kernel). "
         f"Measured at commit `{_commit(m)}`, jax {m['jax']}, {m['date_utc']}. At this batch size a step moves a few "
         "MB, microseconds of a GPU's memory bandwidth: its time is kernel launches and the host's dispatch, which is "

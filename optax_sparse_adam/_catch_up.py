@@ -846,7 +846,6 @@ def _rows_kernel(
         keyed, (*tables, out_keys, out, flagged) = _call(
             _ffi.catch_up_adam_rows, plan, replayer, p, state, leaf, scalars, count, done, decay, adamw
         )
-        tables = [t for t in tables if t is not None]  # no decay mark but AdamW's
         if not _may_flag(plan, replayer, keyed.decay):
             return out_keys[:, None], out, tuple(tables)
 
@@ -911,7 +910,6 @@ def fused_apply(
     keyed, (p, *tables, flagged) = _call(
         _ffi.catch_up_adam_apply, plan, replayer, p, state, leaf, scalars, count, done, decay, adamw
     )
-    tables = [t for t in tables if t is not None]  # no decay mark but AdamW's
 
     def by_steps() -> tuple[jax.Array, ...]:  # p and the tables, the flagged rows taken by the XLA rule
         g, rule, where = _flagged(leaf, flagged, p.shape[0], replayer, done, count, replayer.lr(done), adamw)
@@ -946,8 +944,8 @@ def _call(
 ) -> tuple[_ByKey, tuple[Any, ...]]:
     """One of the catch-up Adam kernels (:func:`._ffi.catch_up_adam_apply`, :func:`._ffi.catch_up_adam_rows`) on a
     sparse leaf and its ``state`` (with AdamW's decay mark fourth), with what it reads per key (:func:`_by_key`)
-    and of the step (:func:`_kernel_operands`): ``(keyed, results)``, the decay mark among the results ``None``
-    without ``adamw``."""
+    and of the step (:func:`_kernel_operands`): ``(keyed, results)``, the results without the decay mark (``None``)
+    where there is no ``adamw``."""
     keys = leaf.keys[:, 0]
     keyed = _by_key(plan, replayer, state, keys, done, decay, adamw)
     ops = _kernel_operands(plan, replayer, done, keyed.decay, keyed.weights, keyed.far, keyed.new_log)
@@ -968,7 +966,7 @@ def _call(
         far_by_key=keyed.far is not None,
         **kernel_flags(replayer.hp, leaf),
     )
-    return keyed, results
+    return keyed, tuple(r for r in results if r is not None)
 
 
 def _flagged(
