@@ -590,7 +590,7 @@ def _long_idle_loop(
     the bias corrections), and gathered; on GPUs, where a step is bound by launches, for every entry at once."""
     rho = jnp.asarray(plan.rho, jnp.float32)
 
-    def coefficients(last: jax.Array) -> jax.Array:
+    def coefficients(last: jax.Array, unroll: int = _UNROLL) -> jax.Array:
         def body(k: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             total, power, through = carry
             power = power * rho[None, :]
@@ -602,11 +602,8 @@ def _long_idle_loop(
             return total + term, power, through
 
         zeros = _zeros(last, plan.rho.size)
-        # Unrolled: a GPU runs each trip of a loop as kernel launches of its own and a copy of the condition to the
-        # host (221 trips at optax's betas took 4 ms of AdamW's step under a schedule on an H200); the same
-        # arithmetic in the same order, in fewer trips.
         init = (zeros, jnp.ones_like(zeros), zeros[..., :1])  # through: one per row (one exp per row and step)
-        return jax.lax.fori_loop(1, plan.cap + 1, body, init, unroll=_UNROLL)[0]
+        return jax.lax.fori_loop(1, plan.cap + 1, body, init, unroll=unroll)[0]
 
     def by_last_step(last: jax.Array) -> jax.Array:
         n, size = last.shape[0], min(last.shape[0], _LAST_STEPS)
@@ -626,9 +623,9 @@ def _long_idle_loop(
         return jnp.where(rows[:, None], out[slot], 0.0)
 
     def run(last: jax.Array) -> jax.Array:
-        if last.ndim != 1 or last.shape[0] <= _LAST_STEPS:
-            return coefficients(last)
-        return jax.lax.platform_dependent(last, cuda=coefficients, rocm=coefficients, default=by_last_step)
+        gpu = functools.partial(coefficients, unroll=_UNROLL_GPU)
+        default = coefficients if last.ndim != 1 or last.shape[0] <= _LAST_STEPS else by_last_step
+        return jax.lax.platform_dependent(last, cuda=gpu, rocm=gpu, default=default)
 
     return jax.lax.cond(jnp.any(rows), run, lambda last: _zeros(last, plan.rho.size), last)
 
@@ -636,7 +633,14 @@ def _long_idle_loop(
 _LAST_STEPS = 64  # distinct last steps a chunk of the long-idle coefficients' loop
 
 
-_UNROLL = 16  # idle steps a trip of the per-row loops over a window's steps
+# Idle steps a trip of the per-row loops over a window's steps. A GPU runs each trip of a loop as kernel launches of
+# its own and a copy of the condition to the host (221 trips at optax's betas took 4 ms of AdamW's step under a
+# schedule on an H200): 16 a trip there. On the CPU, 4: the fastest of 1 to 16 (the long-idle coefficients of 8,192
+# entries under a schedule, 1.5 ms against 2.0 at 16 and 1.7 at 1), and each step's copy of the body (the schedule's
+# too) is compiled: at 16, AdamW's catch-up step under a schedule took 5 s to compile, 1.7 s at 4. The same
+# arithmetic in the same order either way.
+_UNROLL = 4
+_UNROLL_GPU = 16
 
 
 def _zeros(last: jax.Array, terms: int) -> jax.Array:
@@ -680,13 +684,15 @@ def _replay_steps(
         p_new = (p + broadcast_rows(-lr, p.ndim).astype(step.dtype) * step).astype(p.dtype)
         return k, jnp.where(active, p_new, p), jnp.where(active, m_new, m), jnp.where(active, v_new, v), through
 
-    def trip(carry: Carry) -> Carry:  # _UNROLL steps a trip (those past a row's n leave it as it is)
-        for _ in range(_UNROLL):
-            carry = body(carry)
-        return carry
+    def loop(unroll: int, start: Carry) -> Carry:
+        def trip(carry: Carry) -> Carry:  # unroll steps a trip (those past a row's n leave it as it is)
+            return jax.lax.fori_loop(0, unroll, lambda _, carry: body(carry), carry, unroll=True)
+
+        return jax.lax.while_loop(cond, trip, start)
 
     start = (jnp.zeros([], jnp.int32), p, m, v, jnp.zeros_like(idle, jnp.float32))  # varying as idle is (shard_map)
-    _, p, m, v, through = jax.lax.while_loop(cond, trip, start)
+    gpu, cpu = functools.partial(loop, _UNROLL_GPU), functools.partial(loop, _UNROLL)
+    _, p, m, v, through = jax.lax.platform_dependent(start, cuda=gpu, rocm=gpu, default=cpu)
     if decay is not None:  # the idle steps past the first K decay the row, and move it by less than 2**-24
         rest_decay = jnp.where(idle > n, decay.rest(idle, n, through), 1.0)
         p = (broadcast_rows(rest_decay, p.ndim) * p).astype(p.dtype)
