@@ -635,10 +635,11 @@ _LAST_STEPS = 64  # distinct last steps a chunk of the long-idle coefficients' l
 
 # Idle steps a trip of the per-row loops over a window's steps. A GPU runs each trip of a loop as kernel launches of
 # its own and a copy of the condition to the host (221 trips at optax's betas took 4 ms of AdamW's step under a
-# schedule on an H200): 16 a trip there. On the CPU, 4: the fastest of 1 to 16 (the long-idle coefficients of 8,192
-# entries under a schedule, 1.5 ms against 2.0 at 16 and 1.7 at 1), and each step's copy of the body (the schedule's
-# too) is compiled: at 16, AdamW's catch-up step under a schedule took 5 s to compile, 1.7 s at 4. The same
-# arithmetic in the same order either way.
+# schedule on an H200): 16 a trip there. On the CPU and TPUs, 4 (measured on the CPU: the fastest of 1 to 16 for the
+# long-idle coefficients of 8,192 entries under a schedule, 1.5 ms against 2.0 at 16 and 1.7 at 1), and each step's
+# copy of the body (the schedule's too) is compiled: at 16, AdamW's catch-up step under a schedule took 5 s to
+# compile on the CPU, 1.7 s at 4. The same operations in the same order either way; XLA may contract multiply-adds
+# its own way in a body copied more times, so the parameters may differ by rounding.
 _UNROLL = 4
 _UNROLL_GPU = 16
 
@@ -691,8 +692,8 @@ def _replay_steps(
         return jax.lax.while_loop(cond, trip, start)
 
     start = (jnp.zeros([], jnp.int32), p, m, v, jnp.zeros_like(idle, jnp.float32))  # varying as idle is (shard_map)
-    gpu, cpu = functools.partial(loop, _UNROLL_GPU), functools.partial(loop, _UNROLL)
-    _, p, m, v, through = jax.lax.platform_dependent(start, cuda=gpu, rocm=gpu, default=cpu)
+    gpu, other = functools.partial(loop, _UNROLL_GPU), functools.partial(loop, _UNROLL)
+    _, p, m, v, through = jax.lax.platform_dependent(start, cuda=gpu, rocm=gpu, default=other)
     if decay is not None:  # the idle steps past the first K decay the row, and move it by less than 2**-24
         rest_decay = jnp.where(idle > n, decay.rest(idle, n, through), 1.0)
         p = (broadcast_rows(rest_decay, p.ndim) * p).astype(p.dtype)

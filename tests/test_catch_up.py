@@ -623,6 +623,39 @@ def _adamw64_after_idle(p: jax.Array, state: Any, last: np.ndarray, g: osa.Index
     return p
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_the_loops_over_idle_steps_at_the_gpus_unroll_take_the_same_steps(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loops over a window's idle steps (the long-idle coefficients under a schedule, the steps taken one by one)
+    take ``_UNROLL_GPU`` steps a trip on GPUs and ``_UNROLL`` elsewhere, chosen when the step is lowered: run here at
+    both (the GPU's count in this platform's branch), the XLA path's step under a schedule, from rows idle within
+    the window and longer (counts that are multiples of neither) and elements the series does not take, with more
+    entries than a chunk of last steps, gives the same moments and records bitwise and parameters within two ulps of
+    the larger of the old and new value (XLA contracts multiply-adds its own way in a body copied more times)."""
+    lr = optax.cosine_decay_schedule(1e-2, 1000)
+    adamw = osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True)
+    tx = adamw if name == "adamw" else osa.sparse_adam(lr, catch_up=True)
+    rng = np.random.default_rng(11)
+    p, state, _ = _idle_start(tx.init, rng)
+    rows, width, _, _ = _IDLE_SHAPE
+    ids = rng.integers(0, rows, _catch_up._LAST_STEPS + 16).astype(np.int32)  # repeated ids, more than a chunk
+    g = osa.IndexedRows(jnp.asarray(ids), jnp.asarray(rng.normal(size=(ids.size, width)).astype(np.float32)), rows)
+
+    def run() -> Any:  # a function of its own each time: traced anew, at the unroll of the time
+        return jax.jit(osa.use_kernels(False)(lambda p, s: osa.update_and_apply(tx, g, s, p)))(p, state)
+
+    assert _catch_up._UNROLL != _catch_up._UNROLL_GPU
+    here = run()
+    monkeypatch.setattr(_catch_up, "_UNROLL", _catch_up._UNROLL_GPU)
+    gpus = run()
+    assert_trees_equal(here[1], gpus[1])
+    ph, pg = np.asarray(here[0]), np.asarray(gpus[0])
+    assert not np.array_equal(ph, np.asarray(p))
+    bound = 2 * np.spacing(np.maximum(np.abs(pg), np.abs(np.asarray(p))))
+    assert np.all(np.abs(ph - pg) <= bound), np.abs(ph - pg).max()
+
+
 @needs_kernels
 @pytest.mark.parametrize("case", ["optax", "torch", "schedule", "adamw", "adamw schedule", "adamw injected"])
 def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
