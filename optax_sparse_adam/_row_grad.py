@@ -41,7 +41,6 @@ __all__ = [
     "Selection",
     "check_ids",
     "check_reads_rows_only",
-    "distinct_ids",
     "lookup",
     "rows_read",
     "select_tables",

@@ -634,8 +634,10 @@ def test_the_loops_over_idle_steps_at_the_gpus_unroll_take_the_same_steps(
     entries than a chunk of last steps, gives the same moments and records bitwise and parameters within two ulps of
     the larger of the old and new value (XLA contracts multiply-adds its own way in a body copied more times)."""
     lr = optax.cosine_decay_schedule(1e-2, 1000)
-    adamw = osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True)
-    tx = adamw if name == "adamw" else osa.sparse_adam(lr, catch_up=True)
+    if name == "adamw":
+        tx = osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True)
+    else:
+        tx = osa.sparse_adam(lr, catch_up=True)
     rng = np.random.default_rng(11)
     p, state, _ = _idle_start(tx.init, rng)
     rows, width, _, _ = _IDLE_SHAPE

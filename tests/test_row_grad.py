@@ -315,7 +315,7 @@ def test_wide_numpy_ids_without_x64_are_padding(ids):
 
 
 def test_wide_ids_with_x64_are_padding_in_their_own_dtype():
-    from optax_sparse_adam._row_grad import distinct_ids
+    from optax_sparse_adam._coalesce import distinct_ids
 
     with jax.enable_x64(True):
         ids = jnp.array([2**32 + 5, -(2**32) + 3, 5, 2**32 + 5], jnp.int64)

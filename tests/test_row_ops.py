@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
+from optax_sparse_adam._coalesce import distinct_ids
 from optax_sparse_adam._kernel_path import PREFIX
-from optax_sparse_adam._row_grad import distinct_ids
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
 from tests.helpers import ON_CPU, needs_kernels
 
