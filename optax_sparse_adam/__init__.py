@@ -11,6 +11,7 @@ from optax_sparse_adam._catch_up import CatchUpAdamState, CatchUpAdamWState, cat
 from optax_sparse_adam._collection import EmbeddingCollection, FeatureSpec, TableSpec
 from optax_sparse_adam._ftrl import FtrlState, sparse_ftrl
 from optax_sparse_adam._fused import update_and_apply
+from optax_sparse_adam._huge_pages import HugePages, advise_huge_pages
 from optax_sparse_adam._if_finite import apply_if_finite
 from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._kernel_path import kernel_path, use_kernels
@@ -48,6 +49,7 @@ __all__ = [
     "EmbeddingCollection",
     "FeatureSpec",
     "FtrlState",
+    "HugePages",
     "IndexedRows",
     "LazyWeightDecayState",
     "RoutingInfo",
@@ -57,6 +59,7 @@ __all__ = [
     "ScaleByRowwiseAdamState",
     "StepReport",
     "TableSpec",
+    "advise_huge_pages",
     "all_gather_rows",
     "apply_if_finite",
     "apply_updates",

@@ -21,6 +21,7 @@ import jax
 
 import optax_sparse_adam
 from optax_sparse_adam import _kernel_path
+from optax_sparse_adam._huge_pages import transparent_huge_pages
 
 _ENVIRONMENT = ("OPTAX_SPARSE_ADAM_KERNELS", "OPTAX_SPARSE_ADAM_THREADS", "JAX_PLATFORMS", "XLA_FLAGS")
 
@@ -57,6 +58,16 @@ def _kernels() -> str:
     return f"{path}: built and loaded ({library._name})"
 
 
+def _huge_pages() -> str:
+    """The system's transparent huge page setting, and what it means for the tables."""
+    mode = transparent_huge_pages()
+    if mode == "always":
+        return "always (large buffers are on 2 MiB pages from the start)"
+    if mode == "madvise":
+        return "madvise (tables are on 4 KiB pages unless asked: osa.advise_huge_pages)"
+    return f"{mode} (tables stay on 4 KiB pages)" if mode else "none (not Linux)"
+
+
 def info() -> list[tuple[str, str]]:
     """The report as ``(field, value)`` pairs, in the order printed."""
     cpus = os.cpu_count() or 1
@@ -71,6 +82,7 @@ def info() -> list[tuple[str, str]]:
         ("devices", ", ".join(f"{n} {p}" + (f" ({kind})" if kind != p else "") for (p, kind), n in kinds.items())),
         ("cpu threads", f"{usable} usable of {cpus}; a kernel call uses up to {_kernel_path.threads()}"),
         ("kernel path", _kernels()),
+        ("huge pages", _huge_pages()),
     ]
     rows += [(name, os.environ[name]) for name in _ENVIRONMENT if name in os.environ]
     return rows

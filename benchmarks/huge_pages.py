@@ -1,0 +1,188 @@
+"""Sparse steps on tables on 4 KiB pages and on 2 MiB pages (``osa.advise_huge_pages``), in one run.
+
+Each contender runs twice, on two copies of its table and state: one left on
+the 4 KiB pages XLA's (or PyTorch's) allocator gives it, one moved onto
+transparent huge pages after its first step (the library's arrays by
+``osa.advise_huge_pages``, PyTorch's tensors, which ``SparseAdam`` makes at
+its first step, by the same ``madvise`` calls on their memory). The
+contenders:
+
+- ``osa.update_and_apply`` of ``sparse_adam`` and of ``sparse_rowwise_adagrad``;
+- ``sparse_adam``'s two calls (``tx.update``, then ``osa.apply_updates``);
+- the memory floor (``floor.py``: the rows of p, mu and nu of each distinct
+  id, read and written once, nothing else; the ids deduplicated beforehand);
+- ``torch.optim.SparseAdam``.
+
+Every contender sees the same fresh batch of Zipf(1.2) ids at each step; the
+contenders take turns ``--block`` steps at a time (each block's first step left
+out), and the figure is the median of ``--steps`` steps after ``--warmup``.
+
+    python benchmarks/huge_pages.py --json benchmarks/results/huge_pages.json
+    python benchmarks/huge_pages.py --quick   # a small smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported; recorded
+
+import jax
+import numpy as np
+import torch
+from contenders import (
+    LEARNING_RATE,
+    Config,
+    JaxStepper,
+    Stepper,
+    make_batches,
+    make_floor,
+    make_osa_fused,
+    make_osa_sparse,
+    sparse_step,
+)
+from report import machine_info
+
+import optax_sparse_adam as osa
+from optax_sparse_adam import _huge_pages
+
+CONFIG = Config(10**6, 64, 8192, "zipf")
+QUICK = Config(100_000, 64, 1024, "zipf")
+PAGES = ("4 KiB", "2 MiB")
+
+
+def _floor(cfg: Config, batches: Any) -> JaxStepper:
+    """The memory floor (``contenders.make_floor``) on each batch's distinct ids (padded with -1, which it skips):
+    the rows of p, mu and nu read and written once per distinct id."""
+    distinct = [
+        np.pad(u, (0, cfg.batch - u.size), constant_values=-1).astype(np.int32) for u in map(np.unique, batches.ids)
+    ]
+    return make_floor(cfg, dataclasses.replace(batches, ids=distinct))
+
+
+def _rowwise_adagrad(cfg: Config, batches: Any) -> JaxStepper:
+    tx, step = sparse_step(cfg.rows, fused=True, tx=osa.sparse_rowwise_adagrad(LEARNING_RATE))
+    params = jax.numpy.zeros((cfg.rows, cfg.width), jax.numpy.float32)
+    inputs = [(ids, batches.values) for ids in batches.ids]
+    return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), inputs)
+
+
+class _TorchSparseAdam:
+    """``torch.optim.SparseAdam`` on an uncoalesced COO gradient, as ``contenders.make_torch_sparse_adam``, keeping
+    its parameter and optimizer so that their memory can be advised."""
+
+    def __init__(self, cfg: Config, batches: Any) -> None:
+        self.param = torch.nn.Parameter(torch.full((cfg.rows, cfg.width), 0.01, dtype=torch.float32))
+        self.opt = torch.optim.SparseAdam([self.param], lr=LEARNING_RATE)
+        self.ids = [torch.from_numpy(i).long()[None] for i in batches.ids]
+        self.values = torch.from_numpy(batches.values)
+        self.size = (cfg.rows, cfg.width)
+
+    def __call__(self, i: int) -> None:
+        self.param.grad = torch.sparse_coo_tensor(
+            self.ids[i % len(self.ids)], self.values, self.size, check_invariants=False
+        )
+        self.opt.step()
+
+    def tensors(self) -> list[torch.Tensor]:
+        state = self.opt.state[self.param]
+        return [self.param.data, state["exp_avg"], state["exp_avg_sq"]]
+
+
+CONTENDERS = {
+    "sparse_adam, update_and_apply": make_osa_fused,
+    "sparse_adam, two calls": make_osa_sparse,
+    "sparse_rowwise_adagrad, update_and_apply": _rowwise_adagrad,
+    "floor (p, mu, nu rows)": _floor,
+    "torch.optim.SparseAdam": _TorchSparseAdam,
+}
+
+
+def to_huge_pages(stepper: Stepper) -> tuple[int, int]:
+    """Moves a contender's table and state onto huge pages: (bytes on huge pages, bytes in all)."""
+    if isinstance(stepper, _TorchSparseAdam):
+        spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in stepper.tensors()]
+        huge = _huge_pages.advise_spans(spans, _huge_pages.page_bytes())
+        return sum(huge), sum(n for _, n in spans)
+    assert isinstance(stepper, JaxStepper)
+    report = osa.advise_huge_pages((stepper._params, stepper._state), min_bytes=0)
+    return report.huge_bytes, report.bytes
+
+
+def measure(cfg: Config, steps: int, warmup: int, block: int) -> dict[str, Any]:
+    batches = make_batches(cfg, warmup + steps, seed=0)
+    runs = {(name, pages): make(cfg, batches) for name, make in CONTENDERS.items() for pages in PAGES}
+    on_huge = {}
+    for (name, pages), run in runs.items():
+        run(0)  # compiles, and makes SparseAdam's state
+        if pages == PAGES[1]:
+            on_huge[name] = to_huge_pages(run)
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    for start in range(1, warmup + steps, block):
+        for key, run in runs.items():
+            for i in range(start, min(start + block, warmup + steps)):
+                t0 = time.perf_counter()
+                run(i)
+                if i >= warmup and i > start:
+                    times[key].append(time.perf_counter() - t0)
+    results = []
+    for name in CONTENDERS:
+        small, huge = (statistics.median(times[name, pages]) * 1e3 for pages in PAGES)
+        huge_bytes, total = on_huge[name]
+        results.append({"contender": name, "ms": {"4 KiB": small, "2 MiB": huge}, "huge_bytes": huge_bytes})
+        results[-1]["bytes"] = total
+    label = {"rows": cfg.rows, "width": cfg.width, "batch": cfg.batch, "dist": cfg.dist}
+    return {"config": label, "distinct": batches.distinct, "results": results}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    cfg = doc["config"]
+    lines = [
+        f"{cfg['rows']:,} x {cfg['width']} float32 table, {cfg['batch']:,} Zipf(1.2) ids a step "
+        f"({doc['distinct']:.0f} distinct on average); median step time in ms",
+        "",
+        "| contender | 4 KiB pages (ms) | 2 MiB pages (ms) | 4 KiB / 2 MiB | on 2 MiB pages |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in doc["results"]:
+        small, huge = r["ms"]["4 KiB"], r["ms"]["2 MiB"]
+        share = r["huge_bytes"] / r["bytes"] if r["bytes"] else 0.0
+        lines.append(f"| {r['contender']} | {small:.3f} | {huge:.3f} | {small / huge:.2f}x | {share:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a small table and a few steps")
+    parser.add_argument("--json", type=pathlib.Path, help="write the run here (benchmarks/results/huge_pages.json)")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup = 6, 3
+    torch.set_num_threads(args.threads)
+    machine = machine_info(threads=args.threads) | {"omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
+    machine["transparent_hugepage"] = _huge_pages.transparent_huge_pages()
+    with osa.use_kernels(True, threads=args.threads):
+        run = measure(QUICK if args.quick else CONFIG, args.steps, args.warmup, args.block)
+    machine["load_average_end"] = list(os.getloadavg())
+    settings = {k: getattr(args, k) for k in ("steps", "warmup", "block", "threads")}
+    doc = {"machine": machine, "settings": settings} | run
+    print(markdown(doc), end="")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""advise_huge_pages: the tables' buffers on 2 MiB pages, their values and the steps on them unchanged."""
+
+import platform
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax_sparse_adam as osa
+from optax_sparse_adam import _huge_pages
+
+ROWS, WIDTH = 1 << 18, 64  # 64 MiB a table
+
+
+def _collapses() -> str | None:
+    """Why this machine cannot move memory onto huge pages now, or None: Linux 6.1 or later (MADV_COLLAPSE), with
+    transparent huge pages on ("always" or "madvise")."""
+    mode = _huge_pages.transparent_huge_pages()
+    if mode not in ("always", "madvise"):
+        return f"transparent huge pages unavailable or off here ({mode or 'not Linux'})"
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    if (major, minor) < (6, 1):
+        return f"Linux {platform.release()} has no MADV_COLLAPSE (6.1 and later)"
+    return None
+
+
+needs_collapse = pytest.mark.skipif(_collapses() is not None, reason=str(_collapses()))
+
+
+def _table(seed: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(ROWS, WIDTH)).astype(np.float32))
+
+
+@needs_collapse
+def test_the_tables_and_state_move_onto_huge_pages_and_keep_their_values() -> None:
+    p = {"table": _table(0), "bias": jnp.ones((WIDTH,), jnp.float32)}
+    tx = osa.sparse_adam(1e-2)
+    state = tx.init(p)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves((p, state))]
+    report = osa.advise_huge_pages((p, state))
+    # The table, mu and nu; the bias and the count are below min_bytes.
+    assert [path for path, _, _ in report.leaves] == ["[0]['table']", "[1][0].mu['table']", "[1][0].nu['table']"]
+    assert report.bytes == 3 * ROWS * WIDTH * 4
+    # Each buffer's whole 2 MiB pages (all but at most the pages at its two ends).
+    for path, size, huge in report.leaves:
+        assert huge >= size - 2 * report.page_bytes, (path, huge, size)
+    assert "on 2.0 MiB pages" in str(report)
+    for x, y in zip(before, jax.tree.leaves((p, state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(y), x)
+
+
+@needs_collapse
+def test_a_donated_step_keeps_the_buffers_on_huge_pages_and_computes_the_same_numbers() -> None:
+    """The advice stays with the buffers: a donated step updates them in place, and its numbers are those of the
+    same steps on 4 KiB pages."""
+    tx = osa.sparse_adam(1e-2)
+    rng = np.random.default_rng(1)
+    batches = [
+        (
+            jnp.asarray(rng.integers(-1, ROWS, 512).astype(np.int32)),
+            jnp.asarray(rng.normal(size=(512, WIDTH)), jnp.float32),
+        )
+        for _ in range(3)
+    ]
+
+    def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
+        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, ROWS), s, p)
+
+    runs = []
+    for advise in (False, True):
+        p = _table(2)
+        s = tx.init(p)
+        if advise:
+            osa.advise_huge_pages((p, s))
+        start = p.unsafe_buffer_pointer()
+        stepper = jax.jit(step, donate_argnums=(0, 1))
+        for ids, values in batches:
+            p, s = stepper(p, s, ids, values)
+        assert p.unsafe_buffer_pointer() == start  # in place
+        runs.append((p, s))
+        if advise:
+            spans = [(x.unsafe_buffer_pointer(), x.nbytes) for x in jax.tree.leaves((p, s)) if x.nbytes >= 2**25]
+            assert len(spans) == 3
+            for (_, size), huge in zip(spans, _huge_pages.huge_bytes(spans), strict=True):
+                assert huge >= size - 2 * _huge_pages.page_bytes()
+    for x, y in zip(*(jax.tree.leaves(r) for r in runs), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@needs_collapse
+def test_each_device_buffer_of_a_row_sharded_table_is_advised() -> None:
+    mesh = jax.make_mesh((4,), ("rows",), devices=jax.devices()[:4])
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    table = jax.device_put(_table(3), sharding)
+    report = osa.advise_huge_pages(table, min_bytes=0)
+    assert sorted(path for path, _, _ in report.leaves) == sorted(f"on {d}" for d in jax.devices()[:4])
+    for _, size, huge in report.leaves:
+        assert size == ROWS * WIDTH
+        assert huge >= size - 2 * report.page_bytes
+
+
+def test_without_huge_pages_nothing_is_advised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With transparent huge pages off (or not on Linux) the buffers are listed, none advised, and the report
+    says why."""
+    table = _table(4)
+    for mode, says in (("never", "transparent huge pages are off"), ("", "no transparent huge pages here")):
+        monkeypatch.setattr(_huge_pages, "transparent_huge_pages", lambda mode=mode: mode)
+        monkeypatch.setattr(_huge_pages, "advise_spans", lambda *_: pytest.fail("advised"))
+        report = osa.advise_huge_pages({"table": table, "count": 3})
+        assert report.leaves == (("['table']", ROWS * WIDTH * 4, 0),) and report.huge_bytes == 0
+        assert str(report).startswith(says)
+
+
+def test_small_arrays_and_what_is_not_a_jax_array_are_left_alone() -> None:
+    tree = {"small": jnp.zeros((8, 8), jnp.float32), "n": 3, "numpy": np.zeros(2**24, np.float32)}
+    assert osa.advise_huge_pages(tree).leaves == ()
