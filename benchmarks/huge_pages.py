@@ -13,9 +13,10 @@ contenders:
   id, read and written once, nothing else; the ids deduplicated beforehand);
 - ``torch.optim.SparseAdam``.
 
-Every contender sees the same fresh batch of Zipf(1.2) ids at each step; the
-contenders take turns ``--block`` steps at a time (each block's first step left
-out), and the figure is the median of ``--steps`` steps after ``--warmup``.
+Every contender sees the same fresh batch of Zipf(1.2) ids at each step (and
+the same gradient rows at every step); the contenders take turns ``--block``
+steps at a time (each block's first step left out), and the figure is the
+median of ``--steps`` steps after ``--warmup``.
 
     python benchmarks/huge_pages.py --json benchmarks/results/huge_pages.json
     python benchmarks/huge_pages.py --quick   # a small smoke run
@@ -118,7 +119,14 @@ def to_huge_pages(stepper: Stepper) -> tuple[int, int]:
 
 def measure(cfg: Config, steps: int, warmup: int, block: int) -> dict[str, Any]:
     batches = make_batches(cfg, warmup + steps, seed=0)
-    runs = {(name, pages): make(cfg, batches) for name, make in CONTENDERS.items() for pages in PAGES}
+    # One gradient block for every step, as in the variants benchmark (a step's gradient rows are fresh from its
+    # backward pass, in the cache): one device array shared by the JAX contenders, the NumPy one for torch.
+    shared = dataclasses.replace(batches, values=jax.device_put(batches.values))
+    runs = {
+        (name, pages): make(cfg, batches if make is _TorchSparseAdam else shared)
+        for name, make in CONTENDERS.items()
+        for pages in PAGES
+    }
     on_huge = {}
     for (name, pages), run in runs.items():
         run(0)  # compiles, and makes SparseAdam's state

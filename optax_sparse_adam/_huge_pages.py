@@ -26,6 +26,7 @@ __all__ = ["HugePages", "advise_huge_pages"]
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25  # Linux 6.1 and later: collapse now, rather than leave it to khugepaged
 _THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage")
+MIN_BYTES = 2**25  # smaller buffers span too few huge pages to matter: the TLB's 4 KiB entries cover megabytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def advise_huge_pages(tree: Any, *, min_bytes: int = 2**25) -> HugePages:
+def advise_huge_pages(tree: Any, *, min_bytes: int = MIN_BYTES) -> HugePages:
     """Puts the CPU buffers of ``tree``'s large arrays on 2 MiB pages, where Linux allows it.
 
     For each array of at least ``min_bytes`` (its buffer on each CPU device it
@@ -111,24 +112,29 @@ def advise_huge_pages(tree: Any, *, min_bytes: int = 2**25) -> HugePages:
     """
     mode = transparent_huge_pages()
     page = page_bytes() if mode else 0
-    buffers = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if not isinstance(leaf, jax.Array) or leaf.nbytes < min_bytes:
-            continue
-        shards = leaf.addressable_shards
-        for shard in shards:
-            if shard.device.platform == "cpu":
-                on = f" on {shard.device}" if len(shards) > 1 else ""
-                buffers.append(((jax.tree_util.keystr(path) + on).strip(), shard.data))
+    buffers = [
+        ((jax.tree_util.keystr(path) + " " + where).strip(), start, size)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if isinstance(leaf, jax.Array) and leaf.nbytes >= min_bytes
+        for where, start, size in cpu_buffers(leaf)
+    ]
     if mode in ("", "never") or page == 0:
-        return HugePages(mode, tuple((name, b.nbytes, 0) for name, b in buffers), page)
-    for _, buffer in buffers:
-        buffer.block_until_ready()
-    spans = [(buffer.unsafe_buffer_pointer(), buffer.nbytes) for _, buffer in buffers]
-    huge = advise_spans(spans, page)
-    return HugePages(
-        mode, tuple((name, size, h) for (name, _), (_, size), h in zip(buffers, spans, huge, strict=True)), page
-    )
+        return HugePages(mode, tuple((name, size, 0) for name, _, size in buffers), page)
+    huge = advise_spans([(start, size) for _, start, size in buffers], page)
+    return HugePages(mode, tuple((name, size, h) for (name, _, size), h in zip(buffers, huge, strict=True)), page)
+
+
+def cpu_buffers(x: jax.Array) -> list[tuple[str, int, int]]:
+    """``(where, address, bytes)`` of each of ``x``'s buffers on this process's CPU devices, once the computations
+    writing them are done (``where``: ``"on <device>"`` for an array on several devices, else ``""``)."""
+    shards = x.addressable_shards
+    out = []
+    for shard in shards:
+        if shard.device.platform == "cpu":
+            buffer = shard.data.block_until_ready()
+            where = f"on {shard.device}" if len(shards) > 1 else ""
+            out.append((where, buffer.unsafe_buffer_pointer(), buffer.nbytes))
+    return out
 
 
 def advise_spans(spans: list[tuple[int, int]], page: int) -> list[int]:

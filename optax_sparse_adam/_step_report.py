@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from optax_sparse_adam import _huge_pages
 from optax_sparse_adam._kernel_path import kernel_path
 from optax_sparse_adam._malloc import GLIBC_MMAP_LIMIT, malloc_tuned
 
@@ -46,6 +47,10 @@ class StepReport:
       kernels: The library's native kernels the compiled step calls, by name (``"sparse_adam_apply"``: a fused
         step; ``"sparse_adam_rows"`` and ``"scatter_add"``: the two calls), each once, in the order they appear.
       platform: The platform the step was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
+      small_pages: ``(path, bytes)`` of each table-sized argument on the CPU (of 32 MiB or more) that lies mostly on
+        4 KiB pages where Linux offers 2 MiB ones (transparent huge pages ``madvise`` or ``always``): each row a
+        step touches there costs a page walk too (:func:`advise_huge_pages`). Only arguments given as arrays are
+        looked at.
     """
 
     kernel_path: str
@@ -57,6 +62,7 @@ class StepReport:
     copies: tuple[tuple[str, int], ...]
     kernels: tuple[str, ...] = ()
     platform: str = ""
+    small_pages: tuple[tuple[str, int], ...] = ()
 
     @property
     def temporaries_mapped(self) -> bool:
@@ -119,6 +125,11 @@ class StepReport:
                 f"temporaries over glibc's {_mb(_mmap_limit())} mmap limit: XLA:CPU allocates them as one block a "
                 "call, which glibc maps afresh (a page fault every 4 KiB, every step); osa.tune_malloc() keeps it "
                 "in the heap (its threshold above them)"
+            )
+        for path, size in self.small_pages:
+            lines.append(
+                f"on 4 KiB pages: {path} ({_mb(size)}): each row a step touches costs a page walk as well; "
+                "osa.advise_huge_pages moves it onto 2 MiB pages (see 'Tables on 4 KiB pages' in docs/which_path.md)"
             )
         if self.in_place:
             lines.append("in place: every table-sized argument is donated and none is copied")
@@ -199,7 +210,24 @@ def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = No
         copies=tuple(copies),
         kernels=tuple(dict.fromkeys(_KERNEL_NAME.findall(hlo))),
         platform=_platform(compiled),
+        small_pages=_small_pages(args, kwargs, threshold),
     )
+
+
+def _small_pages(args: Any, kwargs: Any, threshold: int) -> tuple[tuple[str, int], ...]:
+    """The table-sized CPU arrays among the arguments that lie mostly on 4 KiB pages where huge ones are offered."""
+    if _huge_pages.transparent_huge_pages() not in ("always", "madvise"):
+        return ()
+    found = []
+    for path, x in jax.tree_util.tree_leaves_with_path((args, kwargs)):
+        if not isinstance(x, jax.Array) or x.is_deleted():
+            continue
+        least = max(threshold, _huge_pages.MIN_BYTES)
+        spans = [(start, size) for _, start, size in _huge_pages.cpu_buffers(x) if size >= least]
+        size = sum(n for _, n in spans)
+        if spans and 2 * sum(_huge_pages.huge_bytes(spans)) < size:
+            found.append((_arg_path(jax.tree_util.keystr(path)), size))
+    return tuple(found)
 
 
 def _platform(compiled: Any) -> str:

@@ -116,3 +116,35 @@ def test_without_huge_pages_nothing_is_advised(monkeypatch: pytest.MonkeyPatch) 
 def test_small_arrays_and_what_is_not_a_jax_array_are_left_alone() -> None:
     tree = {"small": jnp.zeros((8, 8), jnp.float32), "n": 3, "numpy": np.zeros(2**24, np.float32)}
     assert osa.advise_huge_pages(tree).leaves == ()
+
+
+@needs_collapse
+def test_step_report_names_the_tables_on_small_pages_until_they_are_moved() -> None:
+    tx = osa.sparse_adam(1e-2)
+
+    def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
+        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, ROWS), s, p)
+
+    p = _table(5)
+    s = tx.init(p)
+    args = (p, s, jnp.arange(8, dtype=jnp.int32), jnp.ones((8, WIDTH), jnp.float32))
+    report = osa.step_report(jax.jit(step, donate_argnums=(0, 1)), *args)
+    table = ROWS * WIDTH * 4
+    assert report.small_pages == (("args[0]", table), ("args[1][0].mu", table), ("args[1][0].nu", table))
+    assert "on 4 KiB pages: args[0] (64.0 MiB)" in str(report) and report.in_place
+    osa.advise_huge_pages((p, s))
+    assert osa.step_report(jax.jit(step, donate_argnums=(0, 1)), *args).small_pages == ()
+
+
+def test_step_report_says_nothing_of_pages_where_there_are_no_huge_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_huge_pages, "transparent_huge_pages", lambda: "never")
+    tx = osa.sparse_adam(1e-2)
+    p = _table(6)
+    report = osa.step_report(
+        jax.jit(lambda p, s, ids, v: osa.update_and_apply(tx, osa.IndexedRows(ids, v, ROWS), s, p)),
+        p,
+        tx.init(p),
+        jnp.arange(8, dtype=jnp.int32),
+        jnp.ones((8, WIDTH), jnp.float32),
+    )
+    assert report.small_pages == () and "4 KiB" not in str(report)
