@@ -595,6 +595,39 @@ def rowwise_fbgemm_page(rowwise_fbgemm: Any, doc: dict[str, Any]) -> str:
     )
 
 
+def huge_pages_table(huge_pages: Any, doc: dict[str, Any]) -> str:
+    """``huge_pages.markdown`` of ``huge_pages.json``, with the run's commit and command (for the page and for the
+    guide's section)."""
+    m, s = doc["machine"], doc["settings"]
+    return (
+        huge_pages.markdown(doc)
+        + f"\nAt {_commit(m)} on {m['cpu']} ({m['cores']} cores, {s['threads']} threads), transparent huge pages "
+        f"`{m['transparent_hugepage']}`, {m['date_utc']}: `python benchmarks/huge_pages.py --steps {s['steps']} "
+        f"--warmup {s['warmup']} --json benchmarks/results/huge_pages.json`.\n"
+    )
+
+
+def huge_pages_page(huge_pages: Any, doc: dict[str, Any]) -> str:
+    """Each contender on 4 KiB pages and on 2 MiB pages, from ``huge_pages.json``."""
+    return "\n".join(
+        [
+            "# Tables on huge pages",
+            "",
+            "`benchmarks/huge_pages.py` runs each contender twice in one process, on two copies of its table and "
+            "state: one on the 4 KiB pages the allocator gives it, one moved onto 2 MiB transparent huge pages after "
+            "its first step (`osa.advise_huge_pages`; PyTorch's tensors by the same `madvise` calls). The contenders "
+            "take turns ten steps at a time, each on the same fresh batch of Zipf ids; the figures are medians. "
+            "The floor reads and writes the rows of p, mu and nu of each distinct id once, and nothing else. "
+            "See 'Tables on 4 KiB pages' in [Which path do I use](../which_path.md).",
+            "",
+            "This page is generated at build time from `benchmarks/results/huge_pages.json` by "
+            "`benchmarks/huge_pages.py`'s own `markdown`.",
+            "",
+            huge_pages_table(huge_pages, doc),
+        ]
+    )
+
+
 def _digest(paths: list[pathlib.Path]) -> str:
     h = hashlib.sha256()
     for p in paths:
@@ -607,9 +640,10 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     """The benchmark pages (into ``pages``) and the costs table (into ``out``); skipped when neither the results nor
     their renderers changed."""
     names = ("results.json", "dlrm.json", "dlrm_catch_up.json", "sharding.json", "variants.json", "variants_gpu.json")
-    names += ("rowwise_fbgemm.json", "dlrm_train.json", "dlrm_w64.json", "dlrm_w64_malloc.json")
+    names += ("rowwise_fbgemm.json", "dlrm_train.json", "dlrm_w64.json", "dlrm_w64_malloc.json", "huge_pages.json")
     inputs = [RESULTS / n for n in (*names, "gpu.json")]
     inputs += [BENCHMARKS / n for n in ("report.py", "dlrm.py", "contenders.py", "gpu.py", "rowwise_fbgemm.py")]
+    inputs += [BENCHMARKS / "huge_pages.py"]
     inputs += [BENCHMARKS / "dlrm_train.py"]
     inputs += [pathlib.Path(__file__)]
     stamp = pages / ".inputs"
@@ -636,6 +670,11 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
 
         doc = json.loads((RESULTS / "dlrm_train.json").read_text())
         write_if_changed(pages / "dlrm_train.md", dlrm_train_page(dlrm_train, doc))
+        import huge_pages  # benchmarks/huge_pages.py
+
+        doc = json.loads((RESULTS / "huge_pages.json").read_text())
+        write_if_changed(out / "huge_pages.md", huge_pages_table(huge_pages, doc))
+        write_if_changed(pages / "huge_pages.md", huge_pages_page(huge_pages, doc))
     write_if_changed(out / "costs.md", costs_page(results))
     sharding = json.loads((RESULTS / "sharding.json").read_text())
     write_if_changed(pages / "sharding.md", sharding_page(sharding))

@@ -1,10 +1,12 @@
 """The benchmark runs end to end at tiny sizes and writes its report (its timings are not checked)."""
 
+import importlib
 import json
 import os
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -26,6 +28,15 @@ def _run_script(script: str, *args: str, env: dict[str, str] | None = None) -> s
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def _page_modules(*names: str) -> list[Any]:
+    """``docs/generate.py`` and the benchmark scripts that render its pages, imported by name."""
+    sys.path[:0] = [str(ROOT / "docs"), str(ROOT / "benchmarks")]
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        del sys.path[:2]
 
 
 def test_benchmark_smoke_writes_report(tmp_path: pathlib.Path) -> None:
@@ -77,6 +88,25 @@ def test_rowwise_fbgemm_benchmark_smoke_agrees_with_fbgemm(tmp_path: pathlib.Pat
     assert "| configuration |" in proc.stdout
 
 
+def test_huge_pages_benchmark_smoke_moves_one_copy_of_each_contender_and_renders(tmp_path: pathlib.Path) -> None:
+    """benchmarks/huge_pages.py at tiny sizes: every contender runs on 4 KiB pages and on 2 MiB pages, the second copy
+    of each (the library's arrays, torch's tensors) moved onto huge pages where the system allows it, and the docs'
+    page renders from the results."""
+    out = tmp_path / "huge_pages.json"
+    proc = _run_script("huge_pages.py", "--quick", "--json", str(out))
+    doc = json.loads(out.read_text())
+    names = ["sparse_adam, update_and_apply", "sparse_adam, two calls", "sparse_rowwise_adagrad, update_and_apply"]
+    assert [r["contender"] for r in doc["results"]] == [*names, "floor (p, mu, nu rows)", "torch.optim.SparseAdam"]
+    for r in doc["results"]:
+        assert set(r["ms"]) == {"4 KiB", "2 MiB"} and all(t > 0 for t in r["ms"].values())
+        if doc["machine"]["transparent_hugepage"] in ("always", "madvise"):
+            assert r["huge_bytes"] >= 0.8 * r["bytes"], r  # the tables of 100,000 rows, but their ends
+    assert "| contender | 4 KiB pages (ms) |" in proc.stdout
+    generate, huge_pages = _page_modules("generate", "huge_pages")
+    page = generate.huge_pages_page(huge_pages, doc)
+    assert page.startswith("# Tables on huge pages") and "--json benchmarks/results/huge_pages.json" in page, page
+
+
 def test_sharding_benchmark_many_tables_smoke(tmp_path: pathlib.Path) -> None:
     """benchmarks/sharding.py's many-tables measurement at tiny sizes, on the first 6 of its 26 tables (each table
     a program of its own to compile): the tables share three all-to-alls a step, the buckets receive at least the
@@ -117,13 +147,6 @@ def test_dlrm_train_benchmark_smoke_agrees_with_pytorch_and_renders(tmp_path: pa
     assert agreement["max_rel_loss_diff"] < 1e-4 and agreement["max_abs_table_diff"] < 1e-4, agreement
     (record,) = doc["configs"]
     assert set(record["results"]) == {"osa_adam", "torch"}
-    sys.path.insert(0, str(ROOT / "docs"))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import dlrm_train
-        import generate
-    finally:
-        sys.path.pop(0)
-        sys.path.pop(0)
+    generate, dlrm_train = _page_modules("generate", "dlrm_train")
     page = generate.dlrm_train_page(dlrm_train, doc)
     assert "## dlrmv2: 256 examples" in page and "| PyTorch EmbeddingBag + SparseAdam" in page
