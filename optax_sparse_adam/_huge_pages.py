@@ -77,9 +77,8 @@ def advise_huge_pages(tree: Any, *, min_bytes: int = MIN_BYTES) -> HugePages:
     (``madvise(MADV_HUGEPAGE)``) and to move it onto them now
     (``MADV_COLLAPSE``, Linux 6.1 and later; older kernels move it in the
     background, over minutes). The values do not change. A sparse step on a
-    table of 10**6 rows then finds its rows without a page walk each: on the
-    benchmarks' machine Adam's fused step ran about a quarter faster (see
-    "Huge pages" in docs/which_path.md).
+    table of 10**6 rows then finds its rows without a page walk each (see
+    "Tables on 4 KiB pages" in docs/which_path.md for what it gains, measured).
 
     Call it on the tables and the optimizer state once they are made (or
     restored), before training. The advice stays with the buffer: a jitted
