@@ -148,3 +148,19 @@ def test_step_report_says_nothing_of_pages_where_there_are_no_huge_ones(monkeypa
         jnp.ones((8, WIDTH), jnp.float32),
     )
     assert report.small_pages == () and "4 KiB" not in str(report)
+
+
+@needs_collapse
+def test_an_nnx_model_and_optimizer_are_taken_as_they_are() -> None:
+    from flax import nnx
+
+    from optax_sparse_adam import nnx as osa_nnx
+
+    model = nnx.Embed(ROWS, WIDTH, rngs=nnx.Rngs(0))
+    optimizer = osa_nnx.Optimizer(model, osa.sparse_adam(1e-2), wrt=nnx.Param)
+    report = osa.advise_huge_pages((model, optimizer))
+    paths = [path for path, _, _ in report.leaves]
+    assert paths[0].endswith(".embedding.value") and len(paths) == 3, paths
+    assert ".mu[" in paths[1] and ".nu[" in paths[2], paths
+    for _, size, huge in report.leaves:
+        assert huge >= size - 2 * report.page_bytes
