@@ -2,10 +2,10 @@
 
 Each contender runs twice, on two copies of its table and state: one left on
 the 4 KiB pages XLA's (or PyTorch's) allocator gives it, one moved onto
-transparent huge pages after its first step (the library's arrays by
-``osa.advise_huge_pages``, PyTorch's tensors, which ``SparseAdam`` makes at
-its first step, by the same ``madvise`` calls on their memory). The
-contenders:
+transparent huge pages after its first step (the library's arrays and
+PyTorch's tensors, which ``SparseAdam`` makes at its first step, by the
+``madvise`` calls ``osa.advise_huge_pages`` makes). After the timed steps,
+the share of each copy on huge pages is read back. The contenders:
 
 - ``osa.update_and_apply`` of ``sparse_adam`` and of ``sparse_rowwise_adagrad``;
 - ``sparse_adam``'s two calls (``tx.update``, then ``osa.apply_updates``);
@@ -15,8 +15,9 @@ contenders:
 
 Every contender sees the same fresh batch of Zipf(1.2) ids at each step (and
 the same gradient rows at every step); the contenders take turns ``--block``
-steps at a time (each block's first step left out), and the figure is the
-median of ``--steps`` steps after ``--warmup``.
+steps at a time (each block's first step left out; a contender's two copies
+one after the other, which one first alternating from round to round), and
+the figure is the median of ``--steps`` steps after ``--warmup``.
 
     python benchmarks/huge_pages.py --json benchmarks/results/huge_pages.json
     python benchmarks/huge_pages.py --quick   # a small smoke run
@@ -106,15 +107,13 @@ CONTENDERS = {
 }
 
 
-def to_huge_pages(stepper: Stepper) -> tuple[int, int]:
-    """Moves a contender's table and state onto huge pages: (bytes on huge pages, bytes in all)."""
+def _spans(stepper: Stepper) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of a contender's table and state."""
     if isinstance(stepper, _TorchSparseAdam):
-        spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in stepper.tensors()]
-        huge = _huge_pages.advise_spans(spans, _huge_pages.page_bytes())
-        return sum(huge), sum(n for _, n in spans)
+        return [(t.data_ptr(), t.numel() * t.element_size()) for t in stepper.tensors()]
     assert isinstance(stepper, JaxStepper)
-    report = osa.advise_huge_pages((stepper._params, stepper._state), min_bytes=0)
-    return report.huge_bytes, report.bytes
+    leaves = jax.tree.leaves((stepper._params, stepper._state))
+    return [(start, size) for x in leaves for _, start, size in _huge_pages.cpu_buffers(x)]
 
 
 def measure(cfg: Config, steps: int, warmup: int, block: int) -> dict[str, Any]:
@@ -127,25 +126,28 @@ def measure(cfg: Config, steps: int, warmup: int, block: int) -> dict[str, Any]:
         for name, make in CONTENDERS.items()
         for pages in PAGES
     }
-    on_huge = {}
-    for (name, pages), run in runs.items():
+    for (_, pages), run in runs.items():
         run(0)  # compiles, and makes SparseAdam's state
-        if pages == PAGES[1]:
-            on_huge[name] = to_huge_pages(run)
+        if pages == PAGES[1]:  # the library's arrays as osa.advise_huge_pages takes them, torch's tensors alike
+            _huge_pages.advise_spans(_spans(run))
     times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-    for start in range(1, warmup + steps, block):
-        for key, run in runs.items():
+    for n, start in enumerate(range(1, warmup + steps, block)):
+        # Each contender's two copies take turns, the one on 4 KiB pages first in every other round.
+        order = [(name, PAGES[(j + n) % 2]) for name in CONTENDERS for j in range(2)]
+        for key in order:
             for i in range(start, min(start + block, warmup + steps)):
                 t0 = time.perf_counter()
-                run(i)
+                runs[key](i)
                 if i >= warmup and i > start:
                     times[key].append(time.perf_counter() - t0)
     results = []
     for name in CONTENDERS:
-        small, huge = (statistics.median(times[name, pages]) * 1e3 for pages in PAGES)
-        huge_bytes, total = on_huge[name]
-        results.append({"contender": name, "ms": {"4 KiB": small, "2 MiB": huge}, "huge_bytes": huge_bytes})
-        results[-1]["bytes"] = total
+        record: dict[str, Any] = {"contender": name, "ms": {}, "huge_share": {}}
+        for pages in PAGES:
+            spans = _spans(runs[name, pages])  # after the timed steps: still where they were advised
+            record["ms"][pages] = statistics.median(times[name, pages]) * 1e3
+            record["huge_share"][pages] = sum(_huge_pages.huge_bytes(spans)) / sum(n for _, n in spans)
+        results.append(record)
     label = {"rows": cfg.rows, "width": cfg.width, "batch": cfg.batch, "dist": cfg.dist}
     return {"config": label, "distinct": batches.distinct, "results": results}
 
@@ -156,13 +158,13 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{cfg['rows']:,} x {cfg['width']} float32 table, {cfg['batch']:,} Zipf(1.2) ids a step "
         f"({doc['distinct']:.0f} distinct on average); median step time in ms",
         "",
-        "| contender | 4 KiB pages (ms) | 2 MiB pages (ms) | 4 KiB / 2 MiB | on 2 MiB pages |",
+        "| contender | 4 KiB pages (ms) | 2 MiB pages (ms) | 4 KiB / 2 MiB | share on 2 MiB pages (each copy) |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for r in doc["results"]:
-        small, huge = r["ms"]["4 KiB"], r["ms"]["2 MiB"]
-        share = r["huge_bytes"] / r["bytes"] if r["bytes"] else 0.0
-        lines.append(f"| {r['contender']} | {small:.3f} | {huge:.3f} | {small / huge:.2f}x | {share:.0%} |")
+        (small, huge), shares = (r["ms"][p] for p in PAGES), (r["huge_share"][p] for p in PAGES)
+        share = ", ".join(f"{x:.0%}" for x in shares)
+        lines.append(f"| {r['contender']} | {small:.3f} | {huge:.3f} | {small / huge:.2f}x | {share} |")
     return "\n".join(lines) + "\n"
 
 

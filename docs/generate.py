@@ -10,6 +10,8 @@ None of them is committed:
 - ``docs/benchmarks/gpu.md``: ``benchmarks/gpu.py`` (``render``) on ``benchmarks/results/gpu.json``;
 - ``docs/benchmarks/rowwise_fbgemm.md``: ``benchmarks/rowwise_fbgemm.py`` (``markdown``) on
   ``benchmarks/results/rowwise_fbgemm.json``;
+- ``docs/benchmarks/huge_pages.md`` and ``docs/_generated/huge_pages.md`` (its table, for the "Which path do I
+  use" page): ``benchmarks/huge_pages.py`` (``markdown``) on ``benchmarks/results/huge_pages.json``;
 - ``docs/_generated/costs.md``: the measured costs on the "Which path do I use" page, from ``results.json``;
 - ``docs/_generated/bf16_losses.md``: the mean losses of ``examples/bf16_stochastic_rounding.py``'s run, from the
   ``examples/bf16_stochastic_rounding.json`` it wrote;
@@ -648,7 +650,11 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     inputs += [pathlib.Path(__file__)]
     stamp = pages / ".inputs"
     digest = _digest(inputs)
-    if stamp.exists() and stamp.read_text() == digest and (out / "costs.md").exists():
+    if (
+        stamp.exists()
+        and stamp.read_text() == digest
+        and all((out / n).exists() for n in ("costs.md", "huge_pages.md"))
+    ):
         return
     results = json.loads((RESULTS / "results.json").read_text())
     with _benchmark_modules() as (report, dlrm):

@@ -7,7 +7,8 @@ walk that follows reads the page tables from memory too: a second trip to
 memory for each row. On 2 MiB pages the same TLB covers gigabytes. Linux
 backs private memory with such pages (transparent huge pages) where the
 program asks for them (``madvise``), or for all memory where the system is
-set so; XLA:CPU does not ask, and most distributions are set to ``madvise``.
+set so; XLA:CPU does not ask, and many systems are set to ``madvise`` (the
+benchmarks' machine is).
 """
 
 from __future__ import annotations
@@ -15,13 +16,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import pathlib
 import sys
 from typing import Any
 
 import jax
 
-__all__ = ["HugePages", "advise_huge_pages"]
+__all__ = [
+    "MIN_BYTES",
+    "HugePages",
+    "advise_huge_pages",
+    "advise_spans",
+    "cpu_buffers",
+    "huge_bytes",
+    "page_bytes",
+    "transparent_huge_pages",
+]
 
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25  # Linux 6.1 and later: collapse now, rather than leave it to khugepaged
@@ -36,8 +47,8 @@ class HugePages:
     Attributes:
       mode: The system's transparent huge page setting (``"always"``, ``"madvise"`` or ``"never"``), or ``""``
         where there is none (not Linux, or a kernel without them).
-      leaves: ``(path, bytes, huge_bytes)`` of each array buffer advised: its size, and how much of it lies on huge
-        pages afterwards.
+      leaves: ``(path, bytes, huge_bytes)`` of each CPU buffer of ``min_bytes`` or more in the tree (advised where the
+        system has huge pages on; each buffer once): its size, and how much of it lies on huge pages afterwards.
       page_bytes: The huge page size (2 MiB on x86-64), or 0 where there are none.
     """
 
@@ -47,7 +58,7 @@ class HugePages:
 
     @property
     def bytes(self) -> int:
-        """The bytes of the buffers advised."""
+        """The bytes of the buffers listed."""
         return sum(n for _, n, _ in self.leaves)
 
     @property
@@ -72,11 +83,13 @@ def _mib(n: int) -> str:
 def advise_huge_pages(tree: Any, *, min_bytes: int = MIN_BYTES) -> HugePages:
     """Puts the CPU buffers of ``tree``'s large arrays on 2 MiB pages, where Linux allows it.
 
-    For each array of at least ``min_bytes`` (its buffer on each CPU device it
-    is on), asks the kernel to back the buffer with transparent huge pages
-    (``madvise(MADV_HUGEPAGE)``) and to move it onto them now
-    (``MADV_COLLAPSE``, Linux 6.1 and later; older kernels move it in the
-    background, over minutes). The values do not change. A sparse step on a
+    For each buffer of ``min_bytes`` or more of the tree's arrays (an array's
+    buffer on each CPU device it is on), asks the kernel to back the buffer
+    with transparent huge pages (``madvise(MADV_HUGEPAGE)``) and to move it
+    onto them now (``MADV_COLLAPSE``, Linux 6.1 and later; older kernels move
+    it in the background at khugepaged's pace, by default some 1.6 MiB a
+    second: minutes for a table of hundreds of megabytes). The values do not
+    change. A sparse step on a
     table of 10**6 rows then finds its rows without a page walk each (see
     "Tables on 4 KiB pages" in docs/which_path.md for what it gains, measured).
 
@@ -102,25 +115,33 @@ def advise_huge_pages(tree: Any, *, min_bytes: int = MIN_BYTES) -> HugePages:
       ``/proc/self/smaps``).
 
     Examples:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import optax_sparse_adam as osa
-      >>> table = jnp.zeros((10**6, 64), jnp.float32)
+      >>> table = jax.device_put(jnp.zeros((10**6, 64), jnp.float32), jax.devices("cpu")[0])
       >>> report = osa.advise_huge_pages({"table": table})
       >>> report.bytes
       256000000
     """
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"advise_huge_pages: min_bytes must be a non-negative int, got {min_bytes!r}")
     mode = transparent_huge_pages()
-    page = page_bytes() if mode else 0
-    buffers = [
-        ((jax.tree_util.keystr(path) + " " + where).strip(), start, size)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
-        if isinstance(leaf, jax.Array) and leaf.nbytes >= min_bytes
-        for where, start, size in cpu_buffers(leaf)
-    ]
-    if mode in ("", "never") or page == 0:
-        return HugePages(mode, tuple((name, size, 0) for name, _, size in buffers), page)
-    huge = advise_spans([(start, size) for _, start, size in buffers], page)
-    return HugePages(mode, tuple((name, size, h) for (name, _, size), h in zip(buffers, huge, strict=True)), page)
+    buffers: dict[int, tuple[str, int]] = {}  # by address: an array in the tree twice (tied weights) is one buffer
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        if leaf.is_deleted():
+            raise ValueError(
+                f"advise_huge_pages: {jax.tree_util.keystr(path) or 'the array'} was deleted (donated to a step?): "
+                "pass the arrays the step returned"
+            )
+        for where, start, size in cpu_buffers(leaf):
+            if size >= min_bytes:
+                buffers.setdefault(start, ((jax.tree_util.keystr(path) + " " + where).strip(), size))
+    spans = [(start, size) for start, (_, size) in buffers.items()]
+    huge = advise_spans(spans)
+    names = [name for name, _ in buffers.values()]
+    leaves = tuple((name, size, h) for name, (_, size), h in zip(names, spans, huge, strict=True))
+    return HugePages(mode, leaves, page_bytes() if mode else 0)
 
 
 def cpu_buffers(x: jax.Array) -> list[tuple[str, int, int]]:
@@ -136,11 +157,12 @@ def cpu_buffers(x: jax.Array) -> list[tuple[str, int, int]]:
     return out
 
 
-def advise_spans(spans: list[tuple[int, int]], page: int) -> list[int]:
+def advise_spans(spans: list[tuple[int, int]]) -> list[int]:
     """:func:`advise_huge_pages` of memory given as ``(address, bytes)`` (a PyTorch tensor's ``data_ptr()`` and
-    size, for the benchmarks): each span's whole huge pages advised and collapsed; the bytes of each on huge pages
-    afterwards."""
-    madvise = _madvise()
+    size, for the benchmarks): where the system has huge pages on, each span's whole huge pages advised and
+    collapsed; the bytes of each on huge pages afterwards (:func:`huge_bytes`)."""
+    madvise = _madvise() if transparent_huge_pages() in ("always", "madvise") else None
+    page = page_bytes()
     for start, size in spans:
         lo, hi = -(-start // page) * page, (start + size) // page * page
         if madvise is not None and hi > lo:
@@ -162,12 +184,14 @@ def transparent_huge_pages() -> str:
 
 
 def page_bytes() -> int:
+    """The huge page size (``hpage_pmd_size``): 2 MiB on x86-64, and where the system does not say."""
     try:
         return int((_THP / "hpage_pmd_size").read_text())
     except (OSError, ValueError):
         return 2**21
 
 
+@functools.cache
 def _madvise() -> Any:
     """The C library's ``madvise``, or ``None``."""
     try:
@@ -179,23 +203,30 @@ def _madvise() -> Any:
     return madvise
 
 
-def huge_bytes(spans: list[tuple[int, int]]) -> list[int]:
-    """For each ``(start, size)``, the bytes of huge pages (``AnonHugePages``) of the mappings it overlaps, counted
-    up to the overlap: ``/proc/self/smaps`` says how much of each mapping lies on huge pages, not where."""
+def huge_bytes(spans: list[tuple[int, int]], smaps: str | None = None) -> list[int]:
+    """For each ``(start, size)``, the bytes of huge pages (``AnonHugePages`` in ``/proc/self/smaps``, or in
+    ``smaps``) of the mappings it overlaps. smaps says how much of a mapping lies on huge pages, not where: a
+    mapping's huge pages go to the spans in it in address order, each up to its overlap with the mapping, so that
+    no more are counted than there are (on ``madvise`` systems the advice splits the mappings at each span's
+    whole pages, and each span's count is its own; on ``always`` systems adjacent buffers may share one)."""
     out = [0] * len(spans)
-    try:
-        lines = pathlib.Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return out
+    if smaps is None:
+        try:
+            smaps = pathlib.Path("/proc/self/smaps").read_text()
+        except OSError:
+            return out
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
     begin = end = 0
-    for line in lines:
+    for line in smaps.splitlines():
         head = line.split(None, 1)[0] if line else ""
         if "-" in head and ":" not in head:
             begin, end = (int(x, 16) for x in head.split("-"))
         elif head == "AnonHugePages:":
-            huge = int(line.split()[1]) * 1024
-            for i, (start, size) in enumerate(spans):
+            left = int(line.split()[1]) * 1024
+            for i in order:
+                start, size = spans[i]
                 overlap = min(end, start + size) - max(begin, start)
-                if huge and overlap > 0:
-                    out[i] += min(huge, overlap)
+                if left and overlap > 0:
+                    out[i] += min(left, overlap)
+                    left -= min(left, overlap)
     return out
