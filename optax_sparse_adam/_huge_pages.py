@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import errno
 import functools
 import pathlib
 import sys
@@ -36,6 +37,7 @@ __all__ = [
 
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25  # Linux 6.1 and later: collapse now, rather than leave it to khugepaged
+_TRIES = 3
 _THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage")
 MIN_BYTES = 2**25  # smaller buffers span too few huge pages to matter: the TLB's 4 KiB entries cover megabytes
 
@@ -168,7 +170,9 @@ def advise_spans(spans: list[tuple[int, int]]) -> list[int]:
         if madvise is not None and hi > lo:
             madvise(lo, hi - lo, _MADV_HUGEPAGE)
             for at in range(lo, hi, page):  # one page at a time: a page that fails leaves the others to go on
-                madvise(at, page, _MADV_COLLAPSE)
+                for _ in range(_TRIES):  # EAGAIN: a transient failure (a page locked, or on its way to the LRU)
+                    if madvise(at, page, _MADV_COLLAPSE) == 0 or ctypes.get_errno() != errno.EAGAIN:
+                        break
     return huge_bytes(spans)
 
 

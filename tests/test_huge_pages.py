@@ -1,5 +1,7 @@
 """advise_huge_pages: the tables' buffers on 2 MiB pages, their values and the steps on them unchanged."""
 
+import ctypes
+import errno
 import platform
 import re
 from typing import Any
@@ -211,3 +213,24 @@ def test_only_whole_huge_pages_inside_a_buffer_are_advised(monkeypatch: pytest.M
     _huge_pages.advise_spans([(5 * page + 16, 3 * page), (20 * page + 1, page)])
     # The first span's pages 6 and 7 (its start and end lie inside pages 5 and 8); the second holds no whole page.
     assert calls == [(6 * page, 2 * page, 14), (6 * page, page, 25), (7 * page, page, 25)]
+
+
+def test_a_page_that_fails_for_a_moment_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MADV_COLLAPSE's EAGAIN (a page locked, or on its way to the LRU) is tried again, up to three times; any other
+    failure (ENOMEM: no free huge page; EINVAL: a kernel without it) leaves the page at once."""
+    page = 2**21
+    for err, tries in ((errno.EAGAIN, 3), (errno.ENOMEM, 1), (errno.EINVAL, 1)):
+        calls = []
+
+        def madvise(at: int, n: int, advice: int, err: int = err, calls: list[int] = calls) -> int:
+            calls.append(advice)
+            if advice == 14:
+                return 0
+            ctypes.set_errno(err)
+            return -1
+
+        monkeypatch.setattr(_huge_pages, "transparent_huge_pages", lambda: "madvise")
+        monkeypatch.setattr(_huge_pages, "page_bytes", lambda: page)
+        monkeypatch.setattr(_huge_pages, "_madvise", lambda madvise=madvise: madvise)
+        _huge_pages.advise_spans([(4 * page, 2 * page)])
+        assert calls == [14] + [25] * tries * 2, (err, calls)
