@@ -131,6 +131,11 @@ def advise_huge_pages(tree: Any, *, min_bytes: int = MIN_BYTES) -> HugePages:
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if not isinstance(leaf, jax.Array):
             continue
+        if isinstance(leaf, jax.core.Tracer):
+            raise ValueError(
+                f"advise_huge_pages: {jax.tree_util.keystr(path) or 'the array'} is traced: call it on the arrays "
+                "themselves, outside jit (once, before the training loop)"
+            )
         if leaf.is_deleted():
             raise ValueError(
                 f"advise_huge_pages: {jax.tree_util.keystr(path) or 'the array'} was deleted (donated to a step?): "

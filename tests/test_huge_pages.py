@@ -199,7 +199,7 @@ def test_a_mapping_s_huge_pages_are_counted_once_over_the_buffers_in_it() -> Non
     assert _huge_pages.huge_bytes(spans, smaps) == [0, 32 * mib, 4 * mib, 0]
 
 
-def test_a_deleted_array_is_refused_by_its_path_and_a_tied_one_is_listed_once() -> None:
+def test_a_deleted_or_traced_array_is_refused_by_its_path_and_a_tied_one_is_listed_once() -> None:
     table = _table(7)
     report = osa.advise_huge_pages({"a": table, "tied": table})
     assert [path for path, _, _ in report.leaves] == ["['a']"] and report.bytes == ROWS * WIDTH * 4
@@ -207,6 +207,8 @@ def test_a_deleted_array_is_refused_by_its_path_and_a_tied_one_is_listed_once() 
     jax.jit(lambda x: x + 1, donate_argnums=0)(donated)
     with pytest.raises(ValueError, match=r"\['emb'\] was deleted \(donated to a step\?\)"):
         osa.advise_huge_pages({"emb": donated})
+    with pytest.raises(ValueError, match=r"\['emb'\] is traced: call it on the arrays themselves, outside jit"):
+        jax.jit(lambda tree: osa.advise_huge_pages(tree) and tree)({"emb": table})
     for bad in (-1, 1.5, "1", True):
         with pytest.raises(ValueError, match="min_bytes must be a non-negative int"):
             osa.advise_huge_pages({"emb": table}, min_bytes=bad)
