@@ -167,7 +167,9 @@ def test_step_report_says_nothing_of_pages_where_there_are_no_huge_ones(monkeypa
 
 
 @needs_collapse
-def test_an_nnx_model_and_optimizer_are_taken_as_they_are() -> None:
+def test_an_nnx_model_and_optimizer_are_taken_as_they_are_and_stay_through_donated_steps() -> None:
+    """The Flax guide's advice: an nnx model and optimizer advised as they are; its donated ``nnx.jit`` step (the
+    guide's) keeps updating the same buffers, which stay on huge pages."""
     from flax import nnx
 
     from optax_sparse_adam import nnx as osa_nnx
@@ -179,6 +181,28 @@ def test_an_nnx_model_and_optimizer_are_taken_as_they_are() -> None:
     assert paths[0].endswith(".embedding.value") and len(paths) == 3, paths
     assert ".mu[" in paths[1] and ".nu[" in paths[2], paths
     for _, size, huge in report.leaves:
+        assert size - 2 * report.page_bytes <= huge <= size
+
+    @nnx.jit(donate_argnames=("model", "optimizer"))
+    def train_step(model: Any, optimizer: Any, ids: jax.Array) -> jax.Array:
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def loss_fn(p: Any, ids: jax.Array) -> jax.Array:
+            return jnp.sum(nnx.merge(graphdef, p)(ids) ** 2)
+
+        loss, grads = osa.value_and_row_grad(loss_fn, lambda p: p["embedding"])(params, ids)
+        optimizer.update(model, grads)
+        return loss
+
+    def buffers() -> list[tuple[int, int]]:
+        leaves = jax.tree.leaves(nnx.state((model, optimizer)))
+        return [(x.unsafe_buffer_pointer(), x.nbytes) for x in leaves if x.nbytes >= _huge_pages.MIN_BYTES]
+
+    before = buffers()
+    for t in range(3):
+        train_step(model, optimizer, jnp.arange(256, dtype=jnp.int32) * 7 + t)
+    assert buffers() == before
+    for (_, size), huge in zip(before, _huge_pages.huge_bytes(before), strict=True):
         assert size - 2 * report.page_bytes <= huge <= size
 
 
