@@ -31,6 +31,7 @@ __all__ = [
     "advise_spans",
     "cpu_buffers",
     "huge_bytes",
+    "offered",
     "page_bytes",
     "transparent_huge_pages",
 ]
@@ -91,9 +92,9 @@ def advise_huge_pages(tree: Any, *, min_bytes: int = MIN_BYTES) -> HugePages:
     onto them now (``MADV_COLLAPSE``, Linux 6.1 and later; older kernels move
     it in the background at khugepaged's pace, by default some 1.6 MiB a
     second: minutes for a table of hundreds of megabytes). The values do not
-    change. A sparse step on a
-    table of 10**6 rows then finds its rows without a page walk each (see
-    "Tables on 4 KiB pages" in docs/which_path.md for what it gains, measured).
+    change. A sparse step on a table of 10**6 rows then finds its rows
+    without a page walk each (see "Tables on 4 KiB pages" in
+    docs/which_path.md for what it gains, measured).
 
     Call it on the tables and the optimizer state once they are made (or
     restored), before training. The advice stays with the buffer: a jitted
@@ -168,7 +169,7 @@ def advise_spans(spans: list[tuple[int, int]]) -> list[int]:
     """:func:`advise_huge_pages` of memory given as ``(address, bytes)`` (a PyTorch tensor's ``data_ptr()`` and
     size, for the benchmarks): where the system has huge pages on, each span's whole huge pages advised and
     collapsed; the bytes of each on huge pages afterwards (:func:`huge_bytes`)."""
-    madvise = _madvise() if transparent_huge_pages() in ("always", "madvise") else None
+    madvise = _madvise() if offered() else None
     page = page_bytes()
     for start, size in spans:
         lo, hi = -(-start // page) * page, (start + size) // page * page
@@ -190,6 +191,11 @@ def transparent_huge_pages() -> str:
     except OSError:
         return ""
     return text[text.find("[") + 1 : text.find("]")] if "[" in text else ""
+
+
+def offered() -> bool:
+    """Whether the system backs memory with huge pages, everywhere (``always``) or where asked (``madvise``)."""
+    return transparent_huge_pages() in ("always", "madvise")
 
 
 def page_bytes() -> int:

@@ -216,18 +216,21 @@ def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = No
 
 def _small_pages(args: Any, kwargs: Any, threshold: int) -> tuple[tuple[str, int], ...]:
     """The table-sized CPU arrays among the arguments that lie mostly on 4 KiB pages where huge ones are offered."""
-    if _huge_pages.transparent_huge_pages() not in ("always", "madvise"):
+    if not _huge_pages.offered():
         return ()
-    found = []
+    least = max(threshold, _huge_pages.MIN_BYTES)
+    spans, owners = [], []  # each buffer, and the argument it belongs to
     for path, x in jax.tree_util.tree_leaves_with_path((args, kwargs)):
-        if not isinstance(x, jax.Array) or x.is_deleted():
-            continue
-        least = max(threshold, _huge_pages.MIN_BYTES)
-        spans = [(start, size) for _, start, size in _huge_pages.cpu_buffers(x) if size >= least]
-        size = sum(n for _, n in spans)
-        if spans and 2 * sum(_huge_pages.huge_bytes(spans)) < size:
-            found.append((_arg_path(jax.tree_util.keystr(path)), size))
-    return tuple(found)
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            for _, start, size in _huge_pages.cpu_buffers(x):
+                if size >= least:
+                    spans.append((start, size))
+                    owners.append(_arg_path(jax.tree_util.keystr(path)))
+    sizes: dict[str, list[int]] = {}  # by argument: its bytes, and those on huge pages (smaps read once)
+    for owner, (_, size), huge in zip(owners, spans, _huge_pages.huge_bytes(spans), strict=True):
+        total = sizes.setdefault(owner, [0, 0])
+        total[0], total[1] = total[0] + size, total[1] + huge
+    return tuple((owner, size) for owner, (size, huge) in sizes.items() if 2 * huge < size)
 
 
 def _platform(compiled: Any) -> str:
