@@ -223,8 +223,17 @@ def sparse_step(
     return tx, step
 
 
-def _sparse_stepper(cfg: Config, batches: Batches, *, fused: bool, kernels: bool) -> Stepper:
-    tx, step = sparse_step(cfg.rows, fused)
+def sparse_stepper(
+    cfg: Config,
+    batches: Batches,
+    *,
+    fused: bool,
+    kernels: bool = True,
+    tx: optax.GradientTransformation | None = None,
+) -> JaxStepper:
+    """The library's sparse step (:func:`sparse_step`, of ``tx``, by default ``sparse_adam``) on a table of
+    ``cfg``'s shape, its state, and ``batches``' ids and gradient rows, jitted and donated."""
+    tx, step = sparse_step(cfg.rows, fused, tx)
     params = _table_jax(cfg)
     inputs = [(ids, batches.values) for ids in batches.ids]
     return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), inputs, kernels)
@@ -232,17 +241,17 @@ def _sparse_stepper(cfg: Config, batches: Batches, *, fused: bool, kernels: bool
 
 def make_osa_sparse(cfg: Config, batches: Batches) -> Stepper:
     """This library on ``IndexedRows`` gradients: ``tx.update`` + ``apply_updates`` on the native CPU kernels."""
-    return _sparse_stepper(cfg, batches, fused=False, kernels=True)
+    return sparse_stepper(cfg, batches, fused=False)
 
 
 def make_osa_fused(cfg: Config, batches: Batches) -> Stepper:
     """``osa.update_and_apply``: one native pass per touched row for p, m and v."""
-    return _sparse_stepper(cfg, batches, fused=True, kernels=True)
+    return sparse_stepper(cfg, batches, fused=True)
 
 
 def make_osa_sparse_xla(cfg: Config, batches: Batches) -> Stepper:
     """``tx.update`` + ``apply_updates`` on the portable XLA path (``osa.use_kernels(False)``)."""
-    return _sparse_stepper(cfg, batches, fused=False, kernels=False)
+    return sparse_stepper(cfg, batches, fused=False, kernels=False)
 
 
 def make_floor(cfg: Config, batches: Batches) -> Stepper:
@@ -264,19 +273,29 @@ def make_floor(cfg: Config, batches: Batches) -> Stepper:
     return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, state, inputs)
 
 
-def make_torch_sparse_adam(cfg: Config, batches: Batches) -> Stepper:
-    """``torch.optim.SparseAdam`` on an uncoalesced COO gradient (it coalesces inside ``step``)."""
-    param = torch.nn.Parameter(torch.full((cfg.rows, cfg.width), 0.01, dtype=torch.float32))
-    opt = torch.optim.SparseAdam([param], lr=LEARNING_RATE)
-    ids = [torch.from_numpy(i).long()[None] for i in batches.ids]
-    values = torch.from_numpy(batches.values)
-    size = (cfg.rows, cfg.width)
+class TorchSparseAdam:
+    """``torch.optim.SparseAdam`` on an uncoalesced COO gradient (it coalesces inside ``step``), as a stepper;
+    ``tensors()``: its parameter and moments (the moments made at its first step)."""
 
-    def run(i: int) -> None:
-        param.grad = torch.sparse_coo_tensor(ids[i % len(ids)], values, size, check_invariants=False)
-        opt.step()
+    def __init__(self, cfg: Config, batches: Batches) -> None:
+        self.param = torch.nn.Parameter(torch.full((cfg.rows, cfg.width), 0.01, dtype=torch.float32))
+        self.opt = torch.optim.SparseAdam([self.param], lr=LEARNING_RATE)
+        self.ids = [torch.from_numpy(i).long()[None] for i in batches.ids]
+        self.values = torch.from_numpy(batches.values)
+        self.size = (cfg.rows, cfg.width)
 
-    return run
+    def __call__(self, i: int) -> None:
+        self.param.grad = torch.sparse_coo_tensor(
+            self.ids[i % len(self.ids)], self.values, self.size, check_invariants=False
+        )
+        self.opt.step()
+
+    def tensors(self) -> list[torch.Tensor]:
+        state = self.opt.state[self.param]
+        return [self.param.data, state["exp_avg"], state["exp_avg_sq"]]
+
+
+make_torch_sparse_adam = TorchSparseAdam
 
 
 def make_torch_adam(cfg: Config, batches: Batches) -> Stepper:

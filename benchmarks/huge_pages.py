@@ -44,11 +44,12 @@ from contenders import (
     Config,
     JaxStepper,
     Stepper,
+    TorchSparseAdam,
     make_batches,
     make_floor,
     make_osa_fused,
     make_osa_sparse,
-    sparse_step,
+    sparse_stepper,
 )
 from report import machine_info
 
@@ -70,32 +71,7 @@ def _floor(cfg: Config, batches: Any) -> JaxStepper:
 
 
 def _rowwise_adagrad(cfg: Config, batches: Any) -> JaxStepper:
-    tx, step = sparse_step(cfg.rows, fused=True, tx=osa.sparse_rowwise_adagrad(LEARNING_RATE))
-    params = jax.numpy.zeros((cfg.rows, cfg.width), jax.numpy.float32)
-    inputs = [(ids, batches.values) for ids in batches.ids]
-    return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params), inputs)
-
-
-class _TorchSparseAdam:
-    """``torch.optim.SparseAdam`` on an uncoalesced COO gradient, as ``contenders.make_torch_sparse_adam``, keeping
-    its parameter and optimizer so that their memory can be advised."""
-
-    def __init__(self, cfg: Config, batches: Any) -> None:
-        self.param = torch.nn.Parameter(torch.full((cfg.rows, cfg.width), 0.01, dtype=torch.float32))
-        self.opt = torch.optim.SparseAdam([self.param], lr=LEARNING_RATE)
-        self.ids = [torch.from_numpy(i).long()[None] for i in batches.ids]
-        self.values = torch.from_numpy(batches.values)
-        self.size = (cfg.rows, cfg.width)
-
-    def __call__(self, i: int) -> None:
-        self.param.grad = torch.sparse_coo_tensor(
-            self.ids[i % len(self.ids)], self.values, self.size, check_invariants=False
-        )
-        self.opt.step()
-
-    def tensors(self) -> list[torch.Tensor]:
-        state = self.opt.state[self.param]
-        return [self.param.data, state["exp_avg"], state["exp_avg_sq"]]
+    return sparse_stepper(cfg, batches, fused=True, tx=osa.sparse_rowwise_adagrad(LEARNING_RATE))
 
 
 CONTENDERS = {
@@ -103,13 +79,13 @@ CONTENDERS = {
     "sparse_adam, two calls": make_osa_sparse,
     "sparse_rowwise_adagrad, update_and_apply": _rowwise_adagrad,
     "floor (p, mu, nu rows)": _floor,
-    "torch.optim.SparseAdam": _TorchSparseAdam,
+    "torch.optim.SparseAdam": TorchSparseAdam,
 }
 
 
 def _spans(stepper: Stepper) -> list[tuple[int, int]]:
     """``(address, bytes)`` of a contender's table and state."""
-    if isinstance(stepper, _TorchSparseAdam):
+    if isinstance(stepper, TorchSparseAdam):
         return [(t.data_ptr(), t.numel() * t.element_size()) for t in stepper.tensors()]
     assert isinstance(stepper, JaxStepper)
     leaves = jax.tree.leaves((stepper._params, stepper._state))
@@ -122,7 +98,7 @@ def measure(cfg: Config, steps: int, warmup: int, block: int) -> dict[str, Any]:
     # backward pass, in the cache): one device array shared by the JAX contenders, the NumPy one for torch.
     shared = dataclasses.replace(batches, values=jax.device_put(batches.values))
     runs = {
-        (name, pages): make(cfg, batches if make is _TorchSparseAdam else shared)
+        (name, pages): make(cfg, batches if make is TorchSparseAdam else shared)
         for name, make in CONTENDERS.items()
         for pages in PAGES
     }

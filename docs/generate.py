@@ -611,14 +611,17 @@ def huge_pages_table(huge_pages: Any, doc: dict[str, Any]) -> str:
 
 def huge_pages_page(huge_pages: Any, doc: dict[str, Any]) -> str:
     """Each contender on 4 KiB pages and on 2 MiB pages, from ``huge_pages.json``."""
+    s = doc["settings"]
     return "\n".join(
         [
             "# Tables on huge pages",
             "",
             "`benchmarks/huge_pages.py` runs each contender twice in one process, on two copies of its table and "
             "state: one on the 4 KiB pages the allocator gives it, one moved onto 2 MiB transparent huge pages after "
-            "its first step (`osa.advise_huge_pages`; PyTorch's tensors by the same `madvise` calls). The contenders "
-            "take turns ten steps at a time, each on the same fresh batch of Zipf ids; the figures are medians. "
+            "its first step (by the `madvise` calls of `osa.advise_huge_pages`, PyTorch's tensors too). The "
+            f"contenders take turns {s['block']} steps at a time (a contender's two copies one after the other, "
+            f"which one first alternating), each on the same fresh batch of Zipf ids; the figures are medians of "
+            f"{s['steps']} steps after {s['warmup']}. "
             "The floor reads and writes the rows of p, mu and nu of each distinct id once, and nothing else. "
             "See 'Tables on 4 KiB pages' in [Which path do I use](../which_path.md).",
             "",
