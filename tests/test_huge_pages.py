@@ -37,6 +37,15 @@ needs_madvise = pytest.mark.skipif(
 )
 
 
+def _fused_step(tx: Any) -> Any:
+    """``update_and_apply`` of ``tx`` on a table of ``ROWS`` rows, for ``jax.jit``."""
+
+    def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
+        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, ROWS), s, p)
+
+    return step
+
+
 def _share_huge(x: jax.Array) -> int:
     """The bytes of ``x``'s buffer on huge pages."""
     return _huge_pages.huge_bytes([(x.unsafe_buffer_pointer(), x.nbytes)])[0]
@@ -78,8 +87,7 @@ def test_a_donated_step_keeps_the_buffers_on_huge_pages_and_computes_the_same_nu
         for _ in range(3)
     ]
 
-    def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
-        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, ROWS), s, p)
+    step = _fused_step(tx)
 
     runs = []
     for advise in (False, True):
@@ -135,8 +143,7 @@ def test_small_arrays_and_what_is_not_a_jax_array_are_left_alone() -> None:
 def test_step_report_names_the_tables_on_small_pages_until_they_are_moved() -> None:
     tx = osa.sparse_adam(1e-2)
 
-    def step(p: jax.Array, s: Any, ids: jax.Array, values: jax.Array) -> Any:
-        return osa.update_and_apply(tx, osa.IndexedRows(ids, values, ROWS), s, p)
+    step = _fused_step(tx)
 
     p = _table(5)
     s = tx.init(p)
@@ -157,7 +164,7 @@ def test_step_report_says_nothing_of_pages_where_there_are_no_huge_ones(monkeypa
     tx = osa.sparse_adam(1e-2)
     p = _table(6)
     report = osa.step_report(
-        jax.jit(lambda p, s, ids, v: osa.update_and_apply(tx, osa.IndexedRows(ids, v, ROWS), s, p)),
+        jax.jit(_fused_step(tx)),
         p,
         tx.init(p),
         jnp.arange(8, dtype=jnp.int32),
