@@ -8,7 +8,8 @@ library runs its portable XLA path. The code is built for the baseline x86-64
 versions of the row loops chosen at load time (``target_clones``);
 ``OPTAX_SPARSE_ADAM_BUILD_KERNELS=baseline`` builds the baseline code alone,
 in about half the time: the same numbers, slower where the CPU has AVX2 or
-AVX-512.
+AVX-512. The sources compile side by side, as many at once as the build has
+CPUs (``OPTAX_SPARSE_ADAM_BUILD_JOBS=N`` for another number).
 
 The library is a plain shared library that ``_kernel_path`` loads with ctypes:
 it uses no Python C API, so its file name carries no Python version
@@ -16,9 +17,11 @@ it uses no Python C API, so its file name carries no Python version
 (``py3-none-any`` when it was not built).
 """
 
+import functools
 import os
 import pathlib
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.bdist_wheel import bdist_wheel
@@ -35,6 +38,39 @@ def ffi_include_dir() -> str | None:
         return None
     include = pathlib.Path(jaxlib.__file__).resolve().parent / "include"
     return str(include) if (include / "xla" / "ffi" / "api" / "ffi.h").exists() else None
+
+
+def available_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux: the CPUs this process may run on
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def compile_in_parallel(
+    compiler,
+    jobs,
+    sources,
+    output_dir=None,
+    macros=None,
+    include_dirs=None,
+    debug=False,
+    extra_preargs=None,
+    extra_postargs=None,
+    depends=None,
+):
+    """``compiler.compile``, with up to ``jobs`` sources compiling at once: CCompiler.compile's own steps, its loop
+    over the out-of-date objects run on a thread pool (each compile is a process of its own)."""
+    macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+        output_dir, macros, include_dirs, sources, depends, extra_postargs
+    )
+    cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+
+    def compile_one(obj):
+        src, ext = build[obj]
+        compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(compile_one, [obj for obj in objects if obj in build]))
+    return objects
 
 
 class BuildKernels(build_ext):
@@ -60,6 +96,17 @@ class BuildKernels(build_ext):
             if baseline:  # rows.h: no AVX2 or AVX-512 clones of the row loops
                 ext.extra_compile_args.append("-DOSA_BASELINE_ONLY")
         super().run()
+
+    def build_extensions(self) -> None:
+        # setuptools compiles an extension's sources one after another; the kernels' compile side by side, as many
+        # at once as this process has CPUs (OPTAX_SPARSE_ADAM_BUILD_JOBS to choose).
+        asked = os.environ.get("OPTAX_SPARSE_ADAM_BUILD_JOBS", "")
+        if asked and not (asked.isdigit() and int(asked) > 0):
+            raise ValueError(f"OPTAX_SPARSE_ADAM_BUILD_JOBS={asked!r}: the number of compiles at once, 1 or more")
+        jobs = int(asked) if asked else available_cpus()
+        if jobs > 1:
+            self.compiler.compile = functools.partial(compile_in_parallel, self.compiler, jobs)
+        super().build_extensions()
 
     def get_ext_filename(self, fullname: str) -> str:
         return os.path.join(*fullname.split(".")) + SUFFIX

@@ -169,6 +169,25 @@ def test_wheel_holds_the_kernels_for_any_python_3_and_runs_them(tmp_path):
     _same_step_here(got, kernels=True)
 
 
+@pytest.mark.parametrize("jobs", ["0", "two", "-1"])
+def test_a_build_asked_for_no_sensible_number_of_compiles_says_so(tmp_path, jobs):
+    """``OPTAX_SPARSE_ADAM_BUILD_JOBS`` (the sources compiling at once; by default one a CPU) must be 1 or more: any
+    other value stops the build with the variable's name, before anything compiles."""
+    env = {**os.environ, "OPTAX_SPARSE_ADAM_BUILD_JOBS": jobs}
+    env.pop("OPTAX_SPARSE_ADAM_BUILD_KERNELS", None)
+    done = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=_clean_copy(tmp_path / "src"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert f"OPTAX_SPARSE_ADAM_BUILD_JOBS={jobs!r}: the number of compiles at once, 1 or more" in done.stderr
+    assert "g++" not in done.stdout + done.stderr and "gcc" not in done.stdout + done.stderr
+
+
 # What the kernels' AVX2 and AVX-512 clones may call: the C library, the C++ runtime, powf (the per-row bias
 # corrections call it as XLA:CPU does), the constructors of std::vector<float> (a clone's buffers, made once a call:
 # GCC may keep one out-of-line copy of them for all the clones) and other clones of their own ISA. Any other call is
