@@ -104,7 +104,8 @@ class BuildKernels(build_ext):
         if asked and not (asked.isdigit() and int(asked) > 0):
             raise ValueError(f"OPTAX_SPARSE_ADAM_BUILD_JOBS={asked!r}: the number of compiles at once, 1 or more")
         jobs = int(asked) if asked else available_cpus()
-        if jobs > 1:
+        # A Unix compiler's compile() loops over _compile(); MSVC's has a loop of its own, left as it is.
+        if jobs > 1 and self.compiler.compiler_type == "unix":
             self.compiler.compile = functools.partial(compile_in_parallel, self.compiler, jobs)
         super().build_extensions()
 
