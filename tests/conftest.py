@@ -63,7 +63,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="report the share of the tests' time spent in XLA compiles (or cache loads), and the N longest",
+        help="report the share of the tests' time spent in XLA compiles (or cache loads), the N tests that spent the"
+        " most, and the N compiled functions that took the most",
     )
 
 
@@ -78,20 +79,26 @@ class _CompileTimes:
     def __init__(self, longest: int) -> None:
         self.longest = longest
         self.compiled = (0.0, 0)  # seconds and compiles since the running test's setup began
+        self.by_name: dict[str, list[float]] = {}  # the same, by compiled function (jit's name for it)
         self.times: dict[str, list[float]] = {}  # by test: [seconds, compile seconds, compiles]
+        self.totals_by_name: dict[str, list[float]] = {}  # over all tests: [compile seconds, compiles]
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
 
-    def _on_duration(self, event: str, duration: float, **_: object) -> None:
+    def _on_duration(self, event: str, duration: float, **kwargs: object) -> None:
         if event == self.EVENT:
             self.compiled = (self.compiled[0] + duration, self.compiled[1] + 1)
+            named = self.by_name.setdefault(str(kwargs.get("fun_name", "?")), [0.0, 0])
+            named[0] += duration
+            named[1] += 1
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        self.compiled = (0.0, 0)
+        self.compiled, self.by_name = (0.0, 0), {}
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
         if call.when == "teardown":
             item.user_properties.append(("compiled", self.compiled))
+            item.user_properties.append(("compiled_by_name", self.by_name))
         return (yield)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -100,6 +107,11 @@ class _CompileTimes:
         for name, value in report.user_properties:
             if name == "compiled" and report.when == "teardown":
                 times[1], times[2] = value
+            if name == "compiled_by_name" and report.when == "teardown":
+                for fun_name, (seconds, count) in value.items():
+                    total = self.totals_by_name.setdefault(fun_name, [0.0, 0])
+                    total[0] += seconds
+                    total[1] += count
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.times:
@@ -113,3 +125,9 @@ class _CompileTimes:
         by_compile_time = sorted(self.times.items(), key=lambda kv: -kv[1][1])
         for nodeid, (seconds, compile_s, count) in by_compile_time[: self.longest]:
             terminalreporter.write_line(f"{compile_s:7.2f} s of {seconds:7.2f} s, {count:4d} compiles  {nodeid}")
+        # By the name jit gives the compiled function: a test's own steps (`step`, `<lambda>`), the library's
+        # jitted helpers, or an eager operation compiled alone (`broadcast_in_dim`, `convert_element_type`, ...).
+        terminalreporter.write_line(f"by compiled function ({self.longest} longest):")
+        by_name = sorted(self.totals_by_name.items(), key=lambda kv: -kv[1][0])
+        for fun_name, (compile_s, count) in by_name[: self.longest]:
+            terminalreporter.write_line(f"{compile_s:7.2f} s, {int(count):5d} compiles  {fun_name}")
