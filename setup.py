@@ -8,8 +8,9 @@ library runs its portable XLA path. The code is built for the baseline x86-64
 versions of the row loops chosen at load time (``target_clones``);
 ``OPTAX_SPARSE_ADAM_BUILD_KERNELS=baseline`` builds the baseline code alone,
 in about half the time: the same numbers, slower where the CPU has AVX2 or
-AVX-512. The sources compile side by side, as many at once as the build has
-CPUs (``OPTAX_SPARSE_ADAM_BUILD_JOBS=N`` for another number).
+AVX-512. With a Unix compiler (GCC, Clang) the sources compile side by side,
+as many at once as the build has CPUs and memory for, about 1 GB each
+(``OPTAX_SPARSE_ADAM_BUILD_JOBS=N`` for another number).
 
 The library is a plain shared library that ``_kernel_path`` loads with ctypes:
 it uses no Python C API, so its file name carries no Python version
@@ -45,6 +46,28 @@ def available_cpus() -> int:
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
+JOB_BYTES = 1 << 30  # what a compile may hold: the largest of the kernels' sources peaks at about 650 MB with g++
+
+
+def jobs_memory_allows() -> int | None:
+    """How many compiles of JOB_BYTES the memory available now holds, on Linux (the system's MemAvailable, and a
+    cgroup v2 limit where the build runs under one, as in a container); ``None`` where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        free = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        cgroup = pathlib.Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(1, free // JOB_BYTES)
+
+
 def compile_in_parallel(
     compiler,
     jobs,
@@ -59,17 +82,28 @@ def compile_in_parallel(
 ):
     """``compiler.compile``, with up to ``jobs`` sources compiling at once: CCompiler.compile's own steps, its loop
     over the out-of-date objects run on a thread pool (each compile is a process of its own)."""
-    macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+    try:
+        setup_compile, cc_args_of, compile_object = compiler._setup_compile, compiler._get_cc_args, compiler._compile
+    except AttributeError:  # a setuptools whose compilers no longer have these: its own loop
+        return type(compiler).compile(
+            compiler, sources, output_dir, macros, include_dirs, debug, extra_preargs, extra_postargs, depends
+        )
+    macros, objects, extra_postargs, pp_opts, build = setup_compile(
         output_dir, macros, include_dirs, sources, depends, extra_postargs
     )
-    cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+    cc_args = cc_args_of(pp_opts, debug, extra_preargs)
 
     def compile_one(obj):
         src, ext = build[obj]
-        compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+        compile_object(obj, src, ext, cc_args, extra_postargs, pp_opts)
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(compile_one, [obj for obj in objects if obj in build]))
+    todo = [obj for obj in objects if obj in build]
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(compile_one, todo))
+    except RuntimeError:  # no thread could be started (a process limit): one after another
+        for obj in todo:
+            compile_one(obj)
     return objects
 
 
@@ -99,11 +133,12 @@ class BuildKernels(build_ext):
 
     def build_extensions(self) -> None:
         # setuptools compiles an extension's sources one after another; the kernels' compile side by side, as many
-        # at once as this process has CPUs (OPTAX_SPARSE_ADAM_BUILD_JOBS to choose).
+        # at once as this process has CPUs and the memory holds (OPTAX_SPARSE_ADAM_BUILD_JOBS to choose).
         asked = os.environ.get("OPTAX_SPARSE_ADAM_BUILD_JOBS", "")
         if asked and not (asked.isdigit() and int(asked) > 0):
             raise ValueError(f"OPTAX_SPARSE_ADAM_BUILD_JOBS={asked!r}: the number of compiles at once, 1 or more")
-        jobs = int(asked) if asked else available_cpus()
+        memory = jobs_memory_allows()
+        jobs = int(asked) if asked else min(available_cpus(), memory if memory is not None else available_cpus())
         # A Unix compiler's compile() loops over _compile(); MSVC's has a loop of its own, left as it is.
         if jobs > 1 and self.compiler.compiler_type == "unix":
             self.compiler.compile = functools.partial(compile_in_parallel, self.compiler, jobs)
