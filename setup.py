@@ -137,8 +137,9 @@ class BuildKernels(build_ext):
         asked = os.environ.get("OPTAX_SPARSE_ADAM_BUILD_JOBS", "")
         if asked and not (asked.isdigit() and int(asked) > 0):
             raise ValueError(f"OPTAX_SPARSE_ADAM_BUILD_JOBS={asked!r}: the number of compiles at once, 1 or more")
-        memory = jobs_memory_allows()
-        jobs = int(asked) if asked else min(available_cpus(), memory if memory is not None else available_cpus())
+        jobs = int(asked) if asked else available_cpus()
+        if not asked and (memory := jobs_memory_allows()) is not None:
+            jobs = min(jobs, memory)
         # A Unix compiler's compile() loops over _compile(); MSVC's has a loop of its own, left as it is.
         if jobs > 1 and self.compiler.compiler_type == "unix":
             self.compiler.compile = functools.partial(compile_in_parallel, self.compiler, jobs)
