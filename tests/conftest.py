@@ -78,26 +78,24 @@ class _CompileTimes:
 
     def __init__(self, longest: int) -> None:
         self.longest = longest
-        self.compiled = (0.0, 0)  # seconds and compiles since the running test's setup began
-        self.by_name: dict[str, list[float]] = {}  # the same, by compiled function (jit's name for it)
+        # Since the running test's setup began, by compiled function (jit's name for it): [seconds, compiles].
+        self.by_name: dict[str, list[float]] = {}
         self.times: dict[str, list[float]] = {}  # by test: [seconds, compile seconds, compiles]
         self.totals_by_name: dict[str, list[float]] = {}  # over all tests: [compile seconds, compiles]
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
 
     def _on_duration(self, event: str, duration: float, **kwargs: object) -> None:
         if event == self.EVENT:
-            self.compiled = (self.compiled[0] + duration, self.compiled[1] + 1)
             named = self.by_name.setdefault(str(kwargs.get("fun_name", "?")), [0.0, 0])
             named[0] += duration
             named[1] += 1
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        self.compiled, self.by_name = (0.0, 0), {}
+        self.by_name = {}
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
         if call.when == "teardown":
-            item.user_properties.append(("compiled", self.compiled))
             item.user_properties.append(("compiled_by_name", self.by_name))
         return (yield)
 
@@ -105,10 +103,10 @@ class _CompileTimes:
         times = self.times.setdefault(report.nodeid, [0.0, 0.0, 0])
         times[0] += report.duration
         for name, value in report.user_properties:
-            if name == "compiled" and report.when == "teardown":
-                times[1], times[2] = value
             if name == "compiled_by_name" and report.when == "teardown":
                 for fun_name, (seconds, count) in value.items():
+                    times[1] += seconds
+                    times[2] += count
                     total = self.totals_by_name.setdefault(fun_name, [0.0, 0])
                     total[0] += seconds
                     total[1] += count
