@@ -7,7 +7,7 @@ from optax_sparse_adam._adam import scale_by_sparse_adam, sparse_adam
 from optax_sparse_adam._adamw import LazyWeightDecayState, lazy_decoupled_weight_decay, sparse_adamw
 from optax_sparse_adam._amsgrad import CatchUpAmsgradState, scale_by_sparse_amsgrad, sparse_amsgrad
 from optax_sparse_adam._apply import apply_updates
-from optax_sparse_adam._catch_up import CatchUpAdamState, CatchUpAdamWState, catch_up
+from optax_sparse_adam._catch_up import CatchUpAdamState, CatchUpAdamWState, IdleRecord, catch_up
 from optax_sparse_adam._collection import EmbeddingCollection, FeatureSpec, TableSpec
 from optax_sparse_adam._ftrl import FtrlState, sparse_ftrl
 from optax_sparse_adam._fused import update_and_apply
@@ -50,6 +50,7 @@ __all__ = [
     "FeatureSpec",
     "FtrlState",
     "HugePages",
+    "IdleRecord",
     "IndexedRows",
     "LazyWeightDecayState",
     "RoutingInfo",

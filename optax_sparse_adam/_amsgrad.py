@@ -23,6 +23,7 @@ import optax
 
 from optax_sparse_adam import _catch_up, _ffi, _kernel_path
 from optax_sparse_adam._adam import _hyperparams, kernel_scalars
+from optax_sparse_adam._catch_up import IdleRecord
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import Clipped, FusableUpdate
 from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_full, stamp
@@ -46,6 +47,10 @@ class CatchUpAmsgradState(NamedTuple):
       last_step: Per row (shape ``p.shape[:1]``, int32): the step (the value of
         ``count`` after it) through which the row is up to date, 0 for a row
         that never moved.
+      idle_record: Under a learning-rate schedule, the coefficient of the idle
+        steps of rows idle longer than the window, by their last step, for
+        the last 65,536 last steps (a :class:`IdleRecord`: 0.5 MiB, one for all
+        the parameters); a single entry for no step at a constant learning rate.
     """
 
     count: jax.Array  # type: ignore[assignment]  # optax's field name
@@ -53,6 +58,7 @@ class CatchUpAmsgradState(NamedTuple):
     nu: optax.Updates
     nu_max: optax.Updates
     last_step: optax.Updates
+    idle_record: IdleRecord
 
 
 def _amsgrad_moments(g: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array, b1: Any, b2: Any, count: Any) -> Any:
@@ -307,19 +313,23 @@ def _catch_up_amsgrad(
 
     lr_at = functools.partial(_catch_up.rate_at, learning_rate)
     hp = _hyperparams(b1, b2, eps, eps_root, False, "optax")  # the Adam kernels' (AMSGrad: optax's placement)
+    replayer = _catch_up.Replayer(learning_rate, hp)  # the learning rate the record is written with (lr_at)
 
-    def idle_coefficients(last: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def idle_coefficients(last: jax.Array, done: jax.Array, record: IdleRecord) -> tuple[jax.Array, jax.Array]:
         """Per row of ``last``, brought up to step ``done``: its idle steps, and ``(C, b1**idle, b2**idle)`` with
         ``C`` the sum over them of ``lr_t b1**k / (1 - b1**t)`` (the ``k``-th idle step, of count ``t``), capped
-        at :func:`idle_cap` steps. The native kernel reads these per id, so both paths compute them here."""
+        at :func:`idle_cap` steps, read from the state's ``record`` for rows idle longer than the window under a
+        schedule. The native kernel reads these per id, so both paths compute them here."""
         idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
-        coefficient = _catch_up._coefficients(plan, lr_at, last, idle, done)[:, 0]
+        coefficient = _catch_up._coefficients(plan, lr_at, last, idle, done, record=record)[:, 0]
         return idle, jnp.stack([coefficient, _catch_up._power(b1, idle), _catch_up._power(b2, idle)], axis=1)
 
-    def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array) -> Any:
+    def replay_rows(
+        p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array, record: IdleRecord
+    ) -> Any:
         """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (mu, nu, nu_max))``."""
         m, v, v_max = moments
-        idle, coefficients = idle_coefficients(last, done)
+        idle, coefficients = idle_coefficients(last, done, record)
         coefficient, decay1, decay2 = (broadcast_rows(coefficients[:, j], p.ndim) for j in range(3))
         wide = jnp.promote_types(p.dtype, jnp.float32)
         shift = coefficient * (m.astype(wide) / (jnp.sqrt(v_max + eps_root) + eps)).astype(wide)
@@ -335,6 +345,7 @@ def _catch_up_amsgrad(
             nu=optax.tree.zeros_like(params),
             nu_max=optax.tree.zeros_like(params),
             last_step=jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params),
+            idle_record=_catch_up.idle_record((plan,), learning_rate),
         )
 
     def update_fn(
@@ -347,17 +358,18 @@ def _catch_up_amsgrad(
         done = state.count  # steps taken before this one
         count = optax.safe_increment(state.count)
         lr = lr_at(done)
+        record = _catch_up.record_step(state.idle_record, plan, replayer, done)  # read as written (catch_up_adam)
 
         def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
             (m0, v0, v_max0, last), (p0,) = st, reads
-            p, (m, v, v_max) = replay_rows(p0, (m0, v0, v_max0), last, done)
+            p, (m, v, v_max) = replay_rows(p0, (m0, v0, v_max0), last, done, record)
             m, v, v_max = _amsgrad_moments(g, m, v, v_max, b1, b2, count)
             u = optax.tree.bias_correction(m, b1, count) / (jnp.sqrt(v_max + eps_root) + eps)
             step = jnp.asarray(-lr, dtype=u.dtype) * u  # as optax.scale_by_learning_rate
             moved = broadcast_rows(jnp.where(last > 0, done - last, 0) > 0, p0.ndim)
             return _catch_up.caught_up_update(p0, p, step, moved), (m, v, v_max, stamp(last, count))
 
-        kernel = _catch_up_rows_kernel(plan, hp, lr_at, lr, done, count)
+        kernel = _catch_up_rows_kernel(plan, hp, lr_at, lr, done, count, record)
 
         def leaf(path: Any, g: Any, m: Any, v: Any, v_max: Any, last: Any, p: Any) -> tuple[Any, ...]:
             if g is None:
@@ -374,12 +386,13 @@ def _catch_up_amsgrad(
             (params, "parameters"),
         ]
         out, mu, nu, nu_max, last_step = map_rule(leaf, updates, trees, where, 5)
-        return out, CatchUpAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max, last_step=last_step)
+        new = CatchUpAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max, last_step=last_step, idle_record=record)
+        return out, new
 
     rows = _catch_up.RowReplay(
         CatchUpAmsgradState,
         ("mu", "nu", "nu_max"),
-        lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count),
+        lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count, st.idle_record),
     )
     fusion = CatchUpAmsgradFusion(learning_rate, hp, plan, lr_at)
     return optax.GradientTransformationExtraArgs(init_fn, _catch_up.CatchUpUpdate(update_fn, fusion, rows=rows))
@@ -403,10 +416,12 @@ class CatchUpAmsgradFusion(NamedTuple):
         scalars: jax.Array,
         done: jax.Array,
         count: jax.Array,
+        record: IdleRecord,
         clip: Clipped | None = None,
     ) -> tuple[jax.Array, ...]:
         """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, mu, nu, nu_max,
-        last_step)``, the rows replayed up to step ``done`` (the count before the step), then stepped to ``count``.
+        last_step)``, the rows replayed up to step ``done`` (the count before the step), then stepped to ``count``;
+        ``record``, the state's long-idle coefficients.
         The kernel reads each touched row's record and takes its idle steps' coefficient from the window or the
         long-idle table, and the moments' decays from the tables of ``b1``'s and ``b2``'s powers, as
         ``idle_coefficients`` computes them per row on the XLA path; computed here per key, only what no table
@@ -414,7 +429,7 @@ class CatchUpAmsgradFusion(NamedTuple):
         traced). It catches each touched row up, steps it and records its last step in one pass."""
         m, v, v_max, last = state
         keys = leaf.keys[:, 0]
-        ops = idle_operands(self.plan, self.hp, self.lr_at, last, keys, done)
+        ops = idle_operands(self.plan, self.hp, self.lr_at, last, keys, done, record)
         if clip is not None:
             scalars = clip.append_to(scalars)
         unique = _kernel_path.unique_flag(leaf)
@@ -423,12 +438,18 @@ class CatchUpAmsgradFusion(NamedTuple):
 
 
 def idle_operands(
-    plan: Any, hp: Any, lr_at: Callable[[jax.Array], jax.Array], last: jax.Array, keys: jax.Array, done: jax.Array
+    plan: Any,
+    hp: Any,
+    lr_at: Callable[[jax.Array], jax.Array],
+    last: jax.Array,
+    keys: jax.Array,
+    done: jax.Array,
+    record: IdleRecord,
 ) -> _ffi.AmsgradIdleOperands:
     """What the AMSGrad catch-up kernels read to take each touched row's idle steps from its record (see
     :func:`._ffi.catch_up_amsgrad`): the window and the long-idle table, the tables of ``b1``'s and ``b2``'s
-    powers; computed here per key, only what no table holds (long-idle coefficients under a schedule, ``b2**idle``
-    for a ``b2`` not known when the step is traced)."""
+    powers; computed here per key, only what no table holds (long-idle coefficients under a schedule, from the
+    state's ``record``; ``b2**idle`` for a ``b2`` not known when the step is traced)."""
     b2 = _catch_up._concrete(hp.b2)
     b2_table = b2 is not None and 0.0 <= b2 < 1.0
     far_by_key = plan.cap > 0 and plan.table is None
@@ -441,7 +462,7 @@ def idle_operands(
         window = _catch_up._window(plan, lr_at, done, gathered=False)[:, 0]
         if far_by_key:
             assert last_k is not None and idle is not None
-            far = _catch_up._long_idle_loop(plan, lr_at, last_k, idle > plan.cap)[:, 0]
+            far = _catch_up._far(plan, lr_at, last_k, idle > plan.cap, record=record)[0][:, 0]
         else:
             far = jnp.asarray(plan.table)[:, 0]
     b1 = _catch_up._concrete(hp.b1)
@@ -458,10 +479,16 @@ def idle_operands(
 
 
 def _catch_up_rows_kernel(
-    plan: Any, hp: Any, lr_at: Callable[[jax.Array], jax.Array], lr: Any, done: jax.Array, count: jax.Array
+    plan: Any,
+    hp: Any,
+    lr_at: Callable[[jax.Array], jax.Array],
+    lr: Any,
+    done: jax.Array,
+    count: jax.Array,
+    record: IdleRecord,
 ) -> Kernel:
     """The AMSGrad catch-up rows kernel in the XLA rule's place (``tx.update`` on the CPU): float32 tables, a
-    per-row ``int32`` record."""
+    per-row ``int32`` record; ``record``, the state's long-idle coefficients."""
 
     def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
         (p,), last = reads, state[3]
@@ -474,7 +501,7 @@ def _catch_up_rows_kernel(
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
         (p,), (m, v, v_max, last) = reads, state
         keys = leaf.keys[:, 0]
-        ops = idle_operands(plan, hp, lr_at, last, keys, done)
+        ops = idle_operands(plan, hp, lr_at, last, keys, done, record)
         scalars = kernel_scalars(hp, count, -jnp.asarray(lr, jnp.float32))
         unique = _kernel_path.unique_flag(leaf)
         tables = (p, m, v, v_max, last)

@@ -60,7 +60,16 @@ from optax_sparse_adam._row_engine import Kernel, Rule, _run_rows, apply_rule, m
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
 
-__all__ = ["CatchUpAdamState", "CatchUpAdamWState", "catch_up", "catch_up_adam", "catch_up_adamw", "idle_cap", "replay"]
+__all__ = [
+    "CatchUpAdamState",
+    "CatchUpAdamWState",
+    "IdleRecord",
+    "catch_up",
+    "catch_up_adam",
+    "catch_up_adamw",
+    "idle_cap",
+    "replay",
+]
 
 _WHERE = "sparse_adam(catch_up=True)"
 _WHERE_ADAMW = "sparse_adamw(catch_up=True)"
@@ -76,24 +85,36 @@ class CatchUpAdamState(NamedTuple):
       last_step: Per row (shape ``p.shape[:1]``, int32): the step (the value of
         ``count`` after it) through which the row is up to date, 0 for a row
         that never moved.
+      idle_record: Under a learning-rate schedule, the coefficients of the
+        idle steps of rows idle longer than the window, by their last step,
+        for the last 65,536 last steps (an :class:`IdleRecord`: 2.25 MiB, one
+        for all the parameters); a single entry for no step at a constant
+        learning rate.
     """
 
     count: jax.Array  # type: ignore[assignment]  # Adam's field name, as in optax's states
     mu: optax.Updates
     nu: optax.Updates
     last_step: optax.Updates
+    idle_record: IdleRecord
 
 
 @dataclasses.dataclass(frozen=True)
 class Replayer:
-    """What replaying idle steps needs: the learning rate and Adam's hyperparameters."""
+    """What replaying idle steps needs: the learning rate and Adam's hyperparameters, and in a step, the state's
+    record of the long-idle coefficients (an :class:`IdleRecord`; ``None`` outside a step)."""
 
     learning_rate: optax.ScalarOrSchedule
     hp: AdamHyperparams
+    record: IdleRecord | None = dataclasses.field(default=None, compare=False)
 
     def lr(self, done: jax.Array) -> jax.Array:
         """The learning rate of the steps after ``done`` steps (an int32 array of any shape)."""
         return rate_at(self.learning_rate, done)
+
+    def reading(self, record: IdleRecord | None) -> Replayer:
+        """This replayer, reading the long-idle coefficients of ``record`` (a state's :class:`IdleRecord`)."""
+        return dataclasses.replace(self, record=record)
 
 
 def rate_at(learning_rate: optax.ScalarOrSchedule, done: jax.Array) -> jax.Array:
@@ -215,7 +236,7 @@ def replay(
     if plan is None:
         return _replay_steps(p, m, v, last, idle, replayer, decay)
     weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
-    coefficients = _coefficients(plan, replayer.lr, last, idle, done, weights)  # (rows, _TERMS)
+    coefficients = _coefficients(plan, replayer.lr, last, idle, done, weights, replayer.record)  # (rows, _TERMS)
     inv = 1 / jnp.sqrt(v)
     z = jnp.asarray(hp.eps, jnp.float32) * inv
     moving = broadcast_rows(idle > 0, p.ndim)
@@ -484,15 +505,17 @@ def _coefficients(
     idle: jax.Array,
     done: jax.Array,
     weights: _DecayWeights | None = None,
+    record: IdleRecord | None = None,
 ) -> jax.Array:
     """``C_j`` per row, shape ``(*last.shape, terms)``: zeros where ``idle == 0``. ``lr(d)``: the learning rate
-    of the step after ``d`` steps. With ``weights`` each idle step's term carries the decay of the steps after it."""
+    of the step after ``d`` steps. With ``weights`` each idle step's term carries the decay of the steps after it.
+    ``record``: the state's record of long-idle coefficients."""
     terms = plan.rho.size
     if plan.cap == 0:  # b1 == 0: idle steps do not move a row
         return jnp.zeros((*last.shape, terms), jnp.float32)
     recent = _window(plan, lr, done, weights)[jnp.clip(idle - 1, 0, plan.cap - 1)]
     long_idle = idle > plan.cap
-    far, by_row = _far(plan, lr, last, long_idle, weights)
+    far, by_row = _far(plan, lr, last, long_idle, weights, record)
     if not by_row:
         far = far[jnp.clip(last, 0, far.shape[0] - 1)]
     if weights is not None:  # the table's or the loop's terms carry 1 / (the decay of the steps up to theirs)
@@ -566,13 +589,107 @@ def _far(
     last: jax.Array,
     long_idle: jax.Array,
     weights: _DecayWeights | None = None,
+    record: IdleRecord | None = None,
 ) -> tuple[jax.Array, bool]:
-    """``G_j`` of the rows idle more than ``K`` steps, before AdamW's ``weights.far``: with a constant learning
-    rate the plan's table, by the row's last step (clipped to its last entry), and ``False``; else one entry per
-    row of ``last`` (:func:`_long_idle_loop`), and ``True``."""
+    """``G_j`` of the rows idle more than ``K`` steps (``long_idle``), before AdamW's ``weights.far``: with a
+    constant learning rate the plan's table, by the row's last step (clipped to its last entry), and ``False``;
+    else one entry per row of ``last``, and ``True``: from the state's ``record`` where it holds the row's last
+    step, the others by :func:`_long_idle_loop` (which runs nothing where no row is left to it)."""
     if plan.table is not None:
         return jnp.asarray(plan.table), False
-    return _long_idle_loop(plan, lr, last, long_idle, weights), True
+    if record is None or record.last_steps.shape[0] <= 1:  # no record kept
+        return _long_idle_loop(plan, lr, last, long_idle, weights), True
+    slot = jnp.mod(last, record.last_steps.shape[0])
+    held = long_idle & (record.last_steps[slot] == last)
+    looped = _long_idle_loop(plan, lr, last, long_idle & ~held, weights)
+    return jnp.where(held[:, None], record.coefficients[slot], looped), True
+
+
+# The last steps whose long-idle coefficients a state records (IdleRecord): 2 MiB of float32 for Adam's eight
+# terms. Under optax.warmup_cosine_decay_schedule a step of 8,192 Zipf ids on 1e6 rows spent some 1.2 ms computing
+# them for its rows' distinct last steps, against 0.6 ms for the rest of the step; a row idle longer than the
+# record reaches back still has them computed that way, once per distinct last step.
+_RECORD_STEPS = 1 << 16
+
+
+class IdleRecord(NamedTuple):
+    """A catch-up state's record of the idle steps' coefficients of rows idle longer than the window, under a
+    learning-rate schedule (at a constant rate a table holds them, and the record a single entry for no step).
+
+    The coefficients ``G_j(L)`` of a row whose last step is ``L`` depend on ``L`` alone, and are the window's
+    oldest coefficients at step ``L + K`` (``K`` the window's steps, ``idle_cap``): each step writes them in
+    row ``L mod steps``, and a later step reads them for its rows last moved at ``L`` and idle more than ``K``
+    steps, one gather a row where it computed ``K`` steps of the schedule and the bias corrections for each
+    distinct last step. A row whose entry was overwritten since (idle more than ``K + steps`` steps; ``steps`` is
+    65,536) has its coefficients computed that way still, once per distinct last step, as has a row of a state
+    whose record its steps did not write (a state built by hand): ``last_steps`` says which last step each entry
+    is for. Where the state keeps no record, it holds one entry for no step (orbax saves no empty arrays).
+
+    Attributes:
+      coefficients: ``G_j(L)`` in row ``L mod steps``, float32, shape ``(steps, terms)`` (8 terms for Adam's
+        series, 1 for AMSGrad's), or ``(2, steps, terms)`` for AdamW's, without and with its decay (``(1, ...)``
+        where the weight decay is 0); ``steps`` is 1 where the state keeps no record.
+      last_steps: The last step ``L`` each row of ``coefficients`` holds, int32, shape ``(steps,)``; -1 for none.
+    """
+
+    coefficients: jax.Array
+    last_steps: jax.Array
+
+    def variant(self, i: int) -> IdleRecord:
+        """The record of one of AdamW's variants (0 without its decay, 1 with it)."""
+        return IdleRecord(self.coefficients[i], self.last_steps)
+
+
+def record_steps(plans: tuple[_SeriesPlan | None, ...], learning_rate: Any) -> int:
+    """How many last steps a state's :class:`IdleRecord` holds: :data:`_RECORD_STEPS` where one of ``plans`` has
+    no table of the long-idle coefficients (a schedule; bias corrections too slow to reach 1 for a table) and the
+    learning rate is a schedule or a number; else 1, an entry for no step (a table, no closed form, or a rate
+    ``inject_hyperparams`` passes as an array, which the idle steps take at its current value)."""
+    if not callable(learning_rate) and _concrete(learning_rate) is None:
+        return 1
+    if any(plan is not None and plan.cap > 0 and plan.table is None for plan in plans):
+        return max(_RECORD_STEPS, 1)
+    return 1
+
+
+def idle_record(plans: tuple[_SeriesPlan | None, ...], learning_rate: Any, variants: int | None = None) -> IdleRecord:
+    """A new state's :class:`IdleRecord`, holding nothing yet: ``(steps, terms)`` coefficients
+    (:func:`record_steps`; ``(variants, steps, terms)`` where leaves differ: AdamW's without and with its decay)."""
+    terms = max((plan.rho.size for plan in plans if plan is not None), default=0)
+    steps = record_steps(plans, learning_rate)
+    shape = (steps, terms) if variants is None else (variants, steps, terms)
+    return IdleRecord(jnp.zeros(shape, jnp.float32), jnp.full((steps,), -1, jnp.int32))
+
+
+def record_step(
+    record: IdleRecord,
+    plan: _SeriesPlan | None,
+    replayer: Replayer,
+    done: jax.Array,
+    decay: Decay | None = None,
+    variant: int | None = None,
+) -> IdleRecord:
+    """``record`` (with ``variant``, of that variant) after the step that takes the state's count from ``done``:
+    ``G_j(done - K)`` in row ``(done - K) mod steps``. That is the window's last row at ``done``, ``C_j(K) =
+    sum_{k=1..K} h_j(done - K + k) rho_j^k``; with AdamW's ``decay`` each term carries the decay of the steps after
+    it (:class:`_DecayWeights`), and the row is divided by the decay of all ``K``, leaving each term divided by the
+    decay of the steps up to it, as :func:`_long_idle_loop` takes it. The step reads the record it returns: the
+    row it adds is for a last step no row of the step has (those idle more than ``K``), and a donated record is
+    updated in place (reading the old one cost two copies of it)."""
+    steps = record.last_steps.shape[0]
+    if steps <= 1 or plan is None or plan.cap == 0:  # no record kept (its one entry for no step)
+        return record
+    weights = None if decay is None else _DecayWeights(decay, replayer, None, done, plan.cap)
+    row = _window(plan, replayer.lr, done, weights, gathered=False)[-1].astype(jnp.float32)
+    if weights is not None:
+        row = row / weights.through[-1]
+    last = (done - plan.cap).astype(jnp.int32)
+    slot = jnp.mod(last, steps)
+    if variant is None:
+        coefficients = jax.lax.dynamic_update_slice(record.coefficients, row[None], (slot, 0))
+    else:
+        coefficients = jax.lax.dynamic_update_slice(record.coefficients, row[None, None], (variant, slot, 0))
+    return IdleRecord(coefficients, jax.lax.dynamic_update_slice(record.last_steps, last[None], (slot,)))
 
 
 def _long_idle_loop(
@@ -886,6 +1003,7 @@ def fused_apply(
     scalars: jax.Array,
     done: jax.Array,
     count: jax.Array,
+    record: IdleRecord | None = None,
     clip: Clipped | None = None,
     adamw: AdamWLeaf | None = None,
 ) -> tuple[jax.Array, ...]:
@@ -898,18 +1016,19 @@ def fused_apply(
     path does: its idle steps, the moments' decays (:func:`_power`, from the same tables), and with AdamW's decay
     the row's decay over its idle steps and the long-idle terms' weight (from gamma's table and the window's
     products; under a schedule those two are computed here per key, from the state's log). Its series coefficients
-    it picks from the window and the long-idle table (:func:`_window`, :func:`_far`; under a schedule, computed here
-    per key) as :func:`_coefficients` does. The kernel replays and steps each touched row in one pass, taking the
-    idle steps one by one for the elements the series does not take (from the window's learning rates and the plan's
-    bias corrections), and records it in place (its last step; AdamW's decay mark). Rows it flags (such steps of a
-    row idle longer than the window under a schedule; no table of corrections) keep their
-    records and take the XLA rule on those rows alone, which reads and writes them. With a global-norm ``clip``,
-    ``leaf`` is the table's entries, which the kernel sums and clips row by row (its two scalars after Adam's), and
-    which are summed and clipped alike for the flagged rows.
+    it picks from the window and the long-idle table (:func:`_window`, :func:`_far`; under a schedule, read here per
+    key from the state's ``record``, an :class:`IdleRecord`) as :func:`_coefficients` does. The kernel replays and
+    steps each touched row in one pass, taking the idle steps one by one for the elements the series does not take
+    (from the window's learning rates and the plan's bias corrections), and records it in place (its last step;
+    AdamW's decay mark). Rows it flags (such steps of a row idle longer than the window under a schedule; no table
+    of corrections) keep their records and take the XLA rule on those rows alone, which reads and writes them.
+    With a global-norm ``clip``, ``leaf`` is the table's entries, which the kernel sums and clips row by row (its
+    two scalars after Adam's), and which are summed and clipped alike for the flagged rows.
     """
     decay = None if adamw is None else adamw.decay.of(adamw.flag, None)
     plan = _series_plan(replayer, p.dtype, state[0].dtype, state[1].dtype, decay=decay)
     assert plan is not None, "fusable() checks the plan"
+    replayer = replayer.reading(record)
     if clip is not None:
         scalars = clip.append_to(scalars)
     # The kernel records the rows it steps (the last step, AdamW's decay mark) in place; the rows it flags keep
@@ -1032,7 +1151,7 @@ def _by_key(
     far = None
     if far_by_key:  # the keys' last steps and idle steps are at hand
         assert last_k is not None and idle is not None
-        far = _long_idle_loop(plan, replayer.lr, last_k, idle > plan.cap, weights)
+        far, _ = _far(plan, replayer.lr, last_k, idle > plan.cap, weights, replayer.record)
     return _ByKey(decay, weights, per_key, far, adamw.new_log if adamw is not None else 0.0)
 
 
@@ -1068,6 +1187,7 @@ def catch_up_adam(
 ) -> optax.GradientTransformationExtraArgs:
     """Lazy Adam whose touched rows first replay their idle steps (``sparse_adam(..., catch_up=True)``)."""
     replayer = Replayer(learning_rate, hp)
+    plan = _series_plan(replayer, jnp.float32)  # the record's, as the float32 tables' (the kernels') plan
 
     def init_fn(params: optax.Params) -> CatchUpAdamState:
         check_params(params, _WHERE)
@@ -1076,6 +1196,7 @@ def catch_up_adam(
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),
             nu=optax.tree.zeros_like(params),
             last_step=jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params),
+            idle_record=idle_record((plan,), learning_rate),
         )
 
     def update_fn(
@@ -1087,6 +1208,10 @@ def catch_up_adam(
             raise ValueError(f"{_WHERE}: catching up moves the parameters: call update(grads, state, params)")
         count = optax.safe_increment(state.count)
         lr = replayer.lr(state.count)
+        # The record this step reads is the one it writes: the row it adds (for the last step done - K) no row of
+        # this step reads, and XLA updates a donated record in place, where reading the old one cost two copies.
+        record = record_step(state.idle_record, plan, replayer, state.count)
+        reading = replayer.reading(record)
         trees = [
             (state.mu, "optimizer state's mu"),
             (state.nu, "optimizer state's nu"),
@@ -1102,8 +1227,8 @@ def catch_up_adam(
         plain_g, plain_m, plain_v = map_rule(plain, updates, trees, _WHERE, 3)
         dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # as optax.adam
 
-        rule = _rule(replayer, state.count, count, lr)
-        kernel = _rows_kernel(replayer, state.count, count, lr)
+        rule = _rule(reading, state.count, count, lr)
+        kernel = _rows_kernel(reading, state.count, count, lr)
 
         def leaf(path: Any, g: Any, m: Any, v: Any, last: Any, p: Any, du: Any, dm: Any, dv: Any) -> Any:
             if g is None:
@@ -1117,11 +1242,11 @@ def catch_up_adam(
 
         trees += [(tree, "dense step") for tree in dense]
         out, mu, nu, last_step = map_rule(leaf, updates, trees, _WHERE, 4)
-        return out, CatchUpAdamState(count=count, mu=mu, nu=nu, last_step=last_step)
+        return out, CatchUpAdamState(count=count, mu=mu, nu=nu, last_step=last_step, idle_record=record)
 
     def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, state: Any, info: Any) -> Any:
         m, v = moments
-        p, m, v = replay(p, m, v, last, state.count, replayer)
+        p, m, v = replay(p, m, v, last, state.count, replayer.reading(state.idle_record))
         return p, (m, v)
 
     rows = RowReplay(CatchUpAdamState, ("mu", "nu"), replay_rows)
@@ -1283,6 +1408,10 @@ class CatchUpAdamWState(NamedTuple):
       decay_mark: Per row (shape ``p.shape[:1]``, float32): ``log_decay`` when the row was last up to date. The
         difference is the log of the decay over the row's idle steps, which a learning-rate schedule leaves with no
         closed form.
+      idle_record: Under a learning-rate schedule, the coefficients of the idle steps of rows idle longer than the
+        window, by their last step, for the last 65,536 last steps: for the parameters the decay leaves out and,
+        where the weight decay can be nonzero, for those it decays (an :class:`IdleRecord`: 4.25 MiB, one for all
+        the parameters); a single entry for no step at a constant learning rate.
     """
 
     count: jax.Array  # type: ignore[assignment]  # Adam's field name, as in optax's states
@@ -1291,6 +1420,7 @@ class CatchUpAdamWState(NamedTuple):
     last_step: optax.Updates
     log_decay: jax.Array
     decay_mark: optax.Updates
+    idle_record: IdleRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1313,6 +1443,11 @@ class AdamWDecay:
         if not self.decays(flag):
             return None
         return Decay(self.weight_decay, self.log_gamma, None if self.log_gamma is not None else far_log)
+
+    def record(self, idle_record: IdleRecord, flag: bool) -> IdleRecord:
+        """The state's record of long-idle coefficients a leaf whose mask entry is ``flag`` reads: that with the
+        decay where the leaf decays, else that without."""
+        return idle_record.variant(1 if self.decays(flag) else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1375,14 +1510,17 @@ class CatchUpAdamWFusion(NamedTuple):
         count: jax.Array,
         old_log: jax.Array,
         new_log: jax.Array,
+        idle_record: IdleRecord,
         clip: Clipped | None = None,
     ) -> tuple[jax.Array, ...]:
         """The fused step on one leaf: ``(p, mu, nu, last_step, decay_mark)``. ``scalars`` are the AdamW kernel's
-        (the weight decay the eleventh), dropped to Adam's ten for a leaf that does not decay."""
+        (the weight decay the eleventh), dropped to Adam's ten for a leaf that does not decay; ``idle_record``, the
+        state's."""
         adamw = AdamWLeaf(self.decay, bool(flag), old_log, new_log)
         if not self.decay.decays(flag):
             scalars = scalars[:10]
-        return fused_apply(self.replayer, p, state, leaf, scalars, done, count, clip, adamw)
+        record = self.decay.record(idle_record, flag)
+        return fused_apply(self.replayer, p, state, leaf, scalars, done, count, record, clip, adamw)
 
 
 def catch_up_adamw(
@@ -1397,6 +1535,12 @@ def catch_up_adamw(
     log_gamma = None if lr_const is None or wd_const is None else math.log1p(-lr_const * wd_const)
     adamw = AdamWDecay(weight_decay, log_gamma, wd_const is None or wd_const != 0.0)
     fusion = CatchUpAdamWFusion(replayer, adamw, mask)
+    # The record's plans, as the float32 tables' (the kernels'): without the decay, and with it where it can be
+    # nonzero.
+    decay = Decay(weight_decay, log_gamma) if adamw.decaying else None
+    plans: tuple[_SeriesPlan | None, ...] = (_series_plan(replayer, jnp.float32),)
+    if decay is not None:
+        plans += (_series_plan(replayer, jnp.float32, decay=decay),)
 
     def flags_of(params: Any) -> list[bool]:
         return [bool(f) for f in jax.tree.leaves(fusion.flags(params), is_leaf=is_leaf)]
@@ -1412,12 +1556,14 @@ def catch_up_adamw(
             last_step=jax.tree.map(lambda p: row_full(p, 0, jnp.int32), params),
             log_decay=jnp.zeros(2, jnp.float32),
             decay_mark=per_row,
+            idle_record=idle_record(plans, learning_rate, len(plans)),
         )
 
     def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, state: Any, flag: bool) -> Any:
         m, v, mark = moments
         decay = adamw.of(flag, state.log_decay[0] - mark)
-        p, m, v = replay(p, m, v, last, state.count, replayer, decay)
+        reading = replayer.reading(adamw.record(state.idle_record, flag))
+        p, m, v = replay(p, m, v, last, state.count, reading, decay)
         return p, (m, v, jnp.full_like(mark, state.log_decay[0]))
 
     def update_fn(
@@ -1429,6 +1575,9 @@ def catch_up_adamw(
             raise ValueError(f"{where}: catching up needs the parameters: call update(grads, state, params)")
         done, count = state.count, optax.safe_increment(state.count)
         lr = replayer.lr(done)
+        record = state.idle_record  # read as written (see catch_up_adam)
+        for i, (plan, d) in enumerate(zip(plans, (None, decay), strict=False)):
+            record = record_step(record, plan, replayer, done, d, variant=i)
         # Kahan's sum of log(1 - lr_t wd): the record a schedule's idle steps are decayed from.
         term = jnp.log1p(-jnp.asarray(lr, jnp.float32) * jnp.asarray(weight_decay, jnp.float32)) - state.log_decay[1]
         total = state.log_decay[0] + term
@@ -1459,8 +1608,9 @@ def catch_up_adamw(
                 u = du + weight_decay * p if adamw.decays(flag) else du  # as optax.adamw
                 return _scaled(u, lr), dm, dv, jnp.full_like(last, count), jnp.full_like(mark, log_decay[0])
             leaf_decay = AdamWLeaf(adamw, flag, state.log_decay[0], log_decay[0])
-            rule = leaf_decay.rule(replayer, done, count, lr)
-            kernel = _rows_kernel(replayer, done, count, lr, leaf_decay)
+            reading = replayer.reading(adamw.record(record, flag))
+            rule = leaf_decay.rule(reading, done, count, lr)
+            kernel = _rows_kernel(reading, done, count, lr, leaf_decay)
             out, new = apply_rule(
                 path, g, jnp.shape(p), (m, v, last, mark), (p,), rule, where, whole_rows=True, kernel=kernel
             )
@@ -1469,7 +1619,7 @@ def catch_up_adamw(
         flag_tree = jax.tree.unflatten(jax.tree.structure(params, is_leaf=is_leaf), flags)
         trees += [(tree, "dense step") for tree in dense] + [(flag_tree, "mask")]
         out, mu, nu, last_step, decay_mark = map_rule(leaf, updates, trees, where, 5)
-        return out, CatchUpAdamWState(count, mu, nu, last_step, log_decay, decay_mark)
+        return out, CatchUpAdamWState(count, mu, nu, last_step, log_decay, decay_mark, record)
 
     rows = RowReplay(CatchUpAdamWState, ("mu", "nu", "decay_mark"), replay_rows, flags_of, adamw.decaying)
     return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, fusion, rows=rows))

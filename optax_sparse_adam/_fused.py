@@ -305,12 +305,13 @@ def _fusable(fusion: Any) -> _Fusable | None:
             scalars=lambda state, new_state, neg_lr: (
                 kernel_scalars(replayer.hp, optax.tree.get(new_state, "CatchUpAdamState").count, neg_lr),
                 *_counts(state, new_state, "CatchUpAdamState"),
+                optax.tree.get(new_state, "CatchUpAdamState").idle_record,  # the long-idle coefficients it reads
             ),
             apply=lambda p, st, sp, scalars, _: fused_apply(replayer, p, st, sp, *scalars),
             count_owner="CatchUpAdamState",
             clips=True,
-            # The kernel's scalars and the step counts; the clipping goes to fused_apply, which also clips the rows
-            # it leaves to the XLA rule.
+            # The kernel's scalars, the step counts and the record; the clipping goes to fused_apply, which also
+            # clips the rows it leaves to the XLA rule.
             with_clip=lambda scalars, clip: (*scalars, clip),
         )
     if isinstance(fusion, CatchUpAdamWFusion) and fusion.fusable():
@@ -319,7 +320,8 @@ def _fusable(fusion: Any) -> _Fusable | None:
         def adamw_scalars(state: Any, new_state: Any, neg_lr: Any) -> tuple[jax.Array, ...]:
             old, new = (optax.tree.get(s, "CatchUpAdamWState") for s in (state, new_state))
             scalars = kernel_scalars(adamw.replayer.hp, new.count, neg_lr, adamw.decay.weight_decay)
-            return scalars, *_counts(state, new_state, "CatchUpAdamWState"), old.log_decay[0], new.log_decay[0]
+            counts = _counts(state, new_state, "CatchUpAdamWState")
+            return scalars, *counts, old.log_decay[0], new.log_decay[0], new.idle_record
 
         return _Fusable(
             adamw.replayer.learning_rate,
@@ -365,11 +367,13 @@ def _fusable(fusion: Any) -> _Fusable | None:
             scalars=lambda state, new_state, neg_lr: (
                 kernel_scalars(amsgrad.hp, optax.tree.get(new_state, "CatchUpAmsgradState").count, neg_lr),
                 *_counts(state, new_state, "CatchUpAmsgradState"),
+                optax.tree.get(new_state, "CatchUpAmsgradState").idle_record,
             ),
             apply=lambda p, st, sp, scalars, _: amsgrad.apply(p, st, sp, *scalars),
             count_owner="CatchUpAmsgradState",
             clips=True,
-            with_clip=lambda scalars, clip: (*scalars, clip),  # the step counts, then the clipping, as catch-up Adam's
+            # the step counts and the record, then the clipping, as catch-up Adam's
+            with_clip=lambda scalars, clip: (*scalars, clip),
         )
     if isinstance(fusion, RowwiseAdagradFusion):
         eps, weight_decay, decay = fusion.eps, fusion.weight_decay, fusion.decay
