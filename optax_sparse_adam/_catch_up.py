@@ -107,14 +107,16 @@ class Replayer:
     learning_rate: optax.ScalarOrSchedule
     hp: AdamHyperparams
     record: IdleRecord | None = dataclasses.field(default=None, compare=False)
+    variant: int | None = None  # the record's variant (AdamW's: 0 without the decay, 1 with it)
 
     def lr(self, done: jax.Array) -> jax.Array:
         """The learning rate of the steps after ``done`` steps (an int32 array of any shape)."""
         return rate_at(self.learning_rate, done)
 
-    def reading(self, record: IdleRecord | None) -> Replayer:
-        """This replayer, reading the long-idle coefficients of ``record`` (a state's :class:`IdleRecord`)."""
-        return dataclasses.replace(self, record=record)
+    def reading(self, record: IdleRecord | None, variant: int | None = None) -> Replayer:
+        """This replayer, reading the long-idle coefficients of ``record`` (a state's :class:`IdleRecord`; of its
+        ``variant``, where it has several)."""
+        return dataclasses.replace(self, record=record, variant=variant)
 
 
 def rate_at(learning_rate: optax.ScalarOrSchedule, done: jax.Array) -> jax.Array:
@@ -236,7 +238,8 @@ def replay(
     if plan is None:
         return _replay_steps(p, m, v, last, idle, replayer, decay)
     weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
-    coefficients = _coefficients(plan, replayer.lr, last, idle, done, weights, replayer.record)  # (rows, _TERMS)
+    record = replayer.record, replayer.variant
+    coefficients = _coefficients(plan, replayer.lr, last, idle, done, weights, *record)  # (rows, _TERMS)
     inv = 1 / jnp.sqrt(v)
     z = jnp.asarray(hp.eps, jnp.float32) * inv
     moving = broadcast_rows(idle > 0, p.ndim)
@@ -506,16 +509,17 @@ def _coefficients(
     done: jax.Array,
     weights: _DecayWeights | None = None,
     record: IdleRecord | None = None,
+    variant: int | None = None,
 ) -> jax.Array:
     """``C_j`` per row, shape ``(*last.shape, terms)``: zeros where ``idle == 0``. ``lr(d)``: the learning rate
     of the step after ``d`` steps. With ``weights`` each idle step's term carries the decay of the steps after it.
-    ``record``: the state's record of long-idle coefficients."""
+    ``record``: the state's record of long-idle coefficients (its ``variant``, where it has several)."""
     terms = plan.rho.size
     if plan.cap == 0:  # b1 == 0: idle steps do not move a row
         return jnp.zeros((*last.shape, terms), jnp.float32)
     recent = _window(plan, lr, done, weights)[jnp.clip(idle - 1, 0, plan.cap - 1)]
     long_idle = idle > plan.cap
-    far, by_row = _far(plan, lr, last, long_idle, weights, record)
+    far, by_row = _far(plan, lr, last, long_idle, weights, record, variant)
     if not by_row:
         far = far[jnp.clip(last, 0, far.shape[0] - 1)]
     if weights is not None:  # the table's or the loop's terms carry 1 / (the decay of the steps up to theirs)
@@ -590,11 +594,13 @@ def _far(
     long_idle: jax.Array,
     weights: _DecayWeights | None = None,
     record: IdleRecord | None = None,
+    variant: int | None = None,
 ) -> tuple[jax.Array, bool]:
     """``G_j`` of the rows idle more than ``K`` steps (``long_idle``), before AdamW's ``weights.far``: with a
     constant learning rate the plan's table, by the row's last step (clipped to its last entry), and ``False``;
     else one entry per row of ``last``, and ``True``: from the state's ``record`` where it holds the row's last
-    step, the others by :func:`_long_idle_loop` (which runs nothing where no row is left to it)."""
+    step (its ``variant``, where it has several), the others by :func:`_long_idle_loop` (which runs nothing
+    where no row is left to it)."""
     if plan.table is not None:
         return jnp.asarray(plan.table), False
     if record is None or record.last_steps.shape[0] <= 1:  # no record kept
@@ -602,7 +608,9 @@ def _far(
     slot = jnp.mod(last, record.last_steps.shape[0])
     held = long_idle & (record.last_steps[slot] == last)
     looped = _long_idle_loop(plan, lr, last, long_idle & ~held, weights)
-    return jnp.where(held[:, None], record.coefficients[slot], looped), True
+    # A gather at the variant's index: slicing the variant first copied it whole (2 MiB) every step.
+    held_coefficients = record.coefficients[slot] if variant is None else record.coefficients[variant, slot]
+    return jnp.where(held[:, None], held_coefficients, looped), True
 
 
 # The last steps whose long-idle coefficients a state records (IdleRecord): 2 MiB of float32 for Adam's eight
@@ -634,10 +642,6 @@ class IdleRecord(NamedTuple):
 
     coefficients: jax.Array
     last_steps: jax.Array
-
-    def variant(self, i: int) -> IdleRecord:
-        """The record of one of AdamW's variants (0 without its decay, 1 with it)."""
-        return IdleRecord(self.coefficients[i], self.last_steps)
 
 
 def record_steps(plans: tuple[_SeriesPlan | None, ...], learning_rate: Any) -> int:
@@ -1028,7 +1032,7 @@ def fused_apply(
     decay = None if adamw is None else adamw.decay.of(adamw.flag, None)
     plan = _series_plan(replayer, p.dtype, state[0].dtype, state[1].dtype, decay=decay)
     assert plan is not None, "fusable() checks the plan"
-    replayer = replayer.reading(record)
+    replayer = replayer.reading(record, None if adamw is None else adamw.decay.variant(adamw.flag))
     if clip is not None:
         scalars = clip.append_to(scalars)
     # The kernel records the rows it steps (the last step, AdamW's decay mark) in place; the rows it flags keep
@@ -1151,7 +1155,7 @@ def _by_key(
     far = None
     if far_by_key:  # the keys' last steps and idle steps are at hand
         assert last_k is not None and idle is not None
-        far, _ = _far(plan, replayer.lr, last_k, idle > plan.cap, weights, replayer.record)
+        far, _ = _far(plan, replayer.lr, last_k, idle > plan.cap, weights, replayer.record, replayer.variant)
     return _ByKey(decay, weights, per_key, far, adamw.new_log if adamw is not None else 0.0)
 
 
@@ -1444,10 +1448,10 @@ class AdamWDecay:
             return None
         return Decay(self.weight_decay, self.log_gamma, None if self.log_gamma is not None else far_log)
 
-    def record(self, idle_record: IdleRecord, flag: bool) -> IdleRecord:
-        """The state's record of long-idle coefficients a leaf whose mask entry is ``flag`` reads: that with the
-        decay where the leaf decays, else that without."""
-        return idle_record.variant(1 if self.decays(flag) else 0)
+    def variant(self, flag: bool) -> int:
+        """The variant of the state's record of long-idle coefficients a leaf whose mask entry is ``flag`` reads:
+        that with the decay (1) where the leaf decays, else that without (0)."""
+        return 1 if self.decays(flag) else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1519,8 +1523,7 @@ class CatchUpAdamWFusion(NamedTuple):
         adamw = AdamWLeaf(self.decay, bool(flag), old_log, new_log)
         if not self.decay.decays(flag):
             scalars = scalars[:10]
-        record = self.decay.record(idle_record, flag)
-        return fused_apply(self.replayer, p, state, leaf, scalars, done, count, record, clip, adamw)
+        return fused_apply(self.replayer, p, state, leaf, scalars, done, count, idle_record, clip, adamw)
 
 
 def catch_up_adamw(
@@ -1562,7 +1565,7 @@ def catch_up_adamw(
     def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, state: Any, flag: bool) -> Any:
         m, v, mark = moments
         decay = adamw.of(flag, state.log_decay[0] - mark)
-        reading = replayer.reading(adamw.record(state.idle_record, flag))
+        reading = replayer.reading(state.idle_record, adamw.variant(flag))
         p, m, v = replay(p, m, v, last, state.count, reading, decay)
         return p, (m, v, jnp.full_like(mark, state.log_decay[0]))
 
@@ -1608,7 +1611,7 @@ def catch_up_adamw(
                 u = du + weight_decay * p if adamw.decays(flag) else du  # as optax.adamw
                 return _scaled(u, lr), dm, dv, jnp.full_like(last, count), jnp.full_like(mark, log_decay[0])
             leaf_decay = AdamWLeaf(adamw, flag, state.log_decay[0], log_decay[0])
-            reading = replayer.reading(adamw.record(record, flag))
+            reading = replayer.reading(record, adamw.variant(flag))
             rule = leaf_decay.rule(reading, done, count, lr)
             kernel = _rows_kernel(reading, done, count, lr, leaf_decay)
             out, new = apply_rule(
