@@ -50,7 +50,8 @@ class CatchUpAmsgradState(NamedTuple):
       idle_record: Under a learning-rate schedule, the coefficient of the idle
         steps of rows idle longer than the window, by their last step, for
         the last 65,536 last steps (a :class:`IdleRecord`: 0.5 MiB, one for all
-        the parameters); a single entry for no step at a constant learning rate.
+        the parameters); a single entry for no step where a table holds them
+        (a constant learning rate).
     """
 
     count: jax.Array  # type: ignore[assignment]  # optax's field name

@@ -88,8 +88,8 @@ class CatchUpAdamState(NamedTuple):
       idle_record: Under a learning-rate schedule, the coefficients of the
         idle steps of rows idle longer than the window, by their last step,
         for the last 65,536 last steps (an :class:`IdleRecord`: 2.25 MiB, one
-        for all the parameters); a single entry for no step at a constant
-        learning rate.
+        for all the parameters); a single entry for no step where a table holds
+        them (a constant learning rate).
     """
 
     count: jax.Array  # type: ignore[assignment]  # Adam's field name, as in optax's states
@@ -622,13 +622,13 @@ _RECORD_STEPS = 1 << 16
 
 class IdleRecord(NamedTuple):
     """A catch-up state's record of the idle steps' coefficients of rows idle longer than the window, under a
-    learning-rate schedule (at a constant rate a table holds them, and the record a single entry for no step).
+    learning-rate schedule (where a table holds them, at a constant rate, the record is a single entry for no step).
 
     The coefficients ``G_j(L)`` of a row whose last step is ``L`` depend on ``L`` alone, and are the window's
     oldest coefficients at step ``L + K`` (``K`` the window's steps, ``idle_cap``): each step writes them in
     row ``L mod steps``, and a later step reads them for its rows last moved at ``L`` and idle more than ``K``
     steps, one gather a row where it computed ``K`` steps of the schedule and the bias corrections for each
-    distinct last step. A row whose entry was overwritten since (idle more than ``K + steps`` steps; ``steps`` is
+    distinct last step. A row whose entry was overwritten since (idle ``K + steps`` steps or more; ``steps`` is
     65,536) has its coefficients computed that way still, once per distinct last step, as has a row of a state
     whose record its steps did not write (a state built by hand): ``last_steps`` says which last step each entry
     is for. Where the state keeps no record, it holds one entry for no step (orbax saves no empty arrays).
@@ -659,7 +659,7 @@ def record_steps(plans: tuple[_SeriesPlan | None, ...], learning_rate: Any) -> i
 def idle_record(plans: tuple[_SeriesPlan | None, ...], learning_rate: Any, variants: int | None = None) -> IdleRecord:
     """A new state's :class:`IdleRecord`, holding nothing yet: ``(steps, terms)`` coefficients
     (:func:`record_steps`; ``(variants, steps, terms)`` where leaves differ: AdamW's without and with its decay)."""
-    terms = max((plan.rho.size for plan in plans if plan is not None), default=0)
+    terms = max((plan.rho.size for plan in plans if plan is not None), default=1)  # never empty (orbax)
     steps = record_steps(plans, learning_rate)
     shape = (steps, terms) if variants is None else (variants, steps, terms)
     return IdleRecord(jnp.zeros(shape, jnp.float32), jnp.full((steps,), -1, jnp.int32))
@@ -1415,7 +1415,7 @@ class CatchUpAdamWState(NamedTuple):
       idle_record: Under a learning-rate schedule, the coefficients of the idle steps of rows idle longer than the
         window, by their last step, for the last 65,536 last steps: for the parameters the decay leaves out and,
         where the weight decay can be nonzero, for those it decays (an :class:`IdleRecord`: 4.25 MiB, one for all
-        the parameters); a single entry for no step at a constant learning rate.
+        the parameters); a single entry for no step where a table holds them (a constant learning rate).
     """
 
     count: jax.Array  # type: ignore[assignment]  # Adam's field name, as in optax's states
