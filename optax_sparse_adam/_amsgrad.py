@@ -11,7 +11,6 @@ row, read from :mod:`._catch_up`'s window scan and long-idle table.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -312,9 +311,9 @@ def _catch_up_amsgrad(
         cap=cap, rho=rho, binv=1.0, table=_catch_up._long_idle_table(learning_rate, rates, beta, cap, rho), rates=rates
     )
 
-    lr_at = functools.partial(_catch_up.rate_at, learning_rate)
     hp = _hyperparams(b1, b2, eps, eps_root, False, "optax")  # the Adam kernels' (AMSGrad: optax's placement)
-    replayer = _catch_up.Replayer(learning_rate, hp)  # the learning rate the record is written with (lr_at)
+    replayer = _catch_up.Replayer(learning_rate, hp)  # the learning rate, as the record is written with it
+    lr_at = replayer.lr
 
     def idle_coefficients(last: jax.Array, done: jax.Array, record: IdleRecord) -> tuple[jax.Array, jax.Array]:
         """Per row of ``last``, brought up to step ``done``: its idle steps, and ``(C, b1**idle, b2**idle)`` with

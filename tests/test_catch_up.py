@@ -267,6 +267,20 @@ def test_the_window_is_within_a_few_ulps_of_its_recurrence_in_double(b1, b2, lea
     assert np.max(np.abs(got - want) / np.abs(want)) <= 8 * 2.0**-24
 
 
+def _long_idle_in_double(plan: Any, replayer: Any, lasts: np.ndarray, decay: Any) -> np.ndarray:
+    """``G_j(last) = sum_{k=1..K} h_j(last + k) rho_j^k`` for each of ``lasts``, in double on the float32 ``h``
+    the steps compute; with ``decay`` (AdamW's), each term divided by the decay of the row's first ``k`` idle
+    steps."""
+    k = np.arange(1, plan.cap + 1)
+    tau = jnp.asarray(lasts[:, None] + k[None, :], jnp.int32)
+    h = np.asarray(plan.rates(tau, replayer.lr(tau - 1), jnp), np.float64)  # (lasts, K, terms)
+    terms = h * (plan.rho[None, :] ** k[:, None])[None]
+    if decay is not None:
+        through = np.cumsum(np.asarray(decay.log(replayer, tau), np.float64), axis=1)
+        terms = terms * np.exp(-through)[..., None]
+    return terms.sum(axis=1)
+
+
 @pytest.mark.parametrize("decay", [False, True])
 def test_the_long_idle_coefficients_are_taken_once_per_last_step(decay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a schedule the coefficients ``G_j(last) = sum_{k=1..K} h_j(last + k) rho_j^k`` of rows idle longer than
@@ -295,15 +309,8 @@ def test_the_long_idle_coefficients_are_taken_once_per_last_step(decay: bool, mo
     assert len(grouped) == 1
     got = np.asarray(run(last, long_idle), np.float64)[long_idle]
     assert len(np.unique(last[long_idle])) > 3 * _catch_up._LAST_STEPS
-    k = np.arange(1, plan.cap + 1)
-    tau = jnp.asarray(np.unique(last)[:, None] + k[None, :], jnp.int32)
-    h = np.asarray(plan.rates(tau, replayer.lr(tau - 1), jnp), np.float64)  # (lasts, K, terms)
-    powers = plan.rho[None, :] ** k[:, None]
-    terms = h * powers[None]
-    if decay:
-        through = np.cumsum(np.asarray(weights.decay.log(replayer, tau), np.float64), axis=1)
-        terms = terms * np.exp(-through)[..., None]
-    want = terms.sum(axis=1)[np.searchsorted(np.unique(last), last[long_idle])]
+    want = _long_idle_in_double(plan, replayer, np.unique(last), None if weights is None else weights.decay)
+    want = want[np.searchsorted(np.unique(last), last[long_idle])]
     assert np.max(np.abs(got - want) / np.abs(want)) <= 64 * 2.0**-24
     monkeypatch.setattr(_catch_up, "_LAST_STEPS", n)  # every entry on its own
     each = np.asarray(
@@ -340,14 +347,7 @@ def test_the_record_holds_each_last_steps_long_idle_coefficients(decay: bool) ->
     np.testing.assert_array_equal(out.last_steps[: lasts + 1], np.arange(lasts + 1))
     assert np.all(np.asarray(out.last_steps[lasts + 1 : -plan.cap]) == -1)  # the last K rows: steps before 0
     got = np.asarray(out.coefficients, np.float64)[1 : lasts + 1]
-    k = np.arange(1, plan.cap + 1)
-    tau = jnp.asarray(np.arange(1, lasts + 1)[:, None] + k[None, :], jnp.int32)
-    h = np.asarray(plan.rates(tau, replayer.lr(tau - 1), jnp), np.float64)  # (lasts, K, terms)
-    terms = h * (plan.rho[None, :] ** k[:, None])[None]
-    if decay:
-        through = np.cumsum(np.asarray(decay_.log(replayer, tau), np.float64), axis=1)
-        terms = terms * np.exp(-through)[..., None]
-    want = terms.sum(axis=1)
+    want = _long_idle_in_double(plan, replayer, np.arange(1, lasts + 1), decay_)
     assert np.max(np.abs(got - want) / np.abs(want)) <= 16 * 2.0**-24, np.max(np.abs(got - want) / np.abs(want))
 
 
