@@ -89,6 +89,7 @@ VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sparse_ftrl": lambda: osa.sparse_ftrl(LR),
     "sparse_sgd(momentum=0.9)": lambda: osa.sparse_sgd(LR, momentum=0.9),
     "sparse_sgd(momentum=0.9), catch_up": lambda: osa.sparse_sgd(LR, momentum=0.9, catch_up=True),
+    "sparse_sgd(momentum=0.9), catch_up, schedule": lambda: osa.sparse_sgd(SCHEDULE, momentum=0.9, catch_up=True),
     "inject_hyperparams(sparse_adam)": lambda: optax.inject_hyperparams(osa.sparse_adam)(learning_rate=LR),
     "chain(sparse_aware(clip_by_global_norm), sparse_adam)": lambda: optax.chain(
         osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(LR)

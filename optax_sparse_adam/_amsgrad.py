@@ -11,6 +11,7 @@ row, read from :mod:`._catch_up`'s window scan and long-idle table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -312,8 +313,7 @@ def _catch_up_amsgrad(
     )
 
     hp = _hyperparams(b1, b2, eps, eps_root, False, "optax")  # the Adam kernels' (AMSGrad: optax's placement)
-    replayer = _catch_up.Replayer(learning_rate, hp)  # the learning rate, as the record is written with it
-    lr_at = replayer.lr
+    lr_at = functools.partial(_catch_up.rate_at, learning_rate)
 
     def idle_coefficients(last: jax.Array, done: jax.Array, record: IdleRecord) -> tuple[jax.Array, jax.Array]:
         """Per row of ``last``, brought up to step ``done``: its idle steps, and ``(C, b1**idle, b2**idle)`` with
@@ -358,7 +358,7 @@ def _catch_up_amsgrad(
         done = state.count  # steps taken before this one
         count = optax.safe_increment(state.count)
         lr = lr_at(done)
-        record = _catch_up.record_step(state.idle_record, plan, replayer, done)  # read as written (catch_up_adam)
+        record = _catch_up.record_step(state.idle_record, plan, lr_at, done)  # read as written (catch_up_adam)
 
         def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
             (m0, v0, v_max0, last), (p0,) = st, reads

@@ -160,11 +160,12 @@ class Decay:
     log_gamma: float | None
     far_log: jax.Array | None = None
 
-    def log(self, replayer: Replayer, tau: jax.Array) -> jax.Array:
-        """``log(gamma)`` of the idle steps with counts ``tau`` (0 where ``tau < 1``), in float32. Products of
-        ``gamma`` are taken as sums of these: a product of ``k`` rounded ``gamma`` would carry ``k`` times the
-        rounding of ``1 - lr wd`` (the same each step), where dense AdamW's own roundings differ from step to step."""
-        lr = replayer.lr(jnp.maximum(tau, 1) - 1)
+    def log(self, lr_at: Callable[[jax.Array], jax.Array], tau: jax.Array) -> jax.Array:
+        """``log(gamma)`` of the idle steps with counts ``tau`` (0 where ``tau < 1``), in float32, ``lr_at(d)`` the
+        learning rate of the step after ``d`` steps. Products of ``gamma`` are taken as sums of these: a product of
+        ``k`` rounded ``gamma`` would carry ``k`` times the rounding of ``1 - lr wd`` (the same each step), where
+        dense AdamW's own roundings differ from step to step."""
+        lr = lr_at(jnp.maximum(tau, 1) - 1)
         rate = jnp.asarray(lr, jnp.float32) * jnp.asarray(self.weight_decay, jnp.float32)
         return jnp.where(tau >= 1, jnp.log1p(-rate), 0.0)
 
@@ -237,7 +238,7 @@ def replay(
     plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=decay)
     if plan is None:
         return _replay_steps(p, m, v, last, idle, replayer, decay)
-    weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
+    weights = None if decay is None else _DecayWeights(decay, replayer.lr, idle, done, plan.cap)
     record = replayer.record, replayer.variant
     coefficients = _coefficients(plan, replayer.lr, last, idle, done, weights, *record)  # (rows, _TERMS)
     inv = 1 / jnp.sqrt(v)
@@ -490,9 +491,11 @@ class _DecayWeights:
     ``idle`` (where given), ``rows``, the product over all its idle steps (the scale of the row), and ``far``,
     that of a row idle longer than the window (:meth:`Decay.far`)."""
 
-    def __init__(self, decay: Decay, replayer: Replayer, idle: jax.Array | None, done: jax.Array, cap: int) -> None:
-        self.decay, self.replayer = decay, replayer
-        logs = jnp.cumsum(decay.log(replayer, done - jnp.arange(max(cap, 1), dtype=jnp.int32)))
+    def __init__(
+        self, decay: Decay, lr_at: Callable[[jax.Array], jax.Array], idle: jax.Array | None, done: jax.Array, cap: int
+    ) -> None:
+        self.decay, self.lr_at = decay, lr_at
+        logs = jnp.cumsum(decay.log(lr_at, done - jnp.arange(max(cap, 1), dtype=jnp.int32)))
         self.through = jnp.exp(logs)
         self.after = jnp.exp(jnp.concatenate([jnp.zeros(1, jnp.float32), logs[:-1]]))
         if idle is not None:
@@ -668,12 +671,13 @@ def idle_record(plans: tuple[_SeriesPlan | None, ...], learning_rate: Any, varia
 def record_step(
     record: IdleRecord,
     plan: _SeriesPlan | None,
-    replayer: Replayer,
+    lr_at: Callable[[jax.Array], jax.Array],
     done: jax.Array,
     decay: Decay | None = None,
     variant: int | None = None,
 ) -> IdleRecord:
-    """``record`` (with ``variant``, of that variant) after the step that takes the state's count from ``done``:
+    """``record`` (with ``variant``, of that variant) after the step that takes the state's count from ``done``
+    (``lr_at(d)``: the learning rate of the step after ``d`` steps):
     ``G_j(done - K)`` in row ``(done - K) mod steps``. That is the window's last row at ``done``, ``C_j(K) =
     sum_{k=1..K} h_j(done - K + k) rho_j^k``; with AdamW's ``decay`` each term carries the decay of the steps after
     it (:class:`_DecayWeights`), and the row is divided by the decay of all ``K``, leaving each term divided by the
@@ -683,8 +687,8 @@ def record_step(
     steps = record.last_steps.shape[0]
     if steps <= 1 or plan is None or plan.cap == 0:  # no record kept (its one entry for no step)
         return record
-    weights = None if decay is None else _DecayWeights(decay, replayer, None, done, plan.cap)
-    row = _window(plan, replayer.lr, done, weights, gathered=False)[-1].astype(jnp.float32)
+    weights = None if decay is None else _DecayWeights(decay, lr_at, None, done, plan.cap)
+    row = _window(plan, lr_at, done, weights, gathered=False)[-1].astype(jnp.float32)
     if weights is not None:
         row = row / weights.through[-1]
     last = (done - plan.cap).astype(jnp.int32)
@@ -718,7 +722,7 @@ def _long_idle_loop(
             tau = last + k
             term = plan.rates(tau, lr(tau - 1), jnp) * power
             if weights is not None:  # through: the log of the decay of the row's first k idle steps
-                through = through + weights.decay.log(weights.replayer, tau)[:, None]
+                through = through + weights.decay.log(weights.lr_at, tau)[:, None]
                 term = term * jnp.exp(-through)
             return total + term, power, through
 
@@ -801,7 +805,7 @@ def _replay_steps(
         if decay is not None:  # as optax.add_decayed_weights
             step = step + decay.weight_decay * p.astype(step.dtype)
             if decay.log_gamma is None:  # the log Decay.rest reads under a schedule (not at a constant rate)
-                through = jnp.where(k <= n, through + decay.log(replayer, tau), through)
+                through = jnp.where(k <= n, through + decay.log(replayer.lr, tau), through)
         lr = replayer.lr(tau - 1)
         p_new = (p + broadcast_rows(-lr, p.ndim).astype(step.dtype) * step).astype(p.dtype)
         return k, jnp.where(active, p_new, p), jnp.where(active, m_new, m), jnp.where(active, v_new, v), through
@@ -1150,7 +1154,7 @@ def _by_key(
     idle = None
     if last_k is not None:  # with decay a row decays through its idle steps from step 0 on, moved or not
         idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
-    weights = None if decay is None else _DecayWeights(decay, replayer, idle, done, plan.cap)
+    weights = None if decay is None else _DecayWeights(decay, replayer.lr, idle, done, plan.cap)
     per_key = jnp.stack([weights.rows, weights.far], axis=1) if weights is not None and schedule_decay else None
     far = None
     if far_by_key:  # the keys' last steps and idle steps are at hand
@@ -1214,7 +1218,7 @@ def catch_up_adam(
         lr = replayer.lr(state.count)
         # The record this step reads is the one it writes: the row it adds (for the last step done - K) no row of
         # this step reads, and XLA updates a donated record in place, where reading the old one cost two copies.
-        record = record_step(state.idle_record, plan, replayer, state.count)
+        record = record_step(state.idle_record, plan, replayer.lr, state.count)
         reading = replayer.reading(record)
         trees = [
             (state.mu, "optimizer state's mu"),
@@ -1580,7 +1584,7 @@ def catch_up_adamw(
         lr = replayer.lr(done)
         record = state.idle_record  # read as written (see catch_up_adam)
         for i, (plan, d) in enumerate(zip(plans, (None, decay), strict=False)):
-            record = record_step(record, plan, replayer, done, d, variant=i)
+            record = record_step(record, plan, replayer.lr, done, d, variant=i)
         # Kahan's sum of log(1 - lr_t wd): the record a schedule's idle steps are decayed from.
         term = jnp.log1p(-jnp.asarray(lr, jnp.float32) * jnp.asarray(weight_decay, jnp.float32)) - state.log_decay[1]
         total = state.log_decay[0] + term

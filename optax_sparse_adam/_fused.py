@@ -446,11 +446,13 @@ def _fusable(fusion: Any) -> _Fusable | None:
             scalars=lambda state, new_state, neg_lr: (
                 _ffi.float32_scalars(sgd.momentum, neg_lr),
                 *_counts(state, new_state, "CatchUpSgdState"),
+                optax.tree.get(new_state, "CatchUpSgdState").idle_record,  # the long-idle sums it reads
             ),
             apply=lambda p, st, sp, scalars, _: sgd.apply(p, st, sp, *scalars),
             count_owner="CatchUpSgdState",
             clips=True,
-            with_clip=lambda scalars, clip: (*scalars, clip),  # the step counts, then the clipping, as catch-up Adam's
+            # the step counts and the record, then the clipping, as catch-up Adam's
+            with_clip=lambda scalars, clip: (*scalars, clip),
         )
     if isinstance(fusion, FtrlFusion) and fusion.native:
         ftrl = fusion

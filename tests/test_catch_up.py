@@ -276,7 +276,7 @@ def _long_idle_in_double(plan: Any, replayer: Any, lasts: np.ndarray, decay: Any
     h = np.asarray(plan.rates(tau, replayer.lr(tau - 1), jnp), np.float64)  # (lasts, K, terms)
     terms = h * (plan.rho[None, :] ** k[:, None])[None]
     if decay is not None:
-        through = np.cumsum(np.asarray(decay.log(replayer, tau), np.float64), axis=1)
+        through = np.cumsum(np.asarray(decay.log(replayer.lr, tau), np.float64), axis=1)
         terms = terms * np.exp(-through)[..., None]
     return terms.sum(axis=1)
 
@@ -296,7 +296,7 @@ def test_the_long_idle_coefficients_are_taken_once_per_last_step(decay: bool, mo
     weights = None
     if decay:
         decay_ = _catch_up.Decay(0.3, None, jnp.zeros(1, jnp.float32))
-        weights = _catch_up._DecayWeights(decay_, replayer, None, jnp.int32(4000), 221)
+        weights = _catch_up._DecayWeights(decay_, replayer.lr, None, jnp.int32(4000), 221)
     plan = _catch_up._series_plan(replayer, jnp.float32, decay=None if weights is None else weights.decay)
     rng = np.random.default_rng(2)
     n = 1000
@@ -339,7 +339,7 @@ def test_the_record_holds_each_last_steps_long_idle_coefficients(decay: bool) ->
     @jax.jit
     def run(record: osa.IdleRecord) -> osa.IdleRecord:
         def step(done: jax.Array, record: osa.IdleRecord) -> osa.IdleRecord:
-            return _catch_up.record_step(record, plan, replayer, done, decay_)
+            return _catch_up.record_step(record, plan, replayer.lr, done, decay_)
 
         return jax.lax.fori_loop(0, lasts + plan.cap + 1, step, record)
 

@@ -277,6 +277,10 @@ CATCH_UP_STATES = {
         optax.cosine_decay_schedule(LR, 100), eps_root=1e-8, catch_up=True
     ),
     "amsgrad schedule": lambda: osa.sparse_amsgrad(optax.cosine_decay_schedule(LR, 100), catch_up=True),
+    "sgd schedule": lambda: osa.sparse_sgd(optax.cosine_decay_schedule(LR, 100), momentum=0.9, catch_up=True),
+    "sgd momentum injected": lambda: optax.inject_hyperparams(osa.sparse_sgd, static_args=("catch_up",))(
+        optax.cosine_decay_schedule(LR, 100), 0.9, catch_up=True
+    ),
 }
 
 

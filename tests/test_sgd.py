@@ -249,6 +249,68 @@ def test_catch_up_and_caught_up_lookups_bring_rows_to_dense_sgd(nesterov: bool) 
     np.testing.assert_allclose(caught_state.trace, ref["m"], atol=4 * drift * np.max(np.abs(ref["m"])) + 1e-6)
 
 
+@pytest.mark.parametrize("door", ["update_and_apply", "two calls"])
+def test_a_schedules_idle_sums_come_from_the_window_the_record_and_the_loop(
+    door: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a schedule a returning row's sum over its idle steps, ``sum_k lr(last + k - 1) mu**k``, comes from the
+    window of the last ``K = 180`` steps (rows idle at most ``K`` steps), the state's record (idle longer, their
+    last step within its reach, cut here to 50 last steps) or a loop over the schedule (beyond it). After a Zipf
+    run, one step on rows of each kind and on fresh ones moves every row as a float64 loop of dense SGD over its
+    idle steps and the step does, within two ulps and 64 units of ``2**-24`` of the move; with the record's sums
+    doubled, exactly the rows within its reach move differently."""
+    from optax_sparse_adam import _catch_up, _sgd
+
+    cap, steps, momentum = int(_sgd.idle_cap(0.9)), 50, 0.9
+    monkeypatch.setattr(_catch_up, "_RECORD_STEPS", steps)
+    tx = osa.sparse_sgd(SCHEDULE, momentum, catch_up=True)
+    params, state = jnp.asarray(EMB0), tx.init(jnp.asarray(EMB0))
+    step = jax.jit(lambda p, s, ids, v: osa.update_and_apply(tx, osa.IndexedRows(ids, v, ROWS), s, p))
+    rng = np.random.default_rng(12)
+    for t in range(1, STEPS + 1):  # rows 0-99 all along, 100-199 at steps 1-40, 200-299 at 80-100, 300-399 never
+        ids = (rng.zipf(1.2, BATCH) - 1) % 100
+        ids[-8:] = rng.integers(100, 200, 8) if t <= 40 else rng.integers(200, 300, 8) if 80 <= t <= 100 else -1
+        values = rng.normal(size=(BATCH, WIDTH)).astype(F)
+        params, state = step(params, state, jnp.asarray(ids, jnp.int32), jnp.asarray(values))
+    last, done = np.asarray(state.last_step), int(state.count)
+    idle = done - last
+    kinds = [
+        (last > 0) & (idle <= cap),
+        (last > 0) & (idle > cap) & (idle <= cap + steps),
+        (last > 0) & (idle > cap + steps),
+        last == 0,
+    ]
+    picked = [np.flatnonzero(kind)[:5] for kind in kinds]
+    assert all(p.size == 5 for p in picked), [p.size for p in picked]
+    ids = np.concatenate(picked).astype(np.int32)
+    g = np.random.default_rng(5).normal(size=(ids.size, WIDTH)).astype(F)
+    grad = osa.IndexedRows(jnp.asarray(ids), jnp.asarray(g), ROWS)
+
+    def run(s: Any) -> np.ndarray:
+        if door == "update_and_apply":
+            return np.asarray(jax.jit(lambda p, s: osa.update_and_apply(tx, grad, s, p))(params, s)[0])
+        updates, _ = jax.jit(tx.update)(grad, s, params)
+        return np.asarray(jax.jit(osa.apply_updates)(params, updates))
+
+    rates = np.asarray(jax.vmap(SCHEDULE)(jnp.arange(done + 1)), np.float64)
+    p0, m0 = np.asarray(params, np.float64)[ids], np.asarray(state.trace, np.float64)[ids]
+    shift = np.array(
+        [
+            sum(rates[start + k - 1] * momentum**k for k in range(1, n + 1))
+            for start, n in zip(last[ids], idle[ids] * (last[ids] > 0), strict=True)
+        ]
+    )
+    m = momentum ** (idle[ids] * (last[ids] > 0))[:, None] * m0
+    want = p0 - shift[:, None] * m0 - rates[done] * (g + momentum * m)
+    got = run(state)[ids]
+    bound = 2 * np.spacing(np.abs(want).astype(F)) + 64 * 2.0**-24 * np.abs(want - p0)
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound, axis=1)
+    record = state.idle_record
+    doubled = run(state._replace(idle_record=record._replace(coefficients=2 * record.coefficients)))[ids]
+    moved = np.any(doubled != got, axis=1)
+    np.testing.assert_array_equal(moved, np.repeat([False, True, False, False], [p.size for p in picked]))
+
+
 def test_errors_name_the_parameter_and_the_argument() -> None:
     tx = osa.sparse_sgd(0.1, momentum=0.9, catch_up=True)
     params = {"a": {"emb": jnp.ones((4, 3), jnp.float32)}}
