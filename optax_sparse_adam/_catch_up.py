@@ -1024,12 +1024,13 @@ def fused_apply(
     path does: its idle steps, the moments' decays (:func:`_power`, from the same tables), and with AdamW's decay
     the row's decay over its idle steps and the long-idle terms' weight (from gamma's table and the window's
     products; under a schedule those two are computed here per key, from the state's log). Its series coefficients
-    it picks from the window and the long-idle table (:func:`_window`, :func:`_far`; under a schedule, read here per
-    key from the state's ``record``, an :class:`IdleRecord`) as :func:`_coefficients` does. The kernel replays and
-    steps each touched row in one pass, taking the idle steps one by one for the elements the series does not take
-    (from the window's learning rates and the plan's bias corrections), and records it in place (its last step;
-    AdamW's decay mark). Rows it flags (such steps of a row idle longer than the window under a schedule; no table
-    of corrections) keep their records and take the XLA rule on those rows alone, which reads and writes them.
+    it picks from the window and the long-idle table (:func:`_window`, :func:`_far`; under a schedule, from the
+    state's ``record``, an :class:`IdleRecord`, by the row's last step) as :func:`_coefficients` does. The kernel
+    replays and steps each touched row in one pass, taking the idle steps one by one for the elements the series
+    does not take (from the window's learning rates and the plan's bias corrections), and records it in place (its
+    last step; AdamW's decay mark). Rows it flags (such steps of a row idle longer than the window under a
+    schedule; a long-idle row whose entry the record does not hold; no table of corrections) keep their records and
+    take the XLA rule on those rows alone, which reads and writes them.
     With a global-norm ``clip``, ``leaf`` is the table's entries, which the kernel sums and clips row by row (its
     two scalars after Adam's), and which are summed and clipped alike for the flagged rows.
     """
@@ -1082,7 +1083,9 @@ def _call(
     where there is no ``adamw``."""
     keys = leaf.keys[:, 0]
     keyed = _by_key(plan, replayer, state, keys, done, decay, adamw)
-    ops = _kernel_operands(plan, replayer, done, keyed.decay, keyed.weights, keyed.far, keyed.new_log)
+    # The record's coefficients as they are: reshaping AdamW's (variants, steps, terms) made XLA copy them.
+    far = keyed.far if keyed.record is None else keyed.record.coefficients
+    ops = _kernel_operands(plan, replayer, done, keyed.decay, keyed.weights, far, keyed.new_log)
     mark = state[3] if adamw is not None else None
     results = kernel(
         p,
@@ -1095,9 +1098,11 @@ def _call(
         ops,
         count,
         done,
+        far_steps=None if keyed.record is None else keyed.record.last_steps,
         cap=plan.cap,
         decay=keyed.decay is not None,
         far_by_key=keyed.far is not None,
+        far_offset=keyed.record_offset,
         **kernel_flags(replayer.hp, leaf),
     )
     return keyed, tuple(r for r in results if r is not None)
@@ -1127,8 +1132,10 @@ class _ByKey(NamedTuple):
     decay: Decay | None  # AdamW's decay, per key under a schedule
     weights: _DecayWeights | None
     per_key: jax.Array | None  # (k, 2) under a scheduled decay: each row's decay W and its far terms' weight
-    far: jax.Array | None  # (k, 8): the long-idle coefficients per key, where the plan has no table
+    far: jax.Array | None  # (k, 8): the long-idle coefficients per key, where the plan has no table nor the record
     new_log: Any
+    record: IdleRecord | None = None  # the state's record, which the kernels read (where the plan has no table)
+    record_offset: int = 0  # its variant's first row in its coefficients, taken as rows of terms
 
 
 def _by_key(
@@ -1145,8 +1152,16 @@ def _by_key(
     and pick its series coefficients from the window or the long-idle table (:func:`_coefficients`). Computed here
     per key (``keys``, the leaf's entries; ``state`` with the last steps third and AdamW's decay mark fourth), only
     what the kernels have no table for: long-idle coefficients that no table holds (a schedule, or bias corrections
-    that take too long to reach 1), and AdamW's decay under a schedule (from the state's log)."""
-    far_by_key = plan.cap > 0 and plan.table is None
+    that take too long to reach 1), and AdamW's decay under a schedule (from the state's log). The kernels read
+    the long-idle coefficients from the state's record themselves where it keeps one (:func:`_record_read`), and
+    flag the rows whose entry it does not hold, which the XLA rule takes."""
+    record = _record_read(plan, replayer)
+    if record is not None:
+        variant = replayer.variant or 0
+        offset = variant * record.last_steps.shape[0]
+        far_by_key = False
+    else:
+        offset, far_by_key = 0, plan.cap > 0 and plan.table is None
     schedule_decay = adamw is not None and decay is not None and decay.log_gamma is None
     last_k = of_keys(state[2], keys) if far_by_key or schedule_decay else None
     if adamw is not None and schedule_decay:
@@ -1160,7 +1175,19 @@ def _by_key(
     if far_by_key:  # the keys' last steps and idle steps are at hand
         assert last_k is not None and idle is not None
         far, _ = _far(plan, replayer.lr, last_k, idle > plan.cap, weights, replayer.record, replayer.variant)
-    return _ByKey(decay, weights, per_key, far, adamw.new_log if adamw is not None else 0.0)
+    return _ByKey(decay, weights, per_key, far, adamw.new_log if adamw is not None else 0.0, record, offset)
+
+
+def _record_read(plan: _SeriesPlan, replayer: Replayer) -> IdleRecord | None:
+    """The state's record of long-idle coefficients where the kernels read it (the plan has no table of them, and
+    the state keeps one): each long-idle row's entry, where it is for the row's last step; a row whose entry it is
+    not (idle longer than the record reaches, or a state whose steps did not write it) is flagged, and the XLA rule
+    computes its coefficients (:func:`_far`). Read by key here, the record cost a gather a key of the last step,
+    and another of the entry and its tag: about 85 microseconds of a step at 8,192 Zipf ids."""
+    record = replayer.record
+    if plan.cap == 0 or plan.table is not None or record is None or record.last_steps.shape[0] <= 1:
+        return None
+    return record
 
 
 def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> bool:
@@ -1170,7 +1197,8 @@ def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> boo
     (a rate or decay not known when the step is traced: ``inject_hyperparams``, arrays). Where it cannot, the
     step holds no XLA fallback for flagged rows (most of AdamW's catch-up program)."""
     no_gamma = decay is not None and decay.log_gamma is None
-    return plan.corrections is None or callable(replayer.learning_rate) or no_gamma
+    reads_record = _record_read(plan, replayer) is not None  # flags rows whose entry the record does not hold
+    return plan.corrections is None or callable(replayer.learning_rate) or no_gamma or reads_record
 
 
 def of_keys(record: jax.Array, keys: jax.Array) -> jax.Array:

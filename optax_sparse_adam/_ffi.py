@@ -367,6 +367,7 @@ def catch_up_adam_rows(
     ops: CatchUpOperands,
     count: jax.Array,
     done: jax.Array,
+    far_steps: jax.Array | None = None,
     *,
     cap: int,
     torch_eps: bool,
@@ -374,6 +375,7 @@ def catch_up_adam_rows(
     unique: int,
     decay: bool = False,
     far_by_key: bool = False,
+    far_offset: int = 0,
 ) -> tuple[Any, ...]:
     """``sparse_adam(catch_up=True)``'s leaf rule on the CPU (``tx.update``), and with ``decay``
     ``sparse_adamw(catch_up=True)``'s: ``(m, v, last_step, decay_mark, keys, updates, flags)``, the moments and
@@ -387,7 +389,7 @@ def catch_up_adam_rows(
     records as they were, for the caller to take by the XLA rule."""
     attrs = dict(cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key)
     tables = (p, m, v, last_step, decay_mark)
-    return _catch_up_adam(True, tables, keys, values, scalars, per_key, ops, count, done, attrs)
+    return _catch_up_adam(True, tables, keys, values, scalars, per_key, ops, count, done, far_steps, far_offset, attrs)
 
 
 def catch_up_adam_apply(
@@ -403,6 +405,7 @@ def catch_up_adam_apply(
     ops: CatchUpOperands,
     count: jax.Array,
     done: jax.Array,
+    far_steps: jax.Array | None = None,
     *,
     cap: int,
     torch_eps: bool,
@@ -410,6 +413,7 @@ def catch_up_adam_apply(
     unique: int,
     decay: bool = False,
     far_by_key: bool = False,
+    far_offset: int = 0,
 ) -> tuple[Any, ...]:
     """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, last_step, decay_mark,
     flags)``; with ``decay``, ``sparse_adamw(catch_up=True)``'s.
@@ -421,7 +425,12 @@ def catch_up_adam_apply(
     ``1 <= idle <= cap`` steps, it takes the series' eight coefficients in
     ``window[idle - 1]`` (``(max(cap, 1), 8)``); idle longer, those in
     ``far[clip(last, 0, len(far) - 1)]`` (the long-idle table, by the row's
-    last step), or with ``far_by_key`` in ``far[key]`` (one entry per key);
+    last step), or with ``far_by_key`` in ``far[key]`` (one entry per key),
+    or with ``far_steps`` (the state's :class:`._catch_up.IdleRecord`'s
+    ``last_steps``, its coefficients in ``far``, taken as rows of eight
+    whatever its leading dimensions, from row ``far_offset`` on: AdamW's
+    variant) in ``far[far_offset + last mod len(far_steps)]`` where
+    ``far_steps`` holds ``last`` there (a row whose entry does not is flagged);
     ``limits`` is ``(binv, ratio, long_neg_lr, has_corrections, new_log)``. Elements the series does
     not take replay their first ``min(idle, cap)`` idle steps one by one:
     ``-lr`` from ``neg_rates`` (the last ``cap`` steps, newest first) or
@@ -448,7 +457,7 @@ def catch_up_adam_apply(
     """
     attrs = dict(cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key)
     tables = (p, m, v, last_step, decay_mark)
-    return _catch_up_adam(False, tables, keys, values, scalars, per_key, ops, count, done, attrs)
+    return _catch_up_adam(False, tables, keys, values, scalars, per_key, ops, count, done, far_steps, far_offset, attrs)
 
 
 def _catch_up_adam(
@@ -461,13 +470,15 @@ def _catch_up_adam(
     ops: CatchUpOperands,
     count: jax.Array,
     done: jax.Array,
+    far_steps: jax.Array | None,
+    far_offset: int,
     flags: dict[str, bool | int],
 ) -> tuple[Any, ...]:
     """The catch-up Adam handler on ``tables = (p, m, v, last_step, decay_mark)``: the fused step (``rows``
     false: :func:`catch_up_adam_apply`'s results) or ``tx.update``'s rule (:func:`catch_up_adam_rows`'), with
     its attributes ``flags`` and whether ``per_key`` is given (an empty batch's per-key operand cannot say)."""
     p, m, v, last_step, decay_mark = tables
-    attrs = _attrs(p.shape[0], **flags, per_key=per_key is not None)
+    attrs = _attrs(p.shape[0], **flags, far_offset=far_offset, per_key=per_key is not None)
 
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
@@ -491,10 +502,13 @@ def _catch_up_adam(
     by_key = "k" if per_key is not None else "z"
     per_key = per_key if per_key is not None else jnp.zeros((0, 2), jnp.float32)
     results = f"n w, n w, n, {mark}, k, k w, k" if rows else f"n w, n w, n w, n, {mark}, k"
-    rule = f"n w, n w, n w, n, {mark}, k, k w, s, a j, f j, {by_key} c, q x, h, l, r, t b, o -> {results}"
+    # Without the record's last steps, an empty one (g).
+    far_steps = far_steps if far_steps is not None else jnp.zeros((0,), jnp.int32)
+    far = "f j" if ops.far.ndim == 2 else "v f j"  # AdamW's record: (variants, steps, terms)
+    rule = f"n w, n w, n w, n, {mark}, k, k w, s, a j, {far}, g, {by_key} c, q x, h, l, r, t b, o -> {results}"
     operands = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
     counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
-    args = (*operands, scalars, ops.window, ops.far, per_key, ops.powers, ops.through, *ops[4:], counts)
+    args = (*operands, scalars, ops.window, ops.far, far_steps, per_key, ops.powers, ops.through, *ops[4:], counts)
     out = _by_row_shards(fn, rule, summed=(5, 6) if rows else (5,))(*args)
     mark_out = out[3 if rows else 4] if decay_mark is not None else None
     if rows:

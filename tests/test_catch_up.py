@@ -364,7 +364,9 @@ def test_a_schedules_long_idle_rows_read_the_record_as_far_as_it_reaches(
     (as a state built by hand; every long-idle row takes the loop), the moments bitwise and the parameters within
     two ulps and 128 units of ``2**-24`` of their move (the record's sums and the loop's are within 16 and 64 units
     of the sum in double, measured 6 and 26; their difference scales with the idle steps'
-    displacement); with the record scaled, exactly the rows idle within its reach move differently."""
+    displacement); with the record scaled, exactly the rows idle within its reach move differently. The kernels read
+    the record's entries themselves and flag the rows whose entry it does not hold for the XLA rule: exactly those
+    idle past its reach, or every long-idle row where it holds no entry."""
     kw = {"learning_rate": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0, **{**CASES, **ADAMW_CASES}[case]}
     batches = _batches(seed=len(case))
     cap, steps = int(idle_cap(0.9, 0.999)), 100
@@ -405,8 +407,17 @@ def test_a_schedules_long_idle_rows_read_the_record_as_far_as_it_reaches(
     record = state.idle_record
     without = state._replace(idle_record=record._replace(last_steps=jnp.full_like(record.last_steps, -1)))
     scaled = state._replace(idle_record=record._replace(coefficients=2 * record.coefficients))
+    flagged = {
+        door: _record_flags(monkeypatch, kernel)
+        for door, kernel in [(fused, "catch_up_adam_apply"), (two_calls, "catch_up_adam_rows")]
+    }
     for door in (fused, two_calls):
         (p1, s1), (p0, s0), (p2, _) = (jax.jit(door)(params, s) for s in (state, without, scaled))
+        # The kernel reads the entries the record holds, and flags the rows past its reach for the XLA rule (all
+        # long-idle rows, where it holds none).
+        held, unheld, _ = flagged[door]
+        np.testing.assert_array_equal(held > 0, np.isin(ids, far))
+        np.testing.assert_array_equal(unheld > 0, np.isin(ids, np.concatenate([near, far])))
         assert_trees_equal(s1._replace(idle_record=None), s0._replace(idle_record=None))
         p_old, p1, p0, p2 = (np.asarray(x) for x in (params, p1, p0, p2))
         bound = 2 * np.spacing(np.maximum(np.abs(p_old), np.abs(p1))) + 128 * 2.0**-24 * np.abs(p1 - p_old)
@@ -850,7 +861,8 @@ def test_the_rows_kernel_takes_the_idle_steps_the_series_does_not_reach(
     bitwise the XLA path's, the parameters within two ulps of the larger of the old and new value and one of the
     update (the XLA rule's update ``(replayed + step) - p`` from a replayed row rounded its own way). AdamW's
     (``sparse_adamw(catch_up=True)``): each idle step decays the row too, and its record of the decay is bitwise.
-    Under a schedule (and with AdamW's rates injected) the kernel flags the long-idle rows that need steps, exactly
+    Under a schedule (and with AdamW's rates injected) the kernel flags the long-idle rows that need steps, and under
+    a schedule those whose last step the state's record does not hold (this hand-built state's holds none), exactly
     those, as the fused step's does; the XLA rule takes them, and their updates land in the kernel's slots by key
     (ids repeated, padded, or given as distinct)."""
     flagged = _record_flags(monkeypatch, "catch_up_adam_rows")
@@ -893,12 +905,15 @@ def test_the_rows_kernel_takes_the_idle_steps_the_series_does_not_reach(
     (flags,) = flagged
     if case in ("optax", "torch", "adamw"):
         assert not flags.any()
-    else:  # every entry of a long-idle row with tiny elements (those the series does not take), none of the others
+    else:  # every entry of a long-idle row with tiny elements (those the series does not take) or, under a
+        # schedule, whose entry the record does not hold; none of the others
         at = np.clip(np.asarray(ids), 0, rows - 1)
         (s0,) = (x for x in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "last_step")) if hasattr(x, "nu"))
         tiny = (np.sqrt(np.asarray(s0.nu)) < 1e-6).any(axis=1)[at]
+        tags = np.asarray(s0.idle_record.last_steps)
+        unheld = tags[last[at] % tags.size] != last[at] if tags.size > 1 else False  # no record read: injected
         in_range = (np.asarray(ids) >= 0) & (np.asarray(ids) < rows)
-        needs_steps = in_range & tiny & (count - 1 - last[at] > cap)
+        needs_steps = in_range & (tiny | unheld) & (count - 1 - last[at] > cap)
         assert needs_steps.sum() > 10
         np.testing.assert_array_equal(flags > 0, needs_steps)
 

@@ -2,8 +2,8 @@
 // decay sparse_adamw(catch_up=True)) and its application, as an XLA FFI
 // handler for the CPU:
 //   optax_sparse_adam_v5_catch_up_adam_apply
-//     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers, through, limits,
-//      neg_rates, corrections, counts) -> (p, mu, nu, last_step, decay_mark, flags)
+//     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, per_key, powers, through,
+//      limits, neg_rates, corrections, counts) -> (p, mu, nu, last_step, decay_mark, flags)
 // (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
 // global-norm clipping's divisor and factor, each summed gradient row then
 // clipped first as sparse_adam.cc does; the attributes far_by_key and
@@ -23,7 +23,11 @@
 // form, from the row's C_0..C_{T-1} of the series in z = eps / sqrt(v), which
 // this kernel picks as _catch_up._coefficients does (window[idle - 1] for a
 // row idle at most `cap` steps; for one idle longer, the long-idle table's
-// entry of its last step, or with far_by_key the key's own), and from the
+// entry of its last step, or with far_by_key the key's own, or where
+// far_steps is given the state's record's (_catch_up.IdleRecord: far holds
+// its coefficients, far_offset rows on, far_steps the last step each entry
+// is for; a row whose last step L its entry L mod len(far_steps) is not for
+// is flagged, and the XLA path computes its coefficients), and from the
 // row's b1**idle and b2**idle, where the series reaches float32 resolution
 // (z * limits[0] <= limits[1]); an element it does not reach (tiny or zero v)
 // with m != 0 takes the first min(idle, cap) idle steps one by one, in
@@ -162,6 +166,9 @@ struct CatchUp {
   const float* far;     // (far_rows, kTerms): of rows idle longer, by their last step (or by key)
   int64_t far_rows;
   bool far_by_key;
+  const int32_t* far_steps;  // with the state's record, the last step each of its entries is for; else nullptr
+  int64_t record_steps;      // the record's entries (far_steps' length)
+  int64_t far_offset;        // the record's first row in far (AdamW's variant)
   const float* per_key;  // (k, 2) with decay under a schedule: W and the far terms' weight; else nullptr
   const float* powers;   // b1's, b2's and with decay gamma's table (TablePower), 1024 floats each
   const float* through;  // (through_len,): with decay, the product of gamma over the last o + 1 steps, by o
@@ -213,12 +220,20 @@ struct CatchUp {
 
   // The series' coefficients of a row idle ri.idle > 0 steps, as _catch_up._coefficients picks them (entry
   // `slot` standing for it); with decay a long-idle row's are the far entry's times its weight, written into
-  // `scratch` (kTerms floats).
+  // `scratch` (kTerms floats). nullptr for a long-idle row whose entry the state's record does not hold.
   template <bool kDecay>
   OSA_ROW_INLINE const float* Terms(int64_t slot, const RowIdle& ri, float* __restrict scratch) const {
     const int32_t n = ri.idle;
     if (n <= steps.cap) return window + static_cast<int64_t>(n - 1) * kTerms;
-    const int64_t at = far_by_key ? slot : std::clamp<int64_t>(ri.last, 0, far_rows - 1);
+    int64_t at;
+    if (far_steps != nullptr) {  // the record's entry L mod its length, where it is for L (jnp.mod: L >= 0)
+      if (ri.last < 0) return nullptr;
+      const int64_t entry = ri.last % record_steps;
+      if (far_steps[entry] != ri.last) return nullptr;
+      at = far_offset + entry;
+    } else {
+      at = far_by_key ? slot : std::clamp<int64_t>(ri.last, 0, far_rows - 1);
+    }
     const float* f = far + at * kTerms;
     if constexpr (!kDecay) {
       return f;
@@ -269,6 +284,7 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
     return true;
   }
   const float* c = cu.Terms<kDecay>(slot, ri, work + 5 * width);
+  if (c == nullptr) return false;  // coefficients not at hand: the XLA path takes the row
   float* __restrict z = work;
   float* __restrict shift = work + width;
   // Each element's z and its closed form's shift in one pass (the shift is garbage where the series does not take
@@ -477,15 +493,15 @@ template <bool kRows>
 ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<ffi::F32>& mu, ffi::Buffer<ffi::F32>& nu,
                   ffi::BufferR1<ffi::S32>& last_step, ffi::BufferR1<ffi::F32>& decay_mark,
                   ffi::BufferR1<ffi::S32>& keys, ffi::Buffer<ffi::F32>& values, ffi::BufferR1<ffi::F32>& scalars,
-                  ffi::BufferR2<ffi::F32>& window, ffi::BufferR2<ffi::F32>& far, ffi::BufferR2<ffi::F32>& per_key,
-                  ffi::BufferR2<ffi::F32>& powers, ffi::BufferR1<ffi::F32>& through, ffi::BufferR1<ffi::F32>& limits,
+                  ffi::BufferR2<ffi::F32>& window, ffi::Buffer<ffi::F32>& far,
+                  ffi::BufferR1<ffi::S32>& far_steps, ffi::BufferR2<ffi::F32>& per_key, ffi::BufferR2<ffi::F32>& powers, ffi::BufferR1<ffi::F32>& through, ffi::BufferR1<ffi::F32>& limits,
                   ffi::BufferR1<ffi::F32>& neg_rates, ffi::BufferR2<ffi::F32>& corrections,
                   ffi::BufferR1<ffi::S32>& counts, ffi::BufferR0<ffi::S32>& row_begin, float* q,
                   ffi::ResultBuffer<ffi::F32>& mu_out, ffi::ResultBuffer<ffi::F32>& nu_out,
                   ffi::ResultBufferR1<ffi::S32>& last_step_out, ffi::ResultBufferR1<ffi::F32>& decay_mark_out,
                   ffi::ResultBufferR1<ffi::S32>& flags, float* rows_out, int32_t* keys_out, int64_t num_rows,
                   int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
-                  int64_t far_by_key, int64_t per_key_given, int64_t threads) {
+                  int64_t far_by_key, int64_t far_offset, int64_t per_key_given, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   const auto dims = p.dimensions();
@@ -521,10 +537,15 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   if (decay != 0 && !by_key && through.element_count() < 1)
     return ffi::Error::InvalidArgument("through must hold the decay over the window's steps");
   const auto window_dims = window.dimensions(), far_dims = far.dimensions();
+  // far: rows of kTerms coefficients, in as many dimensions as it comes (AdamW's record: (variants, steps, terms))
+  const int64_t far_rows = far_dims.size() < 2 ? 0 : static_cast<int64_t>(far.element_count()) / kTerms;
   if (window_dims[1] != kTerms || window_dims[0] < std::max<int64_t>(cap, 1))
     return ffi::Error::InvalidArgument("window must hold 8 coefficients for each idle count up to cap");
-  if (far_dims[1] != kTerms || (far_by_key != 0 ? far_dims[0] != k : far_dims[0] < 1))
+  if (far_dims.size() < 2 || far_dims.back() != kTerms || (far_by_key != 0 ? far_rows != k : far_rows < 1))
     return ffi::Error::InvalidArgument("far must hold 8 coefficients per last step (or per key with far_by_key)");
+  const auto record_steps = static_cast<int64_t>(far_steps.element_count());
+  if (record_steps != 0 && (far_by_key != 0 || far_offset < 0 || far_offset + record_steps > far_rows))
+    return ffi::Error::InvalidArgument("far must hold the record's entries from far_offset on (not by key)");
   if (limits.element_count() != 5) return ffi::Error::InvalidArgument("limits must hold 5 values");
   if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
   if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
@@ -545,8 +566,11 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
                         decay != 0 && !by_key ? powers.typed_data() + 2048 : nullptr};
   const CatchUp cu{window.typed_data(),
                    far.typed_data(),
-                   far_dims[0],
+                   far_rows,
                    far_by_key != 0,
+                   record_steps != 0 ? far_steps.typed_data() : nullptr,
+                   record_steps,
+                   far_offset,
                    by_key ? per_key.typed_data() : nullptr,
                    powers.typed_data(),
                    through.typed_data(),
@@ -581,8 +605,9 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
 ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                      ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
                      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                     ffi::BufferR2<ffi::F32> window, ffi::BufferR2<ffi::F32> far,
-                     ffi::BufferR2<ffi::F32> per_key, ffi::BufferR2<ffi::F32> powers,
+                     ffi::BufferR2<ffi::F32> window, ffi::Buffer<ffi::F32> far,
+                     ffi::BufferR1<ffi::S32> far_steps, ffi::BufferR2<ffi::F32> per_key,
+                     ffi::BufferR2<ffi::F32> powers,
                      ffi::BufferR1<ffi::F32> through, ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
                      ffi::BufferR2<ffi::F32> corrections, ffi::BufferR1<ffi::S32> counts,
                      ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
@@ -590,14 +615,14 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                      ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
                      ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
                      int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
-                     int64_t far_by_key, int64_t per_key_given, int64_t threads) {
+                     int64_t far_by_key, int64_t far_offset, int64_t per_key_given, int64_t threads) {
   if (p_out->element_count() != p.element_count()) return ffi::Error::InvalidArgument("p's result must have its shape");
   float* q = p_out->typed_data();
   CopyIfNotAliased(q, p.typed_data(), p.element_count());
-  return Handle<false>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers,
-                       through, limits, neg_rates, corrections, counts, row_begin, q, mu_out, nu_out, last_step_out,
-                       decay_mark_out, flags, nullptr, nullptr, num_rows, cap, torch_eps, maximize, decay, unique,
-                       far_by_key, per_key_given, threads);
+  return Handle<false>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, per_key,
+                       powers, through, limits, neg_rates, corrections, counts, row_begin, q, mu_out, nu_out,
+                       last_step_out, decay_mark_out, flags, nullptr, nullptr, num_rows, cap, torch_eps, maximize,
+                       decay, unique, far_by_key, far_offset, per_key_given, threads);
 }
 
 // tx.update's rule (sparse_adam(catch_up=True), and with `decay` sparse_adamw(catch_up=True)'s): the apply
@@ -606,23 +631,24 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
 ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                     ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
                     ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                    ffi::BufferR2<ffi::F32> window, ffi::BufferR2<ffi::F32> far, ffi::BufferR2<ffi::F32> per_key,
-                    ffi::BufferR2<ffi::F32> powers, ffi::BufferR1<ffi::F32> through, ffi::BufferR1<ffi::F32> limits,
+                    ffi::BufferR2<ffi::F32> window, ffi::Buffer<ffi::F32> far, ffi::BufferR1<ffi::S32> far_steps,
+                    ffi::BufferR2<ffi::F32> per_key, ffi::BufferR2<ffi::F32> powers, ffi::BufferR1<ffi::F32> through,
+                    ffi::BufferR1<ffi::F32> limits,
                     ffi::BufferR1<ffi::F32> neg_rates, ffi::BufferR2<ffi::F32> corrections,
                     ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin,
                     ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
                     ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
                     ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
                     ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t torch_eps,
-                    int64_t maximize, int64_t decay, int64_t unique, int64_t far_by_key, int64_t per_key_given,
-                    int64_t threads) {
+                    int64_t maximize, int64_t decay, int64_t unique, int64_t far_by_key, int64_t far_offset,
+                    int64_t per_key_given, int64_t threads) {
   if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
-  return Handle<true>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, per_key, powers,
-                      through, limits, neg_rates, corrections, counts, row_begin, const_cast<float*>(p.typed_data()),
-                      mu_out, nu_out, last_step_out, decay_mark_out, flags, step_out->typed_data(),
-                      keys_out->typed_data(), num_rows, cap, torch_eps, maximize, decay, unique, far_by_key,
-                      per_key_given, threads);
+  return Handle<true>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, per_key,
+                      powers, through, limits, neg_rates, corrections, counts, row_begin,
+                      const_cast<float*>(p.typed_data()), mu_out, nu_out, last_step_out, decay_mark_out, flags,
+                      step_out->typed_data(), keys_out->typed_data(), num_rows, cap, torch_eps, maximize, decay, unique,
+                      far_by_key, far_offset, per_key_given, threads);
 }
 
 // The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
@@ -729,7 +755,8 @@ ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
       .Arg<ffi::Buffer<ffi::F32>>()    /* values */                                                \
       .Arg<ffi::BufferR1<ffi::F32>>()  /* scalars */                                               \
       .Arg<ffi::BufferR2<ffi::F32>>()  /* window: coefficients by idle count */                    \
-      .Arg<ffi::BufferR2<ffi::F32>>()  /* far: of long-idle rows, by last step or key */           \
+      .Arg<ffi::Buffer<ffi::F32>>()    /* far: of long-idle rows, by last step or key, (..., 8) */  \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* far_steps: the record's last steps, or empty */          \
       .Arg<ffi::BufferR2<ffi::F32>>()  /* per_key: W, weight (decay, schedule) or empty */         \
       .Arg<ffi::BufferR2<ffi::F32>>()  /* powers: b1's, b2's[, gamma's] tables */                  \
       .Arg<ffi::BufferR1<ffi::F32>>()  /* through: the window's decay (AdamW) */                   \
@@ -756,6 +783,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("far_by_key")
+                                  .Attr<int64_t>("far_offset")
                                   .Attr<int64_t>("per_key")
                                   .Attr<int64_t>("threads"));
 
@@ -777,6 +805,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::Row
                                   .Attr<int64_t>("decay")
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("far_by_key")
+                                  .Attr<int64_t>("far_offset")
                                   .Attr<int64_t>("per_key")
                                   .Attr<int64_t>("threads"));
 
