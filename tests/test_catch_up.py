@@ -413,11 +413,11 @@ def test_a_schedules_long_idle_rows_read_the_record_as_far_as_it_reaches(
     }
     for door in (fused, two_calls):
         (p1, s1), (p0, s0), (p2, _) = (jax.jit(door)(params, s) for s in (state, without, scaled))
-        # The kernel reads the entries the record holds, and flags the rows past its reach for the XLA rule (all
-        # long-idle rows, where it holds none).
-        held, unheld, _ = flagged[door]
-        np.testing.assert_array_equal(held > 0, np.isin(ids, far))
-        np.testing.assert_array_equal(unheld > 0, np.isin(ids, np.concatenate([near, far])))
+        if _kernel_path.enabled():  # the kernel reads the entries the record holds, and flags the rows past its
+            # reach for the XLA rule (all long-idle rows, where it holds none)
+            held, unheld, _ = flagged[door]
+            np.testing.assert_array_equal(held > 0, np.isin(ids, far))
+            np.testing.assert_array_equal(unheld > 0, np.isin(ids, np.concatenate([near, far])))
         assert_trees_equal(s1._replace(idle_record=None), s0._replace(idle_record=None))
         p_old, p1, p0, p2 = (np.asarray(x) for x in (params, p1, p0, p2))
         bound = 2 * np.spacing(np.maximum(np.abs(p_old), np.abs(p1))) + 128 * 2.0**-24 * np.abs(p1 - p_old)
