@@ -634,11 +634,13 @@ class IdleRecord(NamedTuple):
     distinct last step. A row whose entry was overwritten since (idle ``K + steps`` steps or more; ``steps`` is
     65,536) has its coefficients computed that way still, once per distinct last step, as has a row of a state
     whose record its steps did not write (a state built by hand): ``last_steps`` says which last step each entry
-    is for. Where the state keeps no record, it holds one entry for no step (orbax saves no empty arrays).
+    is for. Where the state keeps no record, it holds one entry for no step (orbax saves no empty arrays). On the
+    CPU the catch-up kernels read the entries themselves, and leave a row whose entry is for another step to the
+    XLA path. ``sparse_sgd(momentum, catch_up=True)`` keeps one too, for its sums over the idle steps.
 
     Attributes:
       coefficients: ``G_j(L)`` in row ``L mod steps``, float32, shape ``(steps, terms)`` (8 terms for Adam's
-        series, 1 for AMSGrad's), or ``(2, steps, terms)`` for AdamW's, without and with its decay (``(1, ...)``
+        series, 1 for AMSGrad's and momentum SGD's), or ``(2, steps, terms)`` for AdamW's, without and with its decay (``(1, ...)``
         where the weight decay is 0); ``steps`` is 1 where the state keeps no record.
       last_steps: The last step ``L`` each row of ``coefficients`` holds, int32, shape ``(steps,)``; -1 for none.
     """
