@@ -402,9 +402,8 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
         "schedule Adam's and AdamW's leave the long-idle rows that need their idle steps one by one to the XLA rule, "
         "in a conditional branch."
         + (
-            " Under a schedule, a step computes the coefficients of its rows idle longer than the window once for "
-            "each distinct last step among them (the schedule and the bias corrections at each of its `idle_cap` "
-            "idle steps)."
+            " Under a schedule, the coefficients of rows idle longer than the window come from the state's record "
+            "of them by last step (`osa.IdleRecord`), which each step writes."
             if per_door
             else " The doors took each batch in turn on the same rows: under a schedule the first (the two calls) "
             "computed the coefficients of the batch's rows idle longer than the window, and the doors after it found "

@@ -640,8 +640,8 @@ class IdleRecord(NamedTuple):
 
     Attributes:
       coefficients: ``G_j(L)`` in row ``L mod steps``, float32, shape ``(steps, terms)`` (8 terms for Adam's
-        series, 1 for AMSGrad's and momentum SGD's), or ``(2, steps, terms)`` for AdamW's, without and with its decay (``(1, ...)``
-        where the weight decay is 0); ``steps`` is 1 where the state keeps no record.
+        series, 1 for AMSGrad's and momentum SGD's), or ``(2, steps, terms)`` for AdamW's, without and with its
+        decay (``(1, ...)`` where the weight decay is 0); ``steps`` is 1 where the state keeps no record.
       last_steps: The last step ``L`` each row of ``coefficients`` holds, int32, shape ``(steps,)``; -1 for none.
     """
 
@@ -953,7 +953,8 @@ def _rows_kernel(
     """The catch-up Adam rows kernel in the XLA rule's place (``tx.update`` on the CPU; with ``adamw``, AdamW's rule,
     with its decay on a leaf its mask decays, and Adam's catch-up with AdamW's record on one it leaves out), where
     the closed form applies to float32 tables; elsewhere the XLA rule runs. The rows it flags (:func:`_may_flag`:
-    idle steps not at hand, under a schedule or without a table of bias corrections) keep their records and take
+    idle steps not at hand, under a schedule or without a table of bias corrections, or long-idle coefficients the
+    state's record does not hold) keep their records and take
     the XLA rule, on those rows alone, their updates placed in the kernel's slots by key."""
     hp = replayer.hp
     decay = None if adamw is None else adamw.decay.of(adamw.flag, None)
@@ -1196,8 +1197,10 @@ def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> boo
     """Whether the kernels can flag a row, that is leave its idle steps to the XLA rule: catch_up_adam.cc's
     ``IdleSteps::CanStep`` fails only without a table of bias corrections, or for a row idle longer than the
     window under a schedule (``long_neg_lr`` NaN) or, with AdamW's decay, without a table of ``gamma``'s powers
-    (a rate or decay not known when the step is traced: ``inject_hyperparams``, arrays). Where it cannot, the
-    step holds no XLA fallback for flagged rows (most of AdamW's catch-up program)."""
+    (a rate or decay not known when the step is traced: ``inject_hyperparams``, arrays); and where the kernels
+    read the state's record (:func:`_record_read`), a long-idle row whose entry it does not hold is flagged. Where
+    none of these can happen, the step holds no XLA fallback for flagged rows (most of AdamW's catch-up
+    program)."""
     no_gamma = decay is not None and decay.log_gamma is None
     reads_record = _record_read(plan, replayer) is not None  # flags rows whose entry the record does not hold
     return plan.corrections is None or callable(replayer.learning_rate) or no_gamma or reads_record

@@ -717,6 +717,18 @@ def _idle_start(init: Any, rng: np.random.Generator) -> tuple[jax.Array, Any, np
     return p, jax.tree.map(idle, init(p), is_leaf=lambda x: isinstance(x, kinds)), last
 
 
+def _recorded(tx: Any, p: jax.Array, state: Any, steps: int) -> Any:
+    """``state`` with the record of long-idle coefficients that ``steps`` steps of ``tx`` from ``tx.init`` write
+    (on empty batches, which move no row): the entries a run to that count holds, where ``_idle_start``'s state
+    holds none."""
+    kinds = (osa.CatchUpAdamState, osa.CatchUpAdamWState)
+    is_state = lambda x: isinstance(x, kinds)  # noqa: E731
+    empty = osa.IndexedRows(jnp.zeros((0,), jnp.int32), jnp.zeros((0, p.shape[1]), jnp.float32), p.shape[0])
+    written = jax.jit(lambda s: jax.lax.fori_loop(0, steps, lambda _, s: tx.update(empty, s, p)[1], s))(tx.init(p))
+    (record,) = (x.idle_record for x in jax.tree.leaves(written, is_leaf=is_state) if is_state(x))
+    return jax.tree.map(lambda x: x._replace(idle_record=record) if is_state(x) else x, state, is_leaf=is_state)
+
+
 def _adamw64_after_idle(p: jax.Array, state: Any, last: np.ndarray, g: osa.IndexedRows, lr: float, wd: float) -> Any:
     """The rows of ``g`` (distinct) after dense AdamW (optax's defaults, float32's bias corrections) in float64
     from ``_idle_start``'s state: each row's idle steps since ``last`` with zero gradients, then the step."""
@@ -789,7 +801,9 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     kernel, take up to ``K = 221`` float32 steps one by one, each rounded: 8.3 here, about ``sqrt(K) / 2``);
     under a schedule the long-idle rows that need steps are flagged, as without decay, and so they are where the
     rate and the decay are not known when the step is traced (``inject_hyperparams``: no table of ``gamma``'s
-    powers). ``catch_up``'s kernel takes AdamW's steps alike, within an ulp (as with torch's placement)."""
+    powers). ``catch_up``'s kernel takes AdamW's steps alike, within an ulp (as with torch's placement). Under a
+    schedule the state's record holds the long-idle rows' coefficients, as a run to that count writes them: the
+    rows flagged are those that need steps, not rows the record misses (the rows kernel's test flags those)."""
     flagged = _record_flags(monkeypatch)
     rows, width, k, count = _IDLE_SHAPE
     lr = optax.cosine_decay_schedule(1e-2, 1000) if case.endswith("schedule") else 1e-2
@@ -803,6 +817,8 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     cap = int(idle_cap(0.9, 0.999))
     rng = np.random.default_rng(5)
     p, state, last = _idle_start(tx.init, rng)
+    if case.endswith("schedule"):
+        state = _recorded(tx, p, state, count)
     ids = jnp.asarray(rng.permutation(rows).astype(np.int32)[:k])
     g = osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(k, width)).astype(np.float32)), rows)
 
@@ -843,8 +859,12 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     else:
         assert_trees_equal(pc, pcx)
     assert PREFIX + "catch_up_adam_steps" in caught.lower(p, state).as_text()
-    if case.endswith("schedule"):  # the long-idle rows (each with tiny elements) are flagged, the others not
-        np.testing.assert_array_equal(flags > 0, long_idle[np.asarray(ids)])
+    if case.endswith("schedule"):  # the long-idle rows with tiny elements are flagged, the others not
+        (s0,) = (x for x in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "last_step")) if hasattr(x, "nu"))
+        tiny = (np.sqrt(np.asarray(s0.nu)) < 1e-6).any(axis=1)
+        tags = np.asarray(s0.idle_record.last_steps)
+        assert (tags[last[long_idle] % tags.size] == last[long_idle]).all()  # the record holds every long-idle row
+        np.testing.assert_array_equal(flags > 0, (long_idle & tiny)[np.asarray(ids)])
     else:
         assert not flags.any()
 

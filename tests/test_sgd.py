@@ -82,7 +82,7 @@ def _train(tx: optax.GradientTransformation, batches: list, sparse: bool) -> tup
         return step(carry, tuple(jnp.asarray(x) for x in last))[0]
 
     params, state = run(params, ids, values, ws)
-    trace = state.trace if isinstance(state, osa.CatchUpSgdState) else state[0].trace
+    trace = optax.tree.get(state, "trace")  # of CatchUpSgdState, TraceState, or either inside inject_hyperparams
     return {"p": np.asarray(params["emb"]), "m": np.asarray(trace["emb"])}, params["w"], trace["w"]
 
 
@@ -117,6 +117,22 @@ def test_catch_up_equals_dense_sgd_over_a_zipf_run(case: str) -> None:
     # multiply-adds XLA:CPU chooses per graph).
     np.testing.assert_allclose(w, optax_w, rtol=1e-6)
     np.testing.assert_allclose(trace_w, optax_trace_w, rtol=1e-6)
+
+
+def test_a_schedule_with_an_injected_momentum_sums_each_rows_idle_steps_over_the_schedule() -> None:
+    """With the momentum injected (traced when the step is traced: no window or record is planned) and the schedule
+    passed as it is, each row's sum over its idle steps is taken by Horner's rule over the schedule's rates; the run
+    stays within twice float32 ``optax.sgd``'s drift from the float64 loop, as the planned sums do."""
+    lr, momentum, nesterov = CASES["mu=0.9 nesterov schedule"]
+    batches = _batches(seed=21)
+    ref = _sgd64(batches, lr, momentum, nesterov)
+    drift = _error(_train(optax.sgd(lr, momentum, nesterov), batches, sparse=False)[0], ref)
+    inject = optax.inject_hyperparams(osa.sparse_sgd, static_args=("learning_rate", "nesterov", "catch_up"))
+    tx = inject(lr, momentum, nesterov, catch_up=True)
+    assert tx.init({"emb": jnp.asarray(EMB0)}).inner_state.idle_record.last_steps.shape == (1,)  # none planned
+    err = _error(_train(tx, batches, sparse=True)[0], ref)
+    for k in ("p", "m"):
+        assert err[k] <= 2 * drift[k] + 1e-7, (k, err, drift)
 
 
 @pytest.mark.parametrize(
