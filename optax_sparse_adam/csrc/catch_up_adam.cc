@@ -102,7 +102,7 @@ struct IdleSteps {
   // Whether the first min(idle, cap) idle steps of a row can be taken here: a row idle longer than the window
   // needs the constant rate (and with decay gamma's table, for the decay of its steps past the window).
   template <bool kDecay>
-  bool CanStep(int32_t idle) const {
+  OSA_ROW_INLINE bool CanStep(int32_t idle) const {
     return has_corrections && (idle <= cap || (!std::isnan(long_neg_lr) && (!kDecay || gamma_powers != nullptr)));
   }
 
