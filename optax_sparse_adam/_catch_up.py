@@ -606,8 +606,9 @@ def _far(
     where no row is left to it)."""
     if plan.table is not None:
         return jnp.asarray(plan.table), False
-    if record is None or record.last_steps.shape[0] <= 1:  # no record kept
+    if not _kept(record):
         return _long_idle_loop(plan, lr, last, long_idle, weights), True
+    assert record is not None  # _kept
     slot = jnp.mod(last, record.last_steps.shape[0])
     held = long_idle & (record.last_steps[slot] == last)
     looped = _long_idle_loop(plan, lr, last, long_idle & ~held, weights)
@@ -649,6 +650,12 @@ class IdleRecord(NamedTuple):
     last_steps: jax.Array
 
 
+def _kept(record: IdleRecord | None) -> bool:
+    """Whether ``record`` is a state's record kept by its steps, not the single entry for no step of a state that
+    keeps none (:func:`record_steps`)."""
+    return record is not None and record.last_steps.shape[0] > 1
+
+
 def record_steps(plans: tuple[_SeriesPlan | None, ...], learning_rate: Any) -> int:
     """How many last steps a state's :class:`IdleRecord` holds: :data:`_RECORD_STEPS` where one of ``plans`` has
     no table of the long-idle coefficients (a schedule; bias corrections too slow to reach 1 for a table) and the
@@ -686,9 +693,9 @@ def record_step(
     decay of the steps up to it, as :func:`_long_idle_loop` takes it. The step reads the record it returns: the
     row it adds is for a last step no row of the step has (those idle more than ``K``), and a donated record is
     updated in place (reading the old one cost two copies of it)."""
-    steps = record.last_steps.shape[0]
-    if steps <= 1 or plan is None or plan.cap == 0:  # no record kept (its one entry for no step)
+    if not _kept(record) or plan is None or plan.cap == 0:
         return record
+    steps = record.last_steps.shape[0]
     weights = None if decay is None else _DecayWeights(decay, lr_at, None, done, plan.cap)
     row = _window(plan, lr_at, done, weights, gathered=False)[-1].astype(jnp.float32)
     if weights is not None:
@@ -1188,9 +1195,7 @@ def _record_read(plan: _SeriesPlan, replayer: Replayer) -> IdleRecord | None:
     computes its coefficients (:func:`_far`). Read by key here, the record cost a gather a key of the last step,
     and another of the entry and its tag: about 85 microseconds of a step at 8,192 Zipf ids."""
     record = replayer.record
-    if plan.cap == 0 or plan.table is not None or record is None or record.last_steps.shape[0] <= 1:
-        return None
-    return record
+    return record if plan.cap > 0 and plan.table is None and _kept(record) else None
 
 
 def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> bool:
