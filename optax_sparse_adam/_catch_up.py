@@ -985,22 +985,77 @@ def _rows_kernel(
         assert plan is not None, "supports() checks the plan"
         extra = () if decay is None else (jnp.asarray(decay.weight_decay),)
         scalars = kernel_scalars(hp, count, -jnp.asarray(lr, jnp.float32), *extra)
-        keyed, (*tables, out_keys, out, flagged) = _call(
+        keyed, (*stepped, out_keys, out, flagged) = _call(
             _ffi.catch_up_adam_rows, plan, replayer, p, state, leaf, scalars, count, done, decay, adamw
         )
+        tables = tuple(stepped)
         if not _may_flag(plan, replayer, keyed.decay):
-            return out_keys[:, None], out, tuple(tables)
-
-        def by_steps() -> tuple[jax.Array, ...]:  # the flagged rows' updates and records by the XLA rule
-            g, rule, _ = _flagged(leaf, flagged, p.shape[0], replayer, done, count, lr, adamw)
-            g = coalesce(g)
-            new, stepped = _run_rows(g, p.shape, tuple(tables), (p,), rule)
-            return _placed(out_keys, out, g.keys[:, 0], stepped, p.shape[0]), *new
-
-        out, *tables = jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (out, *tables))
-        return out_keys[:, None], out, tuple(tables)
+            return out_keys[:, None], out, tables
+        rule, _ = _flagged_rule(replayer, done, count, lr, adamw)
+        out, tables = flagged_updates(flagged, out_keys, out, leaf, p, tables, rule)
+        return out_keys[:, None], out, tables
 
     return Kernel(supports, run)
+
+
+def flagged_entries(leaf: SparseLeaf, flagged: jax.Array, rows: int) -> SparseLeaf:
+    """The entries of ``leaf`` whose rows a catch-up kernel flagged (``flagged``, one per entry), the others made
+    padding (``rows``, the table's rows)."""
+    return leaf._replace(keys=jnp.where(flagged[:, None] > 0, leaf.keys, rows))
+
+
+def flagged_updates(
+    flagged: jax.Array,
+    out_keys: jax.Array,
+    out: jax.Array,
+    leaf: SparseLeaf,
+    p: jax.Array,
+    tables: tuple[jax.Array, ...],
+    rule: Rule,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """A catch-up rows kernel's results ``(out, tables)`` (its update rows ``out`` at ``out_keys``), where it
+    flagged rows of ``leaf`` (``flagged``, one per entry): those rows' updates and records by the XLA ``rule``
+    (the kernel left their records as they were), their updates placed in the kernel's slots by key. Run only
+    where a row is flagged."""
+
+    def by_steps() -> tuple[jax.Array, ...]:
+        distinct = coalesce(flagged_entries(leaf, flagged, p.shape[0]))
+        new, stepped = _run_rows(distinct, p.shape, tables, (p,), rule)
+        return _placed(out_keys, out, distinct.keys[:, 0], stepped, p.shape[0]), *new
+
+    out, *new = jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (out, *tables))
+    return out, tuple(new)
+
+
+def flagged_steps(
+    flagged: jax.Array,
+    p: jax.Array,
+    tables: tuple[jax.Array, ...],
+    leaf: SparseLeaf,
+    rule: Rule,
+    where: str,
+    clip: Clipped | None = None,
+) -> tuple[jax.Array, ...]:
+    """A catch-up apply kernel's results ``(p, *tables)``, where it flagged rows of ``leaf`` (``flagged``, one per
+    entry): those rows stepped by the XLA ``rule`` (the kernel left them and their records as they were), which
+    reads and writes them (``where`` names it in errors). With a global-norm ``clip``, ``leaf`` holds the table's
+    entries, which are summed, then clipped, as the kernel sums and clips them. Run only where a row is
+    flagged."""
+
+    def by_steps() -> tuple[jax.Array, ...]:
+        rows = flagged_entries(leaf, flagged, p.shape[0])
+        if clip is not None:  # the table's entries, summed here, then clipped
+            rows = coalesce(rows)
+            (div, mul), t = clip.scalars(), rows.values
+            # optax.clip_by_global_norm's expression, select(trigger, t, (t / g_norm) * max_norm): XLA:CPU keeps
+            # that division a division, where a bare (t / div) * mul becomes t * (1 / div) * mul and the moments
+            # round apart from the two calls'.
+            rows = rows._replace(values=jax.lax.select((div == 1) & (mul == 1), t, (t / div) * mul))
+        # rows is known distinct where the leaf is: the rule does not coalesce it again.
+        out, new = apply_rule((), rows.to_leaf(), p.shape, tables, (p,), rule, where, whole_rows=True)
+        return apply_updates(p, out), *new
+
+    return tuple(jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, *tables)))
 
 
 def _placed(keys: jax.Array, rows: jax.Array, by: jax.Array, by_rows: jax.Array, num_rows: int) -> jax.Array:
@@ -1056,22 +1111,10 @@ def fused_apply(
         _ffi.catch_up_adam_apply, plan, replayer, p, state, leaf, scalars, count, done, decay, adamw
     )
 
-    def by_steps() -> tuple[jax.Array, ...]:  # p and the tables, the flagged rows taken by the XLA rule
-        g, rule, where = _flagged(leaf, flagged, p.shape[0], replayer, done, count, replayer.lr(done), adamw)
-        if clip is not None:  # the table's entries, summed here, then clipped
-            g = coalesce(g)
-            (div, mul), t = clip.scalars(), g.values
-            # optax.clip_by_global_norm's expression, select(trigger, t, (t / g_norm) * max_norm): XLA:CPU keeps
-            # that division a division, where a bare (t / div) * mul becomes t * (1 / div) * mul and the moments
-            # round apart from the two calls'.
-            g = g._replace(values=jax.lax.select((div == 1) & (mul == 1), t, (t / div) * mul))
-        # g is known distinct where the leaf is: the rule does not coalesce it again.
-        out, new = apply_rule((), g.to_leaf(), p.shape, tuple(tables), (p,), rule, where, whole_rows=True)
-        return apply_updates(p, out), *new
-
     if not _may_flag(plan, replayer, keyed.decay):
         return p, *tables
-    return jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (p, *tables))
+    rule, where = _flagged_rule(replayer, done, count, replayer.lr(done), adamw)
+    return flagged_steps(flagged, p, tuple(tables), leaf, rule, where, clip)
 
 
 def _call(
@@ -1118,22 +1161,14 @@ def _call(
     return keyed, tuple(r for r in results if r is not None)
 
 
-def _flagged(
-    leaf: SparseLeaf,
-    flagged: jax.Array,
-    rows: int,
-    replayer: Replayer,
-    done: jax.Array,
-    count: jax.Array,
-    lr: jax.Array,
-    adamw: AdamWLeaf | None,
-) -> tuple[SparseLeaf, Rule, str]:
-    """The entries of ``leaf`` whose rows a catch-up Adam kernel flagged (the others made padding), and the XLA
-    rule that takes those rows (AdamW's with ``adamw``), with its name for errors."""
-    g = leaf._replace(keys=jnp.where(flagged[:, None] > 0, leaf.keys, rows))
+def _flagged_rule(
+    replayer: Replayer, done: jax.Array, count: jax.Array, lr: jax.Array, adamw: AdamWLeaf | None
+) -> tuple[Rule, str]:
+    """The XLA rule that takes the rows a catch-up Adam kernel flagged (AdamW's with ``adamw``), with its name for
+    errors."""
     if adamw is None:
-        return g, _rule(replayer, done, count, lr), _WHERE
-    return g, adamw.rule(replayer, done, count, lr), _WHERE_ADAMW
+        return _rule(replayer, done, count, lr), _WHERE
+    return adamw.rule(replayer, done, count, lr), _WHERE_ADAMW
 
 
 class _ByKey(NamedTuple):

@@ -897,6 +897,7 @@ def catch_up_momentum(
     per_key: jax.Array | None,
     count: jax.Array,
     done: jax.Array,
+    record: tuple[jax.Array, jax.Array] | None = None,
     *,
     cap: int,
     nesterov: bool,
@@ -904,44 +905,54 @@ def catch_up_momentum(
     rows: bool = False,
 ) -> tuple[jax.Array, ...]:
     """``sparse_sgd(..., momentum, catch_up=True)``'s fused step: the momentum step, each touched row first taking
-    the steps it sat out in closed form: ``(p, trace, last_step)``, each touched row's ``last_step`` recorded in
-    place as ``max(last_step, count)``. With ``rows``, the leaf rule for ``tx.update``
-    (``catch_up_momentum_rows``): ``(trace, last_step, keys, step)``, ``p`` read and not written, the keys and step
-    rows packed as in :func:`sparse_adam_rows`, a row's step the XLA rule's update (the replayed row plus its step,
-    less the stored row, where it sat out steps).
+    the steps it sat out in closed form: ``(p, trace, last_step, flags)``, each touched row's ``last_step``
+    recorded in place as ``max(last_step, count)``. With ``rows``, the leaf rule for ``tx.update``
+    (``catch_up_momentum_rows``): ``(trace, last_step, keys, step, flags)``, ``p`` read and not written, the keys
+    and step rows packed as in :func:`sparse_adam_rows`, a row's step the XLA rule's update (the replayed row plus
+    its step, less the stored row, where it sat out steps).
 
     The kernel reads each touched row's idle steps from its record, ``idle = done - last`` (0 where ``last ==
     0``), and its two coefficients as ``_sgd``'s ``idle_coefficients`` computes them per row: ``C`` (the sum over
     the idle steps of the learning rate times a power of the momentum) from ``window[min(idle, cap) - 1]``
     (``(max(cap, 1),)``; 0 for ``cap == 0``) and ``momentum**idle`` from ``powers`` (the momentum's
-    :func:`._catch_up.power_table`), or both from ``per_key`` (``(k, 2)``) where given."""
+    :func:`._catch_up.power_table`), or both from ``per_key`` (``(k, 2)``) where given. With ``record`` (the
+    state's :class:`._catch_up.IdleRecord`'s coefficients and last steps, under a schedule), a row idle longer
+    than ``cap`` steps takes ``C`` from the record's entry ``last mod len(last_steps)`` (times the momentum with
+    Nesterov) where it is for ``last``; a row whose entry is not is left as it is, its records too, and
+    ``flags`` is 1 in each of its keys (0 elsewhere)."""
     attrs = _attrs(p.shape[0], cap=cap, per_key=per_key is not None, nesterov=nesterov, unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, t: jax.Array, last: jax.Array, *rest: jax.Array):
+        flags = jax.ShapeDtypeStruct(keys.shape, jnp.int32)
         if rows:
-            keys, values = rest[0], rest[1]
+            keys_in, values_in = rest[0], rest[1]
             out = (
                 *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (t, last)),
-                jax.ShapeDtypeStruct(keys.shape, jnp.int32),
-                jax.ShapeDtypeStruct(values.shape, values.dtype),
+                jax.ShapeDtypeStruct(keys_in.shape, jnp.int32),
+                jax.ShapeDtypeStruct(values_in.shape, values_in.dtype),
+                flags,
             )
             aliases = {1: 0, 2: 1}
         else:
-            out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, t, last))
+            out = (*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (p, t, last)), flags)
             aliases = {0: 0, 1: 1, 2: 2}
         name = "catch_up_momentum_rows" if rows else "catch_up_momentum_apply"
         return _ffi_call(PREFIX + name, out, input_output_aliases=aliases, vmap_method="sequential")(
             p, t, last, *rest, row_begin, **attrs
         )
 
-    # Without per-key coefficients, an empty (0, 2) (z c).
+    # Without per-key coefficients, an empty (0, 2) (z c); without the record, empty ones (y j, g).
     by_key = "k" if per_key is not None else "z"
     per_key = per_key if per_key is not None else jnp.zeros((0, 2), jnp.float32)
+    far, far_steps = record if record is not None else (jnp.zeros((0, 1), jnp.float32), jnp.zeros((0,), jnp.int32))
     counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
-    operands = (_rows2d(p), _rows2d(trace), last_step, keys, _rows2d(values), scalars, window, powers, per_key, counts)
-    ins = f"n w, n w, n, k, k w, s, a, q, {by_key} c, o"
+    tables = (_rows2d(p), _rows2d(trace), last_step, keys, _rows2d(values))
+    operands = (*tables, scalars, window, powers, per_key, far, far_steps, counts)  # far: (steps, terms)
+    ins = f"n w, n w, n, k, k w, s, a, q, {by_key} c, y j, g, o"
     if rows:
-        new_t, new_last, out_keys, step = _by_row_shards(fn, ins + " -> n w, n, k, k w", summed=(3,))(*operands)
-        return new_t.reshape(trace.shape), new_last, out_keys, step.reshape(values.shape)
-    new_p, new_t, new_last = _by_row_shards(fn, ins + " -> n w, n w, n")(*operands)
-    return new_p.reshape(p.shape), new_t.reshape(trace.shape), new_last
+        new_t, new_last, out_keys, step, flags = _by_row_shards(fn, ins + " -> n w, n, k, k w, k", summed=(3, 4))(
+            *operands
+        )
+        return new_t.reshape(trace.shape), new_last, out_keys, step.reshape(values.shape), flags
+    new_p, new_t, new_last, flags = _by_row_shards(fn, ins + " -> n w, n w, n, k", summed=(3,))(*operands)
+    return new_p.reshape(p.shape), new_t.reshape(trace.shape), new_last, flags

@@ -32,9 +32,13 @@ from optax_sparse_adam._catch_up import (
     _base_table,
     _coefficients,
     _concrete,
+    _kept,
     _power,
     _SeriesPlan,
+    _window,
     caught_up_update,
+    flagged_steps,
+    flagged_updates,
     idle_record,
     of_keys,
     rate_at,
@@ -248,8 +252,8 @@ def _catch_up_sgd(
         the sum over them of the learning rate times a power of the momentum (its first ``K`` terms,
         :func:`idle_cap`: the rest move a row by less than ``2**-24`` of its first idle step), under a schedule
         from the window of the last ``K`` steps or the state's ``record`` (:func:`_schedule_plan`). The native
-        kernel picks these per row (a window of C by idle steps, the momentum's table of powers) or reads them per
-        id."""
+        kernel picks these per row (a window of C by idle steps, under a schedule the state's record too, the
+        momentum's table of powers) or reads them per id."""
         idle = jnp.where(last > 0, done - last, 0).astype(jnp.int32)
         # Idle step k (k = 1..s, at step last + k) has the trace mu^k m0 and moves the row by
         # -lr(last + k - 1) mu^k m0 (times mu more with Nesterov's update, g + mu m).
@@ -280,6 +284,21 @@ def _catch_up_sgd(
         shift = -broadcast_rows(coefficient, p0.ndim).astype(wide) * m0.astype(wide)
         return (p0.astype(wide) + shift).astype(p0.dtype), (m,)
 
+    def rule_at(done: jax.Array, count: jax.Array, lr: Any, record: IdleRecord) -> Rule:
+        """The sparse leaf rule of step ``count`` on ``(trace, last_step)``: the touched rows replay their idle
+        steps up to ``done``, then take the momentum step at learning rate ``lr``; ``record``, the state's (as
+        this step writes it)."""
+
+        def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
+            (m0, last), (p0,) = st, reads
+            p_idle, (m,) = replay_rows(p0, (m0,), last, done, record)
+            moved = broadcast_rows(jnp.where(last > 0, done - last, 0) > 0, p0.ndim)
+            u, (t,) = rule_now(g, (m,), ())
+            step = jnp.asarray(-lr, dtype=u.dtype) * u  # as optax.scale_by_learning_rate
+            return caught_up_update(p0, p_idle, step, moved), (t, stamp(last, count))
+
+        return rule
+
     def update_fn(
         updates: optax.Updates, state: CatchUpSgdState, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, CatchUpSgdState]:
@@ -291,15 +310,7 @@ def _catch_up_sgd(
         count = optax.safe_increment(state.count)
         lr = learning_rate(done) if callable(learning_rate) else learning_rate
         record = record_step(state.idle_record, plan, lr_at, done)  # read as written (see catch_up_adam)
-
-        def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
-            (m0, last), (p0,) = st, reads
-            p_idle, (m,) = replay_rows(p0, (m0,), last, done, record)
-            moved = broadcast_rows(jnp.where(last > 0, done - last, 0) > 0, p0.ndim)
-            u, (t,) = rule_now(g, (m,), ())
-            step = jnp.asarray(-lr, dtype=u.dtype) * u  # as optax.scale_by_learning_rate
-            return caught_up_update(p0, p_idle, step, moved), (t, stamp(last, count))
-
+        rule = rule_at(done, count, lr, record)
         kernel = fusion.rows_kernel(done, count, lr, record)
 
         def leaf(path: Any, g: Any, m: Any, last: Any, p: Any) -> tuple[Any, Any, Any]:
@@ -327,20 +338,24 @@ def _catch_up_sgd(
         ("trace",),
         lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count, st.idle_record),
     )
-    fusion = CatchUpMomentumFusion(learning_rate, momentum, nesterov, idle_coefficients, cap)
+    fusion = CatchUpMomentumFusion(learning_rate, momentum, nesterov, idle_coefficients, cap, plan, rule_at)
     return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, fusion, rows=rows))
 
 
 class CatchUpMomentumFusion(NamedTuple):
     """What :func:`update_and_apply` needs of a ``sparse_sgd(..., momentum, catch_up=True)`` to run its step in one
     pass per row: the momentum kernels' hyperparameters, ``idle_coefficients(last, done, record)`` (each row's idle
-    steps and their closed form's coefficients; ``record`` the state's) and :func:`idle_cap`."""
+    steps and their closed form's coefficients; ``record`` the state's), :func:`idle_cap`, the schedule's plan of
+    the idle steps' sums (:func:`_schedule_plan`, or ``None``) and ``rule_at(done, count, lr, record)``, the XLA
+    rule, which takes the rows the kernels flag."""
 
     learning_rate: optax.ScalarOrSchedule
     momentum: Any
     nesterov: bool
     idle_coefficients: Callable[[jax.Array, jax.Array, IdleRecord], tuple[jax.Array, jax.Array]]
     cap: Any
+    plan: _SeriesPlan | None
+    rule_at: Callable[[jax.Array, jax.Array, Any, IdleRecord], Rule]
 
     def apply(
         self,
@@ -356,12 +371,17 @@ class CatchUpMomentumFusion(NamedTuple):
         """:func:`update_and_apply`'s step on one sparse leaf, by the native kernel: ``(p, trace, last_step)``, the
         rows replayed up to step ``done`` (the count before the step), then stepped to ``count``. At a constant
         learning rate and momentum the kernel picks each touched row's coefficients itself, from its record, the
-        window of ``C`` by idle steps and the momentum's table of powers; else they are computed here per key, as
-        the XLA path computes them per row (under a schedule, from the window and the state's ``record``)."""
+        window of ``C`` by idle steps and the momentum's table of powers; under a schedule, from the window of the
+        last steps and the state's ``record`` (the rows whose entry it does not hold, flagged, are taken by the
+        XLA rule); else they are computed here per key, as the XLA path computes them per row."""
         trace, last = state
         if clip is not None:
             scalars = clip.append_to(scalars)
-        return self._kernel(p, trace, last, leaf, scalars, done, count, record)
+        p, trace, last, flagged = self._kernel(p, trace, last, leaf, scalars, done, count, record)
+        if not self._reads_record(record):
+            return p, trace, last
+        rule = self.rule_at(done, count, self._lr(done), record)
+        return flagged_steps(flagged, p, (trace, last), leaf, rule, f"{_WHERE}(catch_up=True)", clip)
 
     def _kernel(
         self,
@@ -378,6 +398,8 @@ class CatchUpMomentumFusion(NamedTuple):
     ) -> tuple[jax.Array, ...]:
         """One of the two kernels (:func:`._ffi.catch_up_momentum`) on ``leaf``, with its coefficient operands."""
         keys = leaf.keys[:, 0]
+        window, powers, per_key = self.idle_operands(last, keys, done, record)
+        reads = self._reads_record(record)
         return _ffi.catch_up_momentum(
             p,
             trace,
@@ -385,19 +407,30 @@ class CatchUpMomentumFusion(NamedTuple):
             keys,
             leaf.values,
             scalars,
-            *self.idle_operands(last, keys, done, record),
+            window,
+            powers,
+            per_key,
             count,
             done,
-            cap=self.kernel_cap(),
+            (record.coefficients, record.last_steps) if reads else None,
+            cap=self.kernel_cap(record),
             nesterov=self.nesterov,
             unique=_kernel_path.unique_flag(leaf),
             rows=rows,
         )
 
-    def kernel_cap(self) -> int:
-        """The window's length the kernels take: :func:`idle_cap` at a constant learning rate and momentum, else 0
-        (their coefficients per key)."""
-        return int(self.cap) if self._table() is not None else 0
+    def _lr(self, done: jax.Array) -> Any:
+        return self.learning_rate(done) if callable(self.learning_rate) else self.learning_rate
+
+    def _reads_record(self, record: IdleRecord) -> bool:
+        """Whether the kernels take the idle steps' sums from the window and the state's record (a schedule, with
+        the momentum known when the step is traced), flagging the long-idle rows whose entry it does not hold."""
+        return self._table() is None and self.plan is not None and _kept(record)
+
+    def kernel_cap(self, record: IdleRecord) -> int:
+        """The window's length the kernels take: :func:`idle_cap` at a constant learning rate and momentum, and
+        under a schedule where they read the state's record; else 0 (their coefficients per key)."""
+        return int(self.cap) if self._table() is not None or self._reads_record(record) else 0
 
     def _table(self) -> np.ndarray | None:
         return None if callable(self.learning_rate) else _geometric_table(self.momentum, self.cap, self.nesterov)
@@ -407,11 +440,20 @@ class CatchUpMomentumFusion(NamedTuple):
     ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """The kernels' coefficient operands ``(window, powers, per_key)``: at a constant learning rate and
         momentum the window of ``C`` by idle steps and the momentum's table of powers, from which the kernel picks
-        each touched row's coefficients itself; else ``per_key``, computed here as the XLA path computes them per
-        row."""
+        each touched row's coefficients itself; under a schedule where the kernel reads the state's record, the
+        window computed here from the last steps' rates (times the momentum with Nesterov, as
+        ``idle_coefficients`` multiplies each row's sum) and the table of powers; else ``per_key``, computed here
+        as the XLA path computes them per row."""
         window = jnp.zeros((1,), jnp.float32)
         powers = jnp.zeros((1024,), jnp.float32)
         table = self._table()
+        if self._reads_record(record):
+            assert self.plan is not None  # _reads_record
+            lr_at = functools.partial(rate_at, self.learning_rate)
+            window = _window(self.plan, lr_at, done, gathered=False)[:, 0]
+            if self.nesterov:
+                window = jnp.asarray(self.momentum, jnp.float32) * window
+            return window, jnp.asarray(_base_table(float(self.momentum)).reshape(-1)), None
         if table is None:
             return window, powers, self.idle_coefficients(of_keys(last, keys), done, record)[1]
         if self.cap > 0:  # C of rows idle d = 1 .. cap steps, in entry d - 1: idle_coefficients' product
@@ -421,7 +463,7 @@ class CatchUpMomentumFusion(NamedTuple):
     def rows_kernel(self, done: jax.Array, count: jax.Array, lr: Any, record: IdleRecord) -> Kernel:
         """The catch-up momentum rows kernel in the XLA rule's place (``tx.update`` on the CPU): float32 tables,
         a per-row ``int32`` record; ``lr`` the step's learning rate, ``record`` the state's record of long-idle
-        sums."""
+        sums. The rows it flags take the XLA rule, their updates placed in the kernel's slots by key."""
 
         def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
             (p,), (trace, last) = reads, state
@@ -434,7 +476,12 @@ class CatchUpMomentumFusion(NamedTuple):
         def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
             (p,), (trace, last) = reads, state
             scalars = _ffi.float32_scalars(self.momentum, -jnp.asarray(lr, jnp.float32))
-            trace, last, keys, step = self._kernel(p, trace, last, leaf, scalars, done, count, record, rows=True)
+            trace, last, keys, step, flagged = self._kernel(
+                p, trace, last, leaf, scalars, done, count, record, rows=True
+            )
+            if self._reads_record(record):
+                rule = self.rule_at(done, count, lr, record)
+                step, (trace, last) = flagged_updates(flagged, keys, step, leaf, p, (trace, last), rule)
             return keys[:, None], step, (trace, last)
 
         return Kernel(supports, run)
@@ -530,8 +577,10 @@ def sparse_sgd(
     the rounding of its sum (XLA:CPU picks by shape whether it contracts
     ``g + momentum * t``, and where ids repeat it adds them one by one onto
     ``momentum * t``); with ``catch_up=True`` one fused kernel also
-    catches each touched row up, from coefficients per id computed as the
-    XLA path computes them per row (Nesterov's bitwise the XLA path's).
+    catches each touched row up, from the coefficients the XLA path
+    computes per row, which it picks itself (under a schedule, from a window
+    of the last steps' sums and the state's record; an injected momentum's
+    computed per id first): Nesterov's bitwise the XLA path's.
 
     Dense gradient leaves take :func:`optax.sgd`'s step: for a leaf that gets
     a dense gradient every step, bitwise where the update and its

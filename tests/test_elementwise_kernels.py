@@ -540,9 +540,14 @@ def test_catch_up_momentum_fused_equals_the_xla_path(lr, nesterov, door):
     if nesterov:
         assert_trees_equal(native, xla)
     else:
-        for a, b in ((native[0], xla[0]), (native[1].trace, xla[1].trace)):
-            scale = float(jnp.max(jnp.abs(b)))
-            assert float(jnp.max(jnp.abs(a - b))) <= 16 * float(np.spacing(F32(scale)))
+        _assert_drift_within_ulps(native, xla)
+
+
+def _assert_drift_within_ulps(native, xla):
+    """The plain trace's sum rounds as lazy momentum's does: parameters and trace within 16 ulps of the largest."""
+    for a, b in ((native[0], xla[0]), (native[1].trace, xla[1].trace)):
+        scale = float(jnp.max(jnp.abs(b)))
+        assert float(jnp.max(jnp.abs(a - b))) <= 16 * float(np.spacing(F32(scale)))
 
 
 @needs_kernels
@@ -760,3 +765,109 @@ def test_ftrl_with_a_power_xla_turns_into_products_takes_the_xla_path(power):
         assert "ftrl_" not in step.lower(p, s, ids, values).as_text()
     report = osa.step_report(jax.jit(_step(tx, True)), p, s, ids, values)
     assert "no native kernel for the optimizer" in str(report), str(report)
+
+
+def _scheduled_idle_start(tx, rng):
+    """A table of 64 rows at step 3,000 under a schedule, a quarter of its rows never moved, a quarter idle within
+    the window (``K = 180`` steps), a quarter idle longer with their long-idle sums in the state's record (hand
+    written: both paths read them), and a quarter idle longer without (their entries for no step, or another):
+    ``(p, state, kind)``, ``kind`` per row 0 to 3 in that order."""
+    rows, width, done, cap = 64, 6, 3_000, 180
+    kind = np.arange(rows) % 4
+    last = np.zeros(rows, np.int64)
+    last[kind == 1] = done - rng.integers(1, cap + 1, int((kind == 1).sum()))
+    long_idle = rng.permutation(np.arange(1, done - cap - 1))[: int((kind >= 2).sum())]  # distinct last steps
+    last[kind >= 2] = long_idle
+    s = tx.init(jnp.zeros((rows, width), jnp.float32))
+    coefficients, tags = np.array(s.idle_record.coefficients), np.array(s.idle_record.last_steps)
+    held, missed = last[kind == 2], last[kind == 3]
+    tags[held] = held
+    coefficients[held, 0] = rng.uniform(0.001, 0.05, held.size)
+    tags[missed[::2]] = missed[::2] + tags.size  # an entry for a later step, the others for none
+    s = s._replace(
+        count=jnp.int32(done),
+        trace=jnp.asarray(rng.standard_normal((rows, width)), jnp.float32),
+        last_step=jnp.asarray(last, jnp.int32),
+        idle_record=s.idle_record._replace(coefficients=jnp.asarray(coefficients), last_steps=jnp.asarray(tags)),
+    )
+    return jnp.asarray(rng.standard_normal((rows, width)), jnp.float32), s, kind
+
+
+def _scheduled_batch(rng, rows):
+    """Every row once, a third of them again (duplicates), and padding (-1, ``rows``)."""
+    ids = np.concatenate([rng.permutation(rows), rng.integers(0, rows, rows // 3), [-1, rows]])
+    ids = rng.permutation(ids).astype(np.int32)
+    return jnp.asarray(ids), jnp.asarray(rng.standard_normal((ids.size, 6)), jnp.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("door", DOORS)
+def test_catch_up_momentum_under_a_schedule_reads_the_record_and_flags_what_it_does_not_hold(
+    nesterov, door, monkeypatch
+):
+    """Under a schedule the kernels take a returning row's sum over its idle steps from the window of the last steps
+    or, idle longer, from the state's record, and flag (in each of its entries: ids repeat) exactly the in-range
+    rows whose record entry is not for their last step, which the XLA rule takes (its update placed in the rows
+    kernel's slot by key): the step as the XLA path's, Nesterov's trace and records bitwise and its parameters too
+    but in the flagged rows, there within a rounding of the replayed row and one of the new (XLA:CPU contracts the
+    replay's ``p - C t`` into a multiply-add in some elements and not in others, as it compiles the rule for those
+    rows alone or for all), the plain trace's drift within a few ulps as in the run above."""
+    flags: list[np.ndarray] = []
+    call = _ffi.catch_up_momentum
+
+    def recording(*args, **kwargs):
+        out = call(*args, **kwargs)
+        jax.debug.callback(lambda f: flags.append(np.asarray(f)), out[-1])
+        return out
+
+    monkeypatch.setattr(_ffi, "catch_up_momentum", recording)
+    tx = osa.sparse_sgd(optax.cosine_decay_schedule(LR, 5_000), MU, nesterov, catch_up=True)
+    rng = np.random.default_rng([60, nesterov])
+    p, s, kind = _scheduled_idle_start(tx, rng)
+    batch = [_scheduled_batch(rng, p.shape[0])]
+    native, xla = (_catch_up_run(tx, p, s, batch, kernels, door) for kernels in (True, False))
+    ids = np.asarray(batch[0][0])
+    in_range = (ids >= 0) & (ids < p.shape[0])
+    (got,) = flags
+    np.testing.assert_array_equal(got > 0, in_range & (kind[np.clip(ids, 0, p.shape[0] - 1)] == 3))
+    assert_trees_equal(native[1].last_step, xla[1].last_step)
+    assert int(native[1].last_step.min()) == 3_001
+    if nesterov:
+        assert_trees_equal(native[1], xla[1])
+        pn, px = np.asarray(native[0]), np.asarray(xla[0])
+        np.testing.assert_array_equal(pn[kind != 3], px[kind != 3])
+        replayed = np.abs(np.asarray(p)) + np.abs(np.asarray(s.trace))  # C < lr mu**2 / (1 - mu) < 1
+        ulps = np.spacing(replayed.astype(F32)) + np.spacing(np.abs(px))
+        assert np.all(np.abs(pn - px) <= ulps)
+    else:
+        _assert_drift_within_ulps(native, xla)
+
+
+@needs_kernels
+@pytest.mark.parametrize("door", DOORS)
+def test_catch_up_momentum_flagged_rows_on_a_table_split_by_rows_and_after_clipping(door):
+    """The flagged rows of a schedule's step (see above) on a table split by rows over 8 devices (the kernel on each
+    block, the flags summed, the XLA rule's rows placed by key): the one-device step, bitwise; and after global-norm
+    clipping, which the XLA rule applies to the flagged rows' sums as the kernel to the others', the XLA path's
+    numbers to a rounding."""
+    schedule = optax.cosine_decay_schedule(LR, 5_000)
+    tx = osa.sparse_sgd(schedule, MU, True, catch_up=True)
+    rng = np.random.default_rng(61)
+    p, s, _ = _scheduled_idle_start(tx, rng)
+    batch = [_scheduled_batch(rng, p.shape[0])]
+    rows = p.shape[0]
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
+    by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    split = lambda x: by_rows if x.ndim and x.shape[0] == rows else None  # noqa: E731
+    place = functools.partial(jax.tree.map, lambda x: jax.device_put(x, split(x)))
+    one = _catch_up_run(tx, p, s, batch, kernels=True, door=door)
+    sharded = _catch_up_run(tx, place(p), place(s), batch, kernels=True, door=door)
+    assert sharded[0].sharding.is_equivalent_to(by_rows, 2)
+    assert_trees_equal(sharded, one)
+
+    clipped = optax.chain(osa.sparse_aware(optax.clip_by_global_norm(0.5)), tx)
+    start = clipped.init(p)
+    start = (start[0], s)
+    native, xla = (_catch_up_run(clipped, p, start, batch, kernels, door) for kernels in (True, False))
+    assert_trees_equal(native, xla, rtol=2e-6, atol=1e-6)

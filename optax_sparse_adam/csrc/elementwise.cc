@@ -24,8 +24,8 @@
 //     (with `divides`: s = (root(n') - root(n)) / alpha, and root(n') / alpha + q0 in the last denominator),
 //     u = p_new - p,  p' = p + u (apply_updates' sum: p_new to within a rounding, as on the XLA path).
 // And the two handlers of momentum with catch-up:
-//   catch_up_momentum_apply (p, trace, last_step, keys, values, scalars, window, powers, per_key, counts)
-//       -> (p, trace, last_step)
+//   catch_up_momentum_apply (p, trace, last_step, keys, values, scalars, window, powers, per_key, far, far_steps,
+//                            counts) -> (p, trace, last_step, flags)
 //     sparse_sgd(momentum, catch_up=True)'s step: a row that sat out idle > 0 steps since its record first takes
 //     them in their closed form, from two coefficients it picks as the XLA path's replay computes them per row
 //     (IdleRecords: C, the sum over the idle steps of lr_k momentum^k, times momentum with Nesterov, and
@@ -33,10 +33,13 @@
 //       q = fma(-C, t, p),  t = t momentum**idle,
 //     then the momentum step from t, and p' = p + ((q + neg_lr u) - p), the update the XLA path rounds and
 //     applies (p' = p + neg_lr u for a row that did not sit out); each touched row's record takes the step's
-//     count in place, last_step = max(last_step, count).
-//   catch_up_momentum_rows (the same operands) -> (trace, last_step, keys, step)
+//     count in place, last_step = max(last_step, count). Under a schedule, a row idle longer than the window
+//     whose entry the state's record (far, far_steps) does not hold is left as it is, its records too, and
+//     flagged in each of its entries (flags 1): the caller takes it by the XLA rule.
+//   catch_up_momentum_rows (the same operands) -> (trace, last_step, keys, step, flags)
 //     the leaf rule for tx.update: p read, not written; the step rows, packed as the rows handlers pack theirs,
-//     hold the XLA rule's update, (q + neg_lr u) - p where the row sat out steps and neg_lr u elsewhere.
+//     hold the XLA rule's update, (q + neg_lr u) - p where the row sat out steps and neg_lr u elsewhere (zeros
+//     for a flagged row).
 // Per entry, with the expressions XLA:CPU compiles the XLA path to (it contracts a product into the following
 // add, and turns a division by a constant scalar into a multiplication by its reciprocal); built with
 // -ffp-contract=off so that only the fused multiply-adds written here occur. The apply handlers take the
@@ -126,15 +129,22 @@ struct MomentumRule {
 };
 
 // A touched row's idle steps, from its record (IdleSince), and the step's count for the record. Their closed form's
-// coefficients: at a constant rate and momentum C(min(idle, cap)) from the window (0 where cap == 0) and
-// momentum**idle from its table (TablePower), as _sgd's idle_coefficients computes them per row; else both per key,
-// computed by the XLA side (a schedule, a momentum not known when the step is traced).
+// coefficients, as _sgd's idle_coefficients computes them per row: at a constant rate and momentum C(min(idle, cap))
+// from the window (0 where cap == 0) and momentum**idle from its table (TablePower); under a schedule (with the
+// state's record) C from the window for rows idle up to cap steps, and for rows idle longer the record's entry
+// L mod its length (L the row's last step) where it is for L (times the momentum with Nesterov), else the row is
+// declined (flagged: the XLA rule takes it); else both per key, computed by the XLA side (a momentum not known when
+// the step is traced, a state that keeps no record).
 struct IdleRecords {
-  const float* window;   // (max(cap, 1),): C of rows idle 1 .. cap steps, or nullptr with per_key
+  const float* window;     // (max(cap, 1),): C of rows idle 1 .. cap steps, or nullptr with per_key
   int64_t cap;
-  const float* powers;   // momentum's table (1024 floats), or nullptr with per_key
-  const float* per_key;  // (k, 2): C and momentum**idle per key, or nullptr
-  int32_t* last_step;    // per local row, written
+  const float* powers;     // momentum's table (1024 floats), or nullptr with per_key
+  const float* per_key;    // (k, 2): C and momentum**idle per key, or nullptr
+  const float* far;        // the record's coefficients, far_terms per entry (its first C), or nullptr
+  const int32_t* far_steps;  // the last step each of the record's entries is for, or nullptr
+  int64_t record_steps, far_terms;
+  int32_t* flags;          // (k,): 1 for each entry of a declined row
+  int32_t* last_step;      // per local row, written
   int32_t count, done;
 };
 
@@ -158,15 +168,19 @@ struct CatchUpMomentumRule {
     __builtin_prefetch(keys.last_step + r, 1, 3);
   }
 
-  OSA_ROW_INLINE void Row(const float* __restrict g, int64_t r, int64_t slot, int64_t entry, float*) const {
+  OSA_ROW_INLINE void Declined(int64_t e) const { keys.flags[e] = 1; }
+
+  // False, nothing written but zeros in the step row (rows), for a row idle longer than the window whose entry the
+  // state's record does not hold.
+  OSA_ROW_INLINE bool Row(const float* __restrict g, int64_t r, int64_t slot, int64_t entry, float*) const {
     const float mu = momentum, neg_lr_ = neg_lr;
     float* __restrict t = trace + r * width;
     const float* pr = p + r * width;  // may be dst (apply): read before written, entry by entry
     float* dst = kApply ? out + r * width : out + slot * width;
     const int32_t last = keys.last_step[r];
-    keys.last_step[r] = std::max(last, keys.count);
     const int32_t idle = IdleSince(keys.done, last);
     if (idle <= 0) {  // up to date: the lazy step
+      keys.last_step[r] = std::max(last, keys.count);
       for (int64_t j = 0; j < width; ++j) {
         const float tn = kNesterov ? std::fma(t[j], mu, g[j]) : g[j] + mu * t[j];
         t[j] = tn;
@@ -177,16 +191,27 @@ struct CatchUpMomentumRule {
           dst[j] = step;
         }
       }
-      return;
+      return true;
     }
     float c, decay;
     if (keys.per_key != nullptr) {
       c = keys.per_key[2 * entry];
       decay = keys.per_key[2 * entry + 1];
     } else {
-      c = keys.cap > 0 ? keys.window[std::min<int64_t>(idle, keys.cap) - 1] : 0.0f;
+      if (keys.far_steps != nullptr && idle > keys.cap) {  // the record's entry L mod its length (L > 0 here)
+        const int64_t at = last % keys.record_steps;
+        if (keys.far_steps[at] != last) {
+          if constexpr (!kApply) std::fill(dst, dst + width, 0.0f);
+          return false;
+        }
+        c = keys.far[at * keys.far_terms];
+        if constexpr (kNesterov) c = mu * c;  // as idle_coefficients multiplies the sum
+      } else {
+        c = keys.cap > 0 ? keys.window[std::min<int64_t>(idle, keys.cap) - 1] : 0.0f;
+      }
       decay = TablePower(keys.powers, idle);
     }
+    keys.last_step[r] = std::max(last, keys.count);
     for (int64_t j = 0; j < width; ++j) {
       const float p0 = pr[j];
       const float caught = std::fma(-c, t[j], p0);
@@ -201,6 +226,7 @@ struct CatchUpMomentumRule {
         dst[j] = update;
       }
     }
+    return true;
   }
 };
 
@@ -416,11 +442,13 @@ ffi::Error MomentumApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi:
 }
 
 // The catch-up momentum handlers' coefficient operands, checked (k keys), and each touched row's records, read
-// into their result; `records` is set.
+// into their result; `records` is set (flags zeroed).
 ffi::Error ReadIdleRecords(const ffi::BufferR1<ffi::S32>& last_step, const ffi::BufferR1<ffi::F32>& window,
                            const ffi::BufferR1<ffi::F32>& powers, const ffi::BufferR2<ffi::F32>& per_key,
+                           const ffi::BufferR2<ffi::F32>& far, const ffi::BufferR1<ffi::S32>& far_steps,
                            const ffi::BufferR1<ffi::S32>& counts, ffi::ResultBufferR1<ffi::S32>& last_step_out,
-                           int64_t k, int64_t cap, int64_t per_key_given, const Shard& shard, IdleRecords& records) {
+                           ffi::ResultBufferR1<ffi::S32>& flags, int64_t k, int64_t cap, int64_t per_key_given,
+                           const Shard& shard, IdleRecords& records) {
   // Whether per_key is given is an attribute: an empty batch's per_key is empty too.
   const bool by_key = per_key_given != 0;
   if (by_key ? per_key.dimensions()[0] != k || per_key.dimensions()[1] != 2 : per_key.element_count() != 0)
@@ -429,14 +457,30 @@ ffi::Error ReadIdleRecords(const ffi::BufferR1<ffi::S32>& last_step, const ffi::
                   powers.element_count() != 1024))
     return ffi::Error::InvalidArgument("without per_key, window must hold C for each idle count up to cap and "
                                        "powers the momentum's table");
+  const auto record_steps = static_cast<int64_t>(far_steps.element_count());
+  const int64_t far_terms = far.dimensions()[1];
+  if (record_steps != 0 && (by_key || far.dimensions()[0] != record_steps || far_terms < 1))
+    return ffi::Error::InvalidArgument("far must hold an entry of the record for each of far_steps (not by key)");
   if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
   if (static_cast<int64_t>(last_step.element_count()) != shard.local_rows ||
       last_step_out->element_count() != last_step.element_count())
     return ffi::Error::InvalidArgument("last_step must have one entry per row");
+  if (static_cast<int64_t>(flags->element_count()) != k)
+    return ffi::Error::InvalidArgument("flags must have one entry per key");
   int32_t* last = last_step_out->typed_data();
   CopyIfNotAliased(last, last_step.typed_data(), last_step.element_count());
-  records = IdleRecords{by_key ? nullptr : window.typed_data(), cap,  by_key ? nullptr : powers.typed_data(),
-                        by_key ? per_key.typed_data() : nullptr, last, counts.typed_data()[0],
+  std::fill(flags->typed_data(), flags->typed_data() + k, 0);
+  records = IdleRecords{by_key ? nullptr : window.typed_data(),
+                        cap,
+                        by_key ? nullptr : powers.typed_data(),
+                        by_key ? per_key.typed_data() : nullptr,
+                        record_steps != 0 ? far.typed_data() : nullptr,
+                        record_steps != 0 ? far_steps.typed_data() : nullptr,
+                        record_steps,
+                        far_terms,
+                        flags->typed_data(),
+                        last,
+                        counts.typed_data()[0],
                         counts.typed_data()[1]};
   return ffi::Error::Success();
 }
@@ -461,19 +505,20 @@ void RunCatchUpMomentum(ffi::ThreadPool& pool, bool nesterov, const float* x, fl
   ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> trace, ffi::BufferR1<ffi::S32> last_step, \
       ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,              \
       ffi::BufferR1<ffi::F32> window, ffi::BufferR1<ffi::F32> powers, ffi::BufferR2<ffi::F32> per_key,          \
-      ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin
+      ffi::BufferR2<ffi::F32> far, ffi::BufferR1<ffi::S32> far_steps, ffi::BufferR1<ffi::S32> counts,           \
+      ffi::BufferR0<ffi::S32> row_begin
 
 ffi::Error CatchUpMomentumApplyImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer<ffi::F32> p_out,
                                     ffi::ResultBuffer<ffi::F32> trace_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
-                                    int64_t num_rows, int64_t cap, int64_t per_key_given, int64_t nesterov,
+                                    ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t per_key_given, int64_t nesterov,
                                     int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   return OneTableApply(
       p, trace, keys, values, scalars, row_begin, p_out, trace_out, num_rows,
       [&](float* t, float* q, int64_t width, const Shard& shard, const Clip& clip) {
         IdleRecords records{};
-        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap,
-                                           per_key_given, shard, records);
+        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, far, far_steps, counts,
+                                           last_step_out, flags, k, cap, per_key_given, shard, records);
             e.failure())
           return e;
         RunCatchUpMomentum<true>(pool, nesterov != 0, scalars.typed_data(), t, q, q, records, width,
@@ -485,7 +530,7 @@ ffi::Error CatchUpMomentumApplyImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffe
 ffi::Error CatchUpMomentumRowsImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer<ffi::F32> trace_out,
                                    ffi::ResultBufferR1<ffi::S32> last_step_out,
                                    ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
-                                   int64_t num_rows, int64_t cap, int64_t per_key_given, int64_t nesterov,
+                                   ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t per_key_given, int64_t nesterov,
                                    int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   return OneTableRows(
@@ -493,8 +538,8 @@ ffi::Error CatchUpMomentumRowsImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer
       [&](float* t, float* step, int64_t width, const Shard& shard, int32_t* out_keys) {
         if (ffi::Error e = CheckSame(p, trace); e.failure()) return e;
         IdleRecords records{};
-        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, counts, last_step_out, k, cap,
-                                           per_key_given, shard, records);
+        if (ffi::Error e = ReadIdleRecords(last_step, window, powers, per_key, far, far_steps, counts,
+                                           last_step_out, flags, k, cap, per_key_given, shard, records);
             e.failure())
           return e;
         RunCatchUpMomentum<false>(pool, nesterov != 0, scalars.typed_data(), t, p.typed_data(), step, records, width,
@@ -729,6 +774,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamFtrlApply, optax_sparse_adam::FtrlA
       .Arg<ffi::BufferR1<ffi::F32>>()  /* window: C of rows idle 1 .. cap steps */      \
       .Arg<ffi::BufferR1<ffi::F32>>()  /* powers: the momentum's table */               \
       .Arg<ffi::BufferR2<ffi::F32>>()  /* per_key: C, momentum**idle, or empty */       \
+      .Arg<ffi::BufferR2<ffi::F32>>()  /* far: the record's coefficients, or empty */   \
+      .Arg<ffi::BufferR1<ffi::S32>>()  /* far_steps: the record's last steps, or empty */ \
       .Arg<ffi::BufferR1<ffi::S32>>()  /* counts: the step's (recorded), done */        \
       .Arg<ffi::BufferR0<ffi::S32>>()  /* row_begin: first row held */
 
@@ -739,6 +786,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumApply, optax_sparse_
                                   .Ret<ffi::Buffer<ffi::F32>>()    // p
                                   .Ret<ffi::Buffer<ffi::F32>>()    // trace
                                   .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // flags
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("cap")
                                   .Attr<int64_t>("per_key")
@@ -754,6 +802,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpMomentumRows, optax_sparse_a
                                   .Ret<ffi::BufferR1<ffi::S32>>()  // last_step
                                   .Ret<ffi::Buffer<ffi::S32>>()    // keys, packed
                                   .Ret<ffi::Buffer<ffi::F32>>()    // step rows
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // flags
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("cap")
                                   .Attr<int64_t>("per_key")

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "rows.h"
@@ -28,7 +29,23 @@ struct Options {
 // local row r's state, ahead of time), and Row(g, r, slot, entry, scratch):
 // the row's state at local row r updated from its gradient row g (duplicates
 // summed), the step written to `out` at `slot` or added to the parameters'
-// row r; `entry` is one of the row's entries (for per-entry operands).
+// row r; `entry` is one of the row's entries (for per-entry operands). A rule
+// whose Row returns a bool may decline a row (false: its state and parameters
+// as they were, its step row zeros): the loop then calls Declined(e) for each
+// of the row's entries e, which the caller takes by another path.
+
+// Rule::Row on a row, and where the rule declines it, Declined on each of its entries (those from `first` on,
+// chained by `next`; nullptr for a row of one entry).
+template <class Rule>
+OSA_ROW_INLINE void RowOrDecline(const Rule& rule, const float* g, int64_t r, int64_t slot, int32_t first,
+                                 const int32_t* next, float* scratch) {
+  if constexpr (std::is_same_v<decltype(rule.Row(g, r, slot, first, scratch)), bool>) {
+    if (rule.Row(g, r, slot, first, scratch)) return;
+    for (int32_t e = first; e >= 0; e = next != nullptr ? next[e] : -1) rule.Declined(e);
+  } else {
+    rule.Row(g, r, slot, first, scratch);
+  }
+}
 
 // The distinct rows [lo, hi) of a coalesced batch; with `summed`, their gradient rows summed already (c.size x
 // width, clipped here in place).
@@ -51,7 +68,8 @@ OSA_TARGET_CLONES void CoalescedRows(const Rule& rule, const Clip& clip, const C
         std::memset(rule.out + c.Slot(d) * width, 0, sizeof(*rule.out) * static_cast<size_t>(width));
       continue;
     }
-    rule.Row(sums + (d - lo) * width, shard.Local(c.row[d]), c.Slot(d), c.first[d], scratch.data());
+    RowOrDecline(rule, sums + (d - lo) * width, shard.Local(c.row[d]), c.Slot(d), c.first[d], c.next.data(),
+                 scratch.data());
   }
 }
 
@@ -69,7 +87,8 @@ OSA_TARGET_CLONES void UniqueRows(const Rule& rule, const Clip& clip, const int3
       if constexpr (!Rule::kApply) std::memset(rule.out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
       continue;
     }
-    rule.Row(ClippedRow(clip, values + i * width, clipped.data(), width), shard.Local(keys[i]), i, i, scratch.data());
+    RowOrDecline(rule, ClippedRow(clip, values + i * width, clipped.data(), width), shard.Local(keys[i]), i,
+                 static_cast<int32_t>(i), nullptr, scratch.data());
   }
 }
 
