@@ -931,7 +931,7 @@ def _kernel_operands(
     decay: Decay | None = None,
     weights: _DecayWeights | None = None,
     far: jax.Array | None = None,
-    new_log: Any = 0.0,
+    logs: tuple[Any, Any] = (0.0, 0.0),
 ) -> _ffi.CatchUpOperands:
     """What the catch-up Adam kernels read of a step beyond the rows (see :func:`._ffi.catch_up_adam_apply`); ``far``,
     the long-idle coefficients per key where the plan has no table."""
@@ -949,7 +949,9 @@ def _kernel_operands(
             far = jnp.asarray(plan.table)
     long_neg_lr, neg_rates, corrections = _step_operands(plan, replayer, done)
     has_table = float(plan.corrections is not None)
-    limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in (plan.binv, _RATIO, long_neg_lr, has_table, new_log)])
+    new_log, old_log = logs
+    scalars = (plan.binv, _RATIO, long_neg_lr, has_table, new_log, old_log)
+    limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in scalars])
     far = zeros if far is None else far
     return _ffi.CatchUpOperands(window, far, powers, through, limits, neg_rates, corrections)
 
@@ -1088,7 +1090,8 @@ def fused_apply(
     What the XLA path computes per row to replay it the kernel computes per touched row from its record, as the XLA
     path does: its idle steps, the moments' decays (:func:`_power`, from the same tables), and with AdamW's decay
     the row's decay over its idle steps and the long-idle terms' weight (from gamma's table and the window's
-    products; under a schedule those two are computed here per key, from the state's log). Its series coefficients
+    products; under a schedule, a long-idle row's from its decay mark and the state's log, ``exp(old_log - mark)``,
+    with C's ``exp``, which may round an ulp apart from XLA's). Its series coefficients
     it picks from the window and the long-idle table (:func:`_window`, :func:`_far`; under a schedule, from the
     state's ``record``, an :class:`IdleRecord`, by the row's last step) as :func:`_coefficients` does. The kernel
     replays and steps each touched row in one pass, taking the idle steps one by one for the elements the series
@@ -1135,10 +1138,11 @@ def _call(
     and of the step (:func:`_kernel_operands`): ``(keyed, results)``, the results without the decay mark (``None``)
     where there is no ``adamw``."""
     keys = leaf.keys[:, 0]
-    keyed = _by_key(plan, replayer, state, keys, done, decay, adamw)
+    keyed = _by_key(plan, replayer, state, keys, done, decay)
     # The record's coefficients as they are: reshaping AdamW's (variants, steps, terms) made XLA copy them.
     far = keyed.far if keyed.record is None else keyed.record.coefficients
-    ops = _kernel_operands(plan, replayer, done, keyed.decay, keyed.weights, far, keyed.new_log)
+    logs = (adamw.new_log, adamw.old_log) if adamw is not None else (0.0, 0.0)
+    ops = _kernel_operands(plan, replayer, done, keyed.decay, keyed.weights, far, logs)
     mark = state[3] if adamw is not None else None
     results = kernel(
         p,
@@ -1147,7 +1151,6 @@ def _call(
         keys,
         leaf.values,
         scalars,
-        keyed.per_key,
         ops,
         count,
         done,
@@ -1156,6 +1159,7 @@ def _call(
         decay=keyed.decay is not None,
         far_by_key=keyed.far is not None,
         far_offset=keyed.record_offset,
+        decay_from_marks=keyed.decay is not None and keyed.decay.log_gamma is None,
         **kernel_flags(replayer.hp, leaf),
     )
     return keyed, tuple(r for r in results if r is not None)
@@ -1174,11 +1178,9 @@ def _flagged_rule(
 class _ByKey(NamedTuple):
     """What the catch-up Adam kernels take per key where they have no table for it (:func:`_by_key`)."""
 
-    decay: Decay | None  # AdamW's decay, per key under a schedule
-    weights: _DecayWeights | None
-    per_key: jax.Array | None  # (k, 2) under a scheduled decay: each row's decay W and its far terms' weight
+    decay: Decay | None  # AdamW's decay
+    weights: _DecayWeights | None  # its products over the window
     far: jax.Array | None  # (k, 8): the long-idle coefficients per key, where the plan has no table nor the record
-    new_log: Any
     record: IdleRecord | None = None  # the state's record, which the kernels read (where the plan has no table)
     record_offset: int = 0  # its variant's first row in its coefficients, taken as rows of terms
 
@@ -1190,16 +1192,15 @@ def _by_key(
     keys: jax.Array,
     done: jax.Array,
     decay: Decay | None,
-    adamw: AdamWLeaf | None,
 ) -> _ByKey:
     """The kernels read each touched row's record and compute its idle steps, the moments' decays (from tables of
-    b1's and b2's powers) and AdamW's decay (from gamma's, and the window's products), as the XLA path does per row,
-    and pick its series coefficients from the window or the long-idle table (:func:`_coefficients`). Computed here
-    per key (``keys``, the leaf's entries; ``state`` with the last steps third and AdamW's decay mark fourth), only
-    what the kernels have no table for: long-idle coefficients that no table holds (a schedule, or bias corrections
-    that take too long to reach 1), and AdamW's decay under a schedule (from the state's log). The kernels read
-    the long-idle coefficients from the state's record themselves where it keeps one (:func:`_record_read`), and
-    flag the rows whose entry it does not hold, which the XLA rule takes."""
+    b1's and b2's powers) and AdamW's decay (from gamma's table, and the window's products; under a schedule, a
+    long-idle row's from its decay mark and the state's log), as the XLA path does per row, and pick its series
+    coefficients from the window or the long-idle table (:func:`_coefficients`). Computed here per key (``keys``,
+    the leaf's entries; ``state`` with the last steps third), only the long-idle coefficients that neither a table
+    nor the state's record holds (a state that keeps no record, with a schedule or bias corrections that take too
+    long to reach 1). The kernels read the long-idle coefficients from the state's record themselves where it keeps
+    one (:func:`_record_read`), and flag the rows whose entry it does not hold, which the XLA rule takes."""
     record = _record_read(plan, replayer)
     if record is not None:
         variant = replayer.variant or 0
@@ -1207,20 +1208,14 @@ def _by_key(
         far_by_key = False
     else:
         offset, far_by_key = 0, plan.cap > 0 and plan.table is None
-    schedule_decay = adamw is not None and decay is not None and decay.log_gamma is None
-    last_k = of_keys(state[2], keys) if far_by_key or schedule_decay else None
-    if adamw is not None and schedule_decay:
-        decay = adamw.decay.of(adamw.flag, adamw.old_log - of_keys(state[3], keys))
-    idle = None
-    if last_k is not None:  # with decay a row decays through its idle steps from step 0 on, moved or not
-        idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
-    weights = None if decay is None else _DecayWeights(decay, replayer.lr, idle, done, plan.cap)
-    per_key = jnp.stack([weights.rows, weights.far], axis=1) if weights is not None and schedule_decay else None
+    weights = None if decay is None else _DecayWeights(decay, replayer.lr, None, done, plan.cap)
     far = None
-    if far_by_key:  # the keys' last steps and idle steps are at hand
-        assert last_k is not None and idle is not None
+    if far_by_key:
+        last_k = of_keys(state[2], keys)
+        # with decay a row decays through its idle steps from step 0 on, moved or not
+        idle = (done - last_k if decay is not None else jnp.where(last_k > 0, done - last_k, 0)).astype(jnp.int32)
         far, _ = _far(plan, replayer.lr, last_k, idle > plan.cap, weights, replayer.record, replayer.variant)
-    return _ByKey(decay, weights, per_key, far, adamw.new_log if adamw is not None else 0.0, record, offset)
+    return _ByKey(decay, weights, far, record, offset)
 
 
 def _record_read(plan: _SeriesPlan, replayer: Replayer) -> IdleRecord | None:

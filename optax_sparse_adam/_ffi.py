@@ -363,7 +363,6 @@ def catch_up_adam_rows(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    per_key: jax.Array | None,
     ops: CatchUpOperands,
     count: jax.Array,
     done: jax.Array,
@@ -376,6 +375,7 @@ def catch_up_adam_rows(
     decay: bool = False,
     far_by_key: bool = False,
     far_offset: int = 0,
+    decay_from_marks: bool = False,
 ) -> tuple[Any, ...]:
     """``sparse_adam(catch_up=True)``'s leaf rule on the CPU (``tx.update``), and with ``decay``
     ``sparse_adamw(catch_up=True)``'s: ``(m, v, last_step, decay_mark, keys, updates, flags)``, the moments and
@@ -388,8 +388,9 @@ def catch_up_adam_rows(
     ``flags`` marks the keys of rows whose idle steps were not at hand: their updates NaN, their moments and
     records as they were, for the caller to take by the XLA rule."""
     attrs = dict(cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key)
+    attrs.update(far_offset=far_offset, decay_from_marks=decay_from_marks)
     tables = (p, m, v, last_step, decay_mark)
-    return _catch_up_adam(True, tables, keys, values, scalars, per_key, ops, count, done, far_steps, far_offset, attrs)
+    return _catch_up_adam(True, tables, keys, values, scalars, ops, count, done, far_steps, attrs)
 
 
 def catch_up_adam_apply(
@@ -401,7 +402,6 @@ def catch_up_adam_apply(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    per_key: jax.Array | None,
     ops: CatchUpOperands,
     count: jax.Array,
     done: jax.Array,
@@ -414,6 +414,7 @@ def catch_up_adam_apply(
     decay: bool = False,
     far_by_key: bool = False,
     far_offset: int = 0,
+    decay_from_marks: bool = False,
 ) -> tuple[Any, ...]:
     """``sparse_adam(catch_up=True)``'s fused step on the touched rows: ``(p, m, v, last_step, decay_mark,
     flags)``; with ``decay``, ``sparse_adamw(catch_up=True)``'s.
@@ -431,7 +432,7 @@ def catch_up_adam_apply(
     whatever its leading dimensions, from row ``far_offset`` on: AdamW's
     variant) in ``far[far_offset + last mod len(far_steps)]`` where
     ``far_steps`` holds ``last`` there (a row whose entry does not is flagged);
-    ``limits`` is ``(binv, ratio, long_neg_lr, has_corrections, new_log)``. Elements the series does
+    ``limits`` is ``(binv, ratio, long_neg_lr, has_corrections, new_log, old_log)``. Elements the series does
     not take replay their first ``min(idle, cap)`` idle steps one by one:
     ``-lr`` from ``neg_rates`` (the last ``cap`` steps, newest first) or
     ``long_neg_lr`` (rows idle longer; NaN for a schedule), bias corrections
@@ -449,15 +450,20 @@ def catch_up_adam_apply(
     ``gamma`` over the last ``o + 1`` steps), ``gamma**idle`` past it (a
     third table in ``powers``), which is also the weight of its long-idle
     terms (``far`` times it; the window's terms carry the decay of the steps
-    after theirs, as :func:`._catch_up.replay` computes them); under a
-    schedule ``per_key`` (``(k, 2)``, else ``None``) holds the two per key.
+    after theirs, as :func:`._catch_up.replay` computes them); with
+    ``decay_from_marks`` (a schedule, or a rate or decay not known when the
+    step is traced: no table of gamma's powers), a long-idle row's is
+    ``exp(old_log - decay_mark)``, from the decay's log before the step and
+    the row's mark (C's ``exp``: within an ulp of XLA's, which the XLA path
+    takes).
     The kernel takes idle steps one by one for rows idle within the window,
     and for rows idle longer where it has gamma's table (their first ``cap``
     steps, then ``gamma**(idle - cap)``); it flags the others that need them.
     """
     attrs = dict(cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key)
+    attrs.update(far_offset=far_offset, decay_from_marks=decay_from_marks)
     tables = (p, m, v, last_step, decay_mark)
-    return _catch_up_adam(False, tables, keys, values, scalars, per_key, ops, count, done, far_steps, far_offset, attrs)
+    return _catch_up_adam(False, tables, keys, values, scalars, ops, count, done, far_steps, attrs)
 
 
 def _catch_up_adam(
@@ -466,19 +472,17 @@ def _catch_up_adam(
     keys: jax.Array,
     values: jax.Array,
     scalars: jax.Array,
-    per_key: jax.Array | None,
     ops: CatchUpOperands,
     count: jax.Array,
     done: jax.Array,
     far_steps: jax.Array | None,
-    far_offset: int,
     flags: dict[str, bool | int],
 ) -> tuple[Any, ...]:
     """The catch-up Adam handler on ``tables = (p, m, v, last_step, decay_mark)``: the fused step (``rows``
     false: :func:`catch_up_adam_apply`'s results) or ``tx.update``'s rule (:func:`catch_up_adam_rows`'), with
-    its attributes ``flags`` and whether ``per_key`` is given (an empty batch's per-key operand cannot say)."""
+    its attributes ``flags``."""
     p, m, v, last_step, decay_mark = tables
-    attrs = _attrs(p.shape[0], **flags, far_offset=far_offset, per_key=per_key is not None)
+    attrs = _attrs(p.shape[0], **flags)
 
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
@@ -498,17 +502,14 @@ def _catch_up_adam(
     # Without AdamW's decay mark, an empty one, replicated (z).
     mark = "n" if decay_mark is not None else "z"
     marks = decay_mark if decay_mark is not None else jnp.zeros((0,), jnp.float32)
-    # Without per-key decays, an empty (0, 2) (z c).
-    by_key = "k" if per_key is not None else "z"
-    per_key = per_key if per_key is not None else jnp.zeros((0, 2), jnp.float32)
     results = f"n w, n w, n, {mark}, k, k w, k" if rows else f"n w, n w, n w, n, {mark}, k"
     # Without the record's last steps, an empty one (g).
     far_steps = far_steps if far_steps is not None else jnp.zeros((0,), jnp.int32)
     far = "f j" if ops.far.ndim == 2 else "v f j"  # AdamW's record: (variants, steps, terms)
-    rule = f"n w, n w, n w, n, {mark}, k, k w, s, a j, {far}, g, {by_key} c, q x, h, l, r, t b, o -> {results}"
+    rule = f"n w, n w, n w, n, {mark}, k, k w, s, a j, {far}, g, q x, h, l, r, t b, o -> {results}"
     operands = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, keys, _rows2d(values))
     counts = jnp.stack([jnp.asarray(count, jnp.int32), jnp.asarray(done, jnp.int32)])
-    args = (*operands, scalars, ops.window, ops.far, far_steps, per_key, ops.powers, ops.through, *ops[4:], counts)
+    args = (*operands, scalars, ops.window, ops.far, far_steps, ops.powers, ops.through, *ops[4:], counts)
     out = _by_row_shards(fn, rule, summed=(5, 6) if rows else (5,))(*args)
     mark_out = out[3 if rows else 4] if decay_mark is not None else None
     if rows:

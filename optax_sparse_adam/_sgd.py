@@ -579,8 +579,11 @@ def sparse_sgd(
     ``momentum * t``); with ``catch_up=True`` one fused kernel also
     catches each touched row up, from the coefficients the XLA path
     computes per row, which it picks itself (under a schedule, from a window
-    of the last steps' sums and the state's record; an injected momentum's
-    computed per id first): Nesterov's bitwise the XLA path's.
+    of the last steps' sums and the state's record; computed per id first
+    for an injected momentum, a momentum of 0 or past about 0.9997, or a
+    state that keeps no record): Nesterov's bitwise the XLA path's, but for
+    the rows it flags under a schedule (a record entry it does not hold),
+    which the XLA rule takes within a rounding of the replayed row.
 
     Dense gradient leaves take :func:`optax.sgd`'s step: for a leaf that gets
     a dense gradient every step, bitwise where the update and its

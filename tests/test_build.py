@@ -189,12 +189,13 @@ def test_a_build_asked_for_no_sensible_number_of_compiles_says_so(tmp_path, jobs
 
 
 # What the kernels' AVX2 and AVX-512 clones may call: the C library, the C++ runtime, powf (the per-row bias
-# corrections call it as XLA:CPU does), the constructors of std::vector<float> (a clone's buffers, made once a call:
+# corrections call it as XLA:CPU does), expf (AdamW's catch-up, a long-idle row's decay under a schedule, once a
+# row), the constructors of std::vector<float> (a clone's buffers, made once a call:
 # GCC may keep one out-of-line copy of them for all the clones) and other clones of their own ISA. Any other call is
 # a row helper that was not inlined into them (rows.h's OSA_ROW_INLINE), running the baseline build, or reached
 # through the PLT, once per element.
 _CLONE_MAY_CALL = re.compile(
-    r"<(?:(?:memset|memcpy|memmove|powf|_Unwind_Resume)@plt|operator new|operator delete|std::__throw_\w+"
+    r"<(?:(?:memset|memcpy|memmove|powf|expf|_Unwind_Resume)@plt|operator new|operator delete|std::__throw_\w+"
     r"|std::vector<float, std::allocator<float> >::vector\(|.*\[clone \.arch_x86_64_v[34]\])"
 )
 

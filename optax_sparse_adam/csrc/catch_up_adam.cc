@@ -1,15 +1,15 @@
 // Lazy Adam with exact catch-up (sparse_adam(catch_up=True), and with
 // decay sparse_adamw(catch_up=True)) and its application, as an XLA FFI
 // handler for the CPU:
-//   optax_sparse_adam_v7_catch_up_adam_apply
-//     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, per_key, powers, through,
-//      limits, neg_rates, corrections, counts) -> (p, mu, nu, last_step, decay_mark, flags)
+//   optax_sparse_adam_v8_catch_up_adam_apply
+//     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, powers, through, limits,
+//      neg_rates, corrections, counts) -> (p, mu, nu, last_step, decay_mark, flags)
 // (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
 // global-norm clipping's divisor and factor, each summed gradient row then
-// clipped first as sparse_adam.cc does; the attributes far_by_key and
-// per_key say whether far holds a row per key and whether per_key is given,
-// which an empty batch's operands cannot say), and tx.update's rule:
-//   optax_sparse_adam_v7_catch_up_adam_rows
+// clipped first as sparse_adam.cc does; the attribute far_by_key says
+// whether far holds a row per key, which an empty batch's operands cannot
+// say), and tx.update's rule:
+//   optax_sparse_adam_v8_catch_up_adam_rows
 //     (the same operands and attributes, p read only)
 //     -> (mu, nu, last_step, decay_mark, keys, updates, flags)
 // each touched row replayed and stepped in a scratch copy, its update (UpdateOfRow) packed as sparse_adam.cc's
@@ -59,8 +59,12 @@
 // W is through[idle - 1] for a row idle within the window (`through`, the
 // products over the last steps), gamma**idle for one idle longer; the weight
 // gamma**idle. Under a schedule, or a rate or decay not known when the step
-// is traced (no table of gamma's powers), the XLA side computes both from the
-// state's log, per key (per_key: W and the weight).
+// is traced (no table of gamma's powers; the attribute decay_from_marks), a
+// row idle longer than the window takes both from the state's log of the
+// decay: exp(limits[5] - decay_mark), limits[5] the log before the step and
+// the row's mark the log when it was last up to date (std::exp, where the
+// XLA path takes XLA's exp: they may round apart by an ulp, which the
+// parameters' bound covers; the moments and records do not read it).
 // The idle steps one by one add wd p to each step, as _replay_steps does; a
 // row idle longer than the window takes its first cap steps so, then the
 // decay of the rest, gamma**(idle - cap) from gamma's table (without the
@@ -169,7 +173,8 @@ struct CatchUp {
   const int32_t* far_steps;  // with the state's record, the last step each of its entries is for; else nullptr
   int64_t record_steps;      // the record's entries (far_steps' length)
   int64_t far_offset;        // the record's first row in far (AdamW's variant)
-  const float* per_key;  // (k, 2) with decay under a schedule: W and the far terms' weight; else nullptr
+  bool from_log;         // with decay: a long-idle row's W and weight from its mark, exp(old_log - mark)
+  float old_log;         // the decay's log before the step
   const float* powers;   // b1's, b2's and with decay gamma's table (TablePower), 1024 floats each
   const float* through;  // (through_len,): with decay, the product of gamma over the last o + 1 steps, by o
   int64_t through_len;
@@ -193,10 +198,10 @@ struct CatchUp {
     }
   }
 
-  // Local row r's idle steps (entry `slot` standing for it), from its record before the step is recorded, as
+  // Local row r's idle steps, from its records before the step is recorded, as
   // _catch_up.replay computes them (int32 arithmetic wrapping as XLA's does).
   template <bool kDecay>
-  OSA_ROW_INLINE RowIdle Idle(int64_t slot, int64_t r) const {
+  OSA_ROW_INLINE RowIdle Idle(int64_t r) const {
     RowIdle ri;
     ri.last = last_step[r];
     const auto idle = static_cast<int32_t>(static_cast<uint32_t>(done) - static_cast<uint32_t>(ri.last));
@@ -205,9 +210,11 @@ struct CatchUp {
     ri.decay2 = TablePower(powers + 1024, ri.idle);
     ri.w = ri.weight = 1.0f;
     if constexpr (kDecay) {
-      if (per_key != nullptr) {
-        ri.w = per_key[2 * slot];
-        ri.weight = per_key[2 * slot + 1];
+      if (from_log) {  // _catch_up._DecayWeights' rows and far under a schedule: a long-idle row's from its mark
+        ri.weight = ri.idle > steps.cap ? std::exp(old_log - decay_mark[r]) : 1.0f;
+        ri.w = ri.idle > steps.cap ? ri.weight
+               : ri.idle > 0       ? through[std::min<int64_t>(ri.idle - 1, through_len - 1)]
+                                   : 1.0f;
       } else {  // _catch_up._DecayWeights' rows and far
         ri.weight = TablePower(powers + 2048, ri.idle);
         ri.w = ri.idle > steps.cap ? ri.weight
@@ -333,7 +340,7 @@ OSA_ROW_INLINE bool CatchUpRow(const Scalars& s, const CatchUp& cu, int64_t slot
 template <bool kTorch, bool kMaximize, bool kDecay>
 OSA_ROW_INLINE bool Row(const Scalars& s, const CatchUp& cu, int64_t slot, int64_t r, const float* g, float* p,
                         float* m, float* v, float* work, int64_t width) {
-  const RowIdle ri = cu.Idle<kDecay>(slot, r);
+  const RowIdle ri = cu.Idle<kDecay>(r);
   if (ri.idle > 0 && !CatchUpRow<kTorch, kDecay>(s, cu, slot, ri, p, m, v, work, width)) return false;
   UpdateRow<kTorch, kMaximize, true, kDecay>(s, g, m, v, p, width);
   cu.Record(r);
@@ -352,7 +359,7 @@ template <bool kTorch, bool kMaximize, bool kDecay>
 OSA_ROW_INLINE bool UpdateOfRow(const Scalars& s, const CatchUp& cu, int64_t slot, int64_t r, const float* g,
                                 const float* __restrict p, float* m, float* v, float* __restrict out,
                                 float* __restrict work, int64_t width) {
-  const RowIdle ri = cu.Idle<kDecay>(slot, r);
+  const RowIdle ri = cu.Idle<kDecay>(r);
   float* __restrict q = work + 5 * width + kTerms;
   int32_t moved = 0;
   const float* caught = p;
@@ -494,7 +501,7 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
                   ffi::BufferR1<ffi::S32>& last_step, ffi::BufferR1<ffi::F32>& decay_mark,
                   ffi::BufferR1<ffi::S32>& keys, ffi::Buffer<ffi::F32>& values, ffi::BufferR1<ffi::F32>& scalars,
                   ffi::BufferR2<ffi::F32>& window, ffi::Buffer<ffi::F32>& far, ffi::BufferR1<ffi::S32>& far_steps,
-                  ffi::BufferR2<ffi::F32>& per_key, ffi::BufferR2<ffi::F32>& powers, ffi::BufferR1<ffi::F32>& through,
+                  ffi::BufferR2<ffi::F32>& powers, ffi::BufferR1<ffi::F32>& through,
                   ffi::BufferR1<ffi::F32>& limits,
                   ffi::BufferR1<ffi::F32>& neg_rates, ffi::BufferR2<ffi::F32>& corrections,
                   ffi::BufferR1<ffi::S32>& counts, ffi::BufferR0<ffi::S32>& row_begin, float* q,
@@ -502,7 +509,7 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
                   ffi::ResultBufferR1<ffi::S32>& last_step_out, ffi::ResultBufferR1<ffi::F32>& decay_mark_out,
                   ffi::ResultBufferR1<ffi::S32>& flags, float* rows_out, int32_t* keys_out, int64_t num_rows,
                   int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
-                  int64_t far_by_key, int64_t far_offset, int64_t per_key_given, int64_t threads) {
+                  int64_t far_by_key, int64_t far_offset, int64_t decay_from_marks, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   const auto dims = p.dimensions();
@@ -524,18 +531,17 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   if (static_cast<int64_t>(scalars.element_count()) != num_scalars &&
       static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars)
     return ffi::Error::InvalidArgument("scalars must hold 10 values (11 with decay; 2 more to clip)");
-  // Whether per_key is given is an attribute: an empty batch's per_key is empty too.
-  const bool by_key = per_key_given != 0;
-  if (by_key ? decay == 0 || per_key.dimensions()[0] != k || per_key.dimensions()[1] != 2
-             : per_key.element_count() != 0)
-    return ffi::Error::InvalidArgument("per_key must hold 2 values per key where given (with decay), else be empty");
+  // With decay, whether a long-idle row's decay comes from its mark (no table of gamma's powers).
+  const bool from_log = decay_from_marks != 0;
+  if (from_log && (decay == 0 || !marks))
+    return ffi::Error::InvalidArgument("decay_from_marks needs the decay and the rows' decay marks");
   if (static_cast<int64_t>(flags->element_count()) != k)
     return ffi::Error::InvalidArgument("flags must have one entry per key");
-  const int64_t tables = decay != 0 && !by_key ? 3 : 2;
+  const int64_t tables = decay != 0 && !from_log ? 3 : 2;
   if (powers.dimensions()[1] != 256 || powers.dimensions()[0] != 4 * tables)
     return ffi::Error::InvalidArgument(
-        "powers must hold b1's and b2's tables (and with decay gamma's, but for per_key)");
-  if (decay != 0 && !by_key && through.element_count() < 1)
+        "powers must hold b1's and b2's tables (and with decay gamma's, but for decay_from_marks)");
+  if (decay != 0 && through.element_count() < 1)
     return ffi::Error::InvalidArgument("through must hold the decay over the window's steps");
   const auto window_dims = window.dimensions(), far_dims = far.dimensions();
   // far: rows of kTerms coefficients, in as many dimensions as it comes (AdamW's record: (variants, steps, terms))
@@ -547,7 +553,7 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   const auto record_steps = static_cast<int64_t>(far_steps.element_count());
   if (record_steps != 0 && (far_by_key != 0 || far_offset < 0 || far_offset + record_steps > far_rows))
     return ffi::Error::InvalidArgument("far must hold the record's entries from far_offset on (not by key)");
-  if (limits.element_count() != 5) return ffi::Error::InvalidArgument("limits must hold 5 values");
+  if (limits.element_count() != 6) return ffi::Error::InvalidArgument("limits must hold 6 values");
   if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
   if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
   const auto table = corrections.dimensions();
@@ -564,7 +570,7 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   s.clip = ReadClip(scalars, num_scalars);
   const IdleSteps steps{s.b1,   s.b2, s.eps, s.weight_decay, limit[2], limit[3] != 0.0f, neg_rates.typed_data(),
                         cap, corrections.typed_data(), table[0],
-                        decay != 0 && !by_key ? powers.typed_data() + 2048 : nullptr};
+                        decay != 0 && !from_log ? powers.typed_data() + 2048 : nullptr};
   const CatchUp cu{window.typed_data(),
                    far.typed_data(),
                    far_rows,
@@ -572,7 +578,8 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
                    record_steps != 0 ? far_steps.typed_data() : nullptr,
                    record_steps,
                    far_offset,
-                   by_key ? per_key.typed_data() : nullptr,
+                   from_log,
+                   limit[5],
                    powers.typed_data(),
                    through.typed_data(),
                    static_cast<int64_t>(through.element_count()),
@@ -607,8 +614,7 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                      ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
                      ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
                      ffi::BufferR2<ffi::F32> window, ffi::Buffer<ffi::F32> far,
-                     ffi::BufferR1<ffi::S32> far_steps, ffi::BufferR2<ffi::F32> per_key,
-                     ffi::BufferR2<ffi::F32> powers,
+                     ffi::BufferR1<ffi::S32> far_steps, ffi::BufferR2<ffi::F32> powers,
                      ffi::BufferR1<ffi::F32> through, ffi::BufferR1<ffi::F32> limits, ffi::BufferR1<ffi::F32> neg_rates,
                      ffi::BufferR2<ffi::F32> corrections, ffi::BufferR1<ffi::S32> counts,
                      ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> p_out,
@@ -616,14 +622,14 @@ ffi::Error ApplyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
                      ffi::ResultBufferR1<ffi::S32> last_step_out, ffi::ResultBufferR1<ffi::F32> decay_mark_out,
                      ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
                      int64_t cap, int64_t torch_eps, int64_t maximize, int64_t decay, int64_t unique,
-                     int64_t far_by_key, int64_t far_offset, int64_t per_key_given, int64_t threads) {
+                     int64_t far_by_key, int64_t far_offset, int64_t decay_from_marks, int64_t threads) {
   if (p_out->element_count() != p.element_count()) return ffi::Error::InvalidArgument("p's result must have its shape");
   float* q = p_out->typed_data();
   CopyIfNotAliased(q, p.typed_data(), p.element_count());
-  return Handle<false>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, per_key,
-                       powers, through, limits, neg_rates, corrections, counts, row_begin, q, mu_out, nu_out,
+  return Handle<false>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, powers,
+                       through, limits, neg_rates, corrections, counts, row_begin, q, mu_out, nu_out,
                        last_step_out, decay_mark_out, flags, nullptr, nullptr, num_rows, cap, torch_eps, maximize,
-                       decay, unique, far_by_key, far_offset, per_key_given, threads);
+                       decay, unique, far_by_key, far_offset, decay_from_marks, threads);
 }
 
 // tx.update's rule (sparse_adam(catch_up=True), and with `decay` sparse_adamw(catch_up=True)'s): the apply
@@ -633,7 +639,7 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
                     ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
                     ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
                     ffi::BufferR2<ffi::F32> window, ffi::Buffer<ffi::F32> far, ffi::BufferR1<ffi::S32> far_steps,
-                    ffi::BufferR2<ffi::F32> per_key, ffi::BufferR2<ffi::F32> powers, ffi::BufferR1<ffi::F32> through,
+                    ffi::BufferR2<ffi::F32> powers, ffi::BufferR1<ffi::F32> through,
                     ffi::BufferR1<ffi::F32> limits,
                     ffi::BufferR1<ffi::F32> neg_rates, ffi::BufferR2<ffi::F32> corrections,
                     ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin,
@@ -642,18 +648,18 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
                     ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
                     ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t torch_eps,
                     int64_t maximize, int64_t decay, int64_t unique, int64_t far_by_key, int64_t far_offset,
-                    int64_t per_key_given, int64_t threads) {
+                    int64_t decay_from_marks, int64_t threads) {
   if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
-  return Handle<true>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, per_key,
-                      powers, through, limits, neg_rates, corrections, counts, row_begin,
+  return Handle<true>(pool, p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, powers,
+                      through, limits, neg_rates, corrections, counts, row_begin,
                       const_cast<float*>(p.typed_data()), mu_out, nu_out, last_step_out, decay_mark_out, flags,
                       step_out->typed_data(), keys_out->typed_data(), num_rows, cap, torch_eps, maximize, decay, unique,
-                      far_by_key, far_offset, per_key_given, threads);
+                      far_by_key, far_offset, decay_from_marks, threads);
 }
 
 // The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
-//   optax_sparse_adam_v7_catch_up_adam_steps
+//   optax_sparse_adam_v8_catch_up_adam_steps
 //     (p, mu, nu, last, idle, limits, neg_rates, corrections, powers) -> (p, flags)
 // Each row with idle > 0 takes its first min(idle, cap) idle steps as IdleSteps::Replay takes them, every
 // element (the caller keeps the ones it needs); the moments are read, not written. limits: b1, b2, eps,
@@ -745,7 +751,7 @@ ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
 }  // namespace
 }  // namespace optax_sparse_adam
 
-// The operands of both catch-up Adam handlers (the rows handler reads p and takes per_key empty).
+// The operands of both catch-up Adam handlers (the rows handler reads p).
 #define OSA_CATCH_UP_ADAM_ARGS                                                                     \
   Arg<ffi::Buffer<ffi::F32>>()         /* p */                                                     \
       .Arg<ffi::Buffer<ffi::F32>>()    /* mu */                                                    \
@@ -758,10 +764,9 @@ ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
       .Arg<ffi::BufferR2<ffi::F32>>()  /* window: coefficients by idle count */                    \
       .Arg<ffi::Buffer<ffi::F32>>()    /* far: of long-idle rows, by last step or key, (..., 8) */  \
       .Arg<ffi::BufferR1<ffi::S32>>()  /* far_steps: the record's last steps, or empty */          \
-      .Arg<ffi::BufferR2<ffi::F32>>()  /* per_key: W, weight (decay, schedule) or empty */         \
       .Arg<ffi::BufferR2<ffi::F32>>()  /* powers: b1's, b2's[, gamma's] tables */                  \
       .Arg<ffi::BufferR1<ffi::F32>>()  /* through: the window's decay (AdamW) */                   \
-      .Arg<ffi::BufferR1<ffi::F32>>()  /* limits: binv, ratio, long_neg_lr, has table, new log */  \
+      .Arg<ffi::BufferR1<ffi::F32>>()  /* limits: binv, ratio, long_neg_lr, has table, logs */     \
       .Arg<ffi::BufferR1<ffi::F32>>()  /* neg_rates: the window's -lr, by offset */                \
       .Arg<ffi::BufferR2<ffi::F32>>()  /* corrections: (c1, c2) by the step's count */             \
       .Arg<ffi::BufferR1<ffi::S32>>()  /* counts: (2,), the step's (recorded), done */             \
@@ -785,7 +790,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpApply, optax_sparse_adam::Ap
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("far_by_key")
                                   .Attr<int64_t>("far_offset")
-                                  .Attr<int64_t>("per_key")
+                                  .Attr<int64_t>("decay_from_marks")
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::RowsImpl,
@@ -807,7 +812,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpRows, optax_sparse_adam::Row
                                   .Attr<int64_t>("unique")
                                   .Attr<int64_t>("far_by_key")
                                   .Attr<int64_t>("far_offset")
-                                  .Attr<int64_t>("per_key")
+                                  .Attr<int64_t>("decay_from_marks")
                                   .Attr<int64_t>("threads"));
 
 #undef OSA_CATCH_UP_ADAM_ARGS

@@ -134,7 +134,7 @@ struct MomentumRule {
 // state's record) C from the window for rows idle up to cap steps, and for rows idle longer the record's entry
 // L mod its length (L the row's last step) where it is for L (times the momentum with Nesterov), else the row is
 // declined (flagged: the XLA rule takes it); else both per key, computed by the XLA side (a momentum not known when
-// the step is traced, a state that keeps no record).
+// the step is traced, one of 0 or whose window would pass 65,536 steps, a state that keeps no record).
 struct IdleRecords {
   const float* window;     // (max(cap, 1),): C of rows idle 1 .. cap steps, or nullptr with per_key
   int64_t cap;
@@ -510,8 +510,8 @@ void RunCatchUpMomentum(ffi::ThreadPool& pool, bool nesterov, const float* x, fl
 
 ffi::Error CatchUpMomentumApplyImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer<ffi::F32> p_out,
                                     ffi::ResultBuffer<ffi::F32> trace_out, ffi::ResultBufferR1<ffi::S32> last_step_out,
-                                    ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t per_key_given, int64_t nesterov,
-                                    int64_t unique, int64_t threads) {
+                                    ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap,
+                                    int64_t per_key_given, int64_t nesterov, int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   return OneTableApply(
       p, trace, keys, values, scalars, row_begin, p_out, trace_out, num_rows,
@@ -530,8 +530,8 @@ ffi::Error CatchUpMomentumApplyImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffe
 ffi::Error CatchUpMomentumRowsImpl(OSA_CATCH_UP_MOMENTUM_ARGS, ffi::ResultBuffer<ffi::F32> trace_out,
                                    ffi::ResultBufferR1<ffi::S32> last_step_out,
                                    ffi::Result<ffi::Buffer<ffi::S32>> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
-                                   ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap, int64_t per_key_given, int64_t nesterov,
-                                   int64_t unique, int64_t threads) {
+                                   ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows, int64_t cap,
+                                   int64_t per_key_given, int64_t nesterov, int64_t unique, int64_t threads) {
   const auto k = static_cast<int64_t>(keys.element_count());
   return OneTableRows(
       trace, keys, values, scalars, row_begin, trace_out, keys_out, step_out, num_rows,

@@ -2,18 +2,18 @@
 // (duplicates summed, rows split over threads, the step packed as the XLA path packs it) and two rules.
 //
 // Row-wise Adagrad (scale_by_rowwise_adagrad; FBGEMM's EXACT_ROWWISE_ADAGRAD):
-//   optax_sparse_adam_v7_rowwise_adagrad_rows   (acc, keys, values, scalars[, p]) -> (acc, keys, step)
+//   optax_sparse_adam_v8_rowwise_adagrad_rows   (acc, keys, values, scalars[, p]) -> (acc, keys, step)
 //     the sparse leaf rule: the accumulators in place, and the step rows
 //     packed as the XLA path packs them (distinct keys first, padding after;
 //     with `unique`, in the entries' own slots); p (the parameters) is read
 //     for L2 weight decay only;
-//   optax_sparse_adam_v7_rowwise_adagrad_apply  (p, acc, keys, values, scalars, seeds) -> (p, acc)
+//   optax_sparse_adam_v8_rowwise_adagrad_apply  (p, acc, keys, values, scalars, seeds) -> (p, acc)
 //     the rule and p += neg_lr * step (after decoupled weight decay, in that
 //     mode), touching each row of p and acc once.
 // Row-wise Adam (scale_by_rowwise_adam; FBGEMM's PARTIAL_ROWWISE_ADAM):
-//   optax_sparse_adam_v7_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count[, bc]])
+//   optax_sparse_adam_v8_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count[, bc]])
 //                                             -> (mu, nu, keys, step[, row_count])
-//   optax_sparse_adam_v7_rowwise_adam_apply (p, mu, nu, keys, values, scalars, seeds[, row_count[, bc]])
+//   optax_sparse_adam_v8_rowwise_adam_apply (p, mu, nu, keys, values, scalars, seeds[, row_count[, bc]])
 //                                             -> (p, mu, nu[, row_count])
 //     mu per entry, nu one scalar per row; with per-row bias correction each
 //     row's update count rises by one (saturating, as optax.safe_increment)
