@@ -399,8 +399,8 @@ def variants_page(doc: dict[str, Any], gpu: dict[str, Any] | None = None) -> str
         "[Low precision](../guides/low_precision.md). Element-wise Adagrad (`sparse_adagrad`), FTRL (`sparse_ftrl`) "
         "and lazy momentum SGD (`sparse_sgd(..., momentum=)`) run the element-wise kernels at both doors; momentum "
         "SGD's catch-up (`catch_up=True`), and Adam's, AdamW's and AMSGrad's, run a kernel at both doors; under a "
-        "schedule Adam's and AdamW's leave the long-idle rows that need their idle steps one by one to the XLA rule, "
-        "in a conditional branch."
+        "schedule Adam's, AdamW's and momentum SGD's leave the long-idle rows whose coefficients the state's record "
+        "does not hold, or that need their idle steps one by one, to the XLA rule, in a conditional branch."
         + (
             " Under a schedule, the coefficients of rows idle longer than the window come from the state's record "
             "of them by last step (`osa.IdleRecord`), which each step writes."
