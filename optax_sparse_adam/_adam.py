@@ -32,7 +32,7 @@ from optax_sparse_adam._checks import (
 )
 from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule, touched_rows
+from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, at_count, map_rule, touched_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import is_leaf, param_error
@@ -559,7 +559,7 @@ def sparse_adam(
         if not (isinstance(state, tuple) and len(state) == 2):
             return tx.update(updates, state, params, **extra_args)  # the chain reports what is wrong
         adam_state, scale_state = state
-        step_size = -1 * (learning_rate(scale_state.count) if callable(learning_rate) else learning_rate)
+        step_size = -1 * at_count(learning_rate, scale_state.count)
         updates, adam_state = _update(hp, lazy_dense, updates, adam_state, params, step_size)
         _, scale_state = scale.update(jax.tree.map(lambda _: None, updates, is_leaf=is_leaf), scale_state)
         return updates, (adam_state, scale_state)

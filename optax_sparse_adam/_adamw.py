@@ -17,7 +17,7 @@ from optax_sparse_adam._adam import (
 )
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state, mask_tree
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import apply_rule, map_rule, row_full, stamp
+from optax_sparse_adam._row_engine import apply_rule, at_count, map_rule, row_full, stamp
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows
 
@@ -108,7 +108,7 @@ def lazy_decoupled_weight_decay(
         check_state(state, LazyWeightDecayState, _WHERE)
         if params is None:
             raise ValueError(f"{_WHERE}: weight decay needs the parameters: call update(grads, state, params)")
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        lr = at_count(learning_rate, state.count)
         count = optax.safe_increment(state.count)
         flags = mask_tree(True if mask is None else mask, params, "mask", _WHERE)
 

@@ -169,6 +169,13 @@ class Decay:
         rate = jnp.asarray(lr, jnp.float32) * jnp.asarray(self.weight_decay, jnp.float32)
         return jnp.where(tau >= 1, jnp.log1p(-rate), 0.0)
 
+    @property
+    def scheduled(self) -> bool:
+        """Whether ``gamma`` changes from step to step (no ``log_gamma``: a schedule, or a rate or decay not known
+        when the step is traced), so that a long-idle row's product of ``gamma`` comes from the state's record,
+        and in the native kernels from the row's decay mark."""
+        return self.log_gamma is None
+
     def far(self, idle: jax.Array) -> jax.Array:
         """The product of ``gamma`` over each row's ``idle`` steps (int32), for rows idle longer than the window:
         with a constant learning rate ``gamma ** idle`` (:func:`table_power`), else from the state's record."""
@@ -813,7 +820,7 @@ def _replay_steps(
         step = _idle_step(m_new, v_new, tau, hp)
         if decay is not None:  # as optax.add_decayed_weights
             step = step + decay.weight_decay * p.astype(step.dtype)
-            if decay.log_gamma is None:  # the log Decay.rest reads under a schedule (not at a constant rate)
+            if decay.scheduled:  # the log Decay.rest reads under a schedule (not at a constant rate)
                 through = jnp.where(k <= n, through + decay.log(replayer.lr, tau), through)
         lr = replayer.lr(tau - 1)
         p_new = (p + broadcast_rows(-lr, p.ndim).astype(step.dtype) * step).astype(p.dtype)
@@ -1159,7 +1166,7 @@ def _call(
         decay=keyed.decay is not None,
         far_by_key=keyed.far is not None,
         far_offset=keyed.record_offset,
-        decay_from_marks=keyed.decay is not None and keyed.decay.log_gamma is None,
+        decay_from_marks=keyed.decay is not None and keyed.decay.scheduled,
         **kernel_flags(replayer.hp, leaf),
     )
     return keyed, tuple(r for r in results if r is not None)
@@ -1236,7 +1243,7 @@ def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> boo
     read the state's record (:func:`_record_read`), a long-idle row whose entry it does not hold is flagged. Where
     none of these can happen, the step holds no XLA fallback for flagged rows (most of AdamW's catch-up
     program)."""
-    no_gamma = decay is not None and decay.log_gamma is None
+    no_gamma = decay is not None and decay.scheduled
     reads_record = _record_read(plan, replayer) is not None  # flags rows whose entry the record does not hold
     return plan.corrections is None or callable(replayer.learning_rate) or no_gamma or reads_record
 

@@ -919,8 +919,8 @@ def catch_up_momentum(
     :func:`._catch_up.power_table`), or both from ``per_key`` (``(k, 2)``) where given. With ``record`` (the
     state's :class:`._catch_up.IdleRecord`'s coefficients and last steps, under a schedule), a row idle longer
     than ``cap`` steps takes ``C`` from the record's entry ``last mod len(last_steps)`` (times the momentum with
-    Nesterov) where it is for ``last``; a row whose entry is not is left as it is, its records too, and
-    ``flags`` is 1 in each of its keys (0 elsewhere)."""
+    Nesterov) where it is for ``last``; a row whose entry is not is left as it is, its records too, its step
+    rows (``rows``) NaN, and ``flags`` is 1 in each of its keys (0 elsewhere)."""
     attrs = _attrs(p.shape[0], cap=cap, per_key=per_key is not None, nesterov=nesterov, unique=unique)
 
     def fn(row_begin: jax.Array, p: jax.Array, t: jax.Array, last: jax.Array, *rest: jax.Array):

@@ -20,7 +20,7 @@ import optax
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._checks import check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, elementwise_kernel, map_rule
+from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, at_count, elementwise_kernel, map_rule
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import param_error
 
@@ -66,8 +66,7 @@ class FtrlFusion(NamedTuple):
     def rate(self, state: Any) -> Any:
         """The learning rate of the step from ``state`` (a chain's, holding an :class:`FtrlState`), as the rule
         takes it: the constant itself, or the schedule's value at the step count."""
-        lr = self.learning_rate
-        return lr(optax.tree.get(state, "FtrlState").count) if callable(lr) else lr
+        return at_count(self.learning_rate, optax.tree.get(state, "FtrlState").count)
 
     def scalars(self, lr: Any) -> tuple[jax.Array, bool]:
         """The kernels' scalar operand at learning rate ``lr`` and their ``divides`` flag.
@@ -264,7 +263,7 @@ def sparse_ftrl(
             raise ValueError(
                 f"{_WHERE}: FTRL recomputes the parameters from its state: call update(grads, state, params)"
             )
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        lr = at_count(learning_rate, state.count)
 
         def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
             (n, z), (p,) = st, reads

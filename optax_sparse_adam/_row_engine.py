@@ -109,6 +109,12 @@ def touched_rows(g: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(g), axis=tuple(range(1, g.ndim)), keepdims=True) != 0
 
 
+def at_count(value: Any, count: jax.Array) -> Any:
+    """A hyperparameter (a learning rate) at step ``count``: a schedule called on it, as
+    ``optax.scale_by_learning_rate`` calls it, a constant as it is."""
+    return value(count) if callable(value) else value
+
+
 def stamp(last: jax.Array, count: jax.Array) -> jax.Array:
     """``count`` for each row of ``last`` (a per-row record of the step a row was last updated at, never above
     ``count``), written as ``max(last, count)``: a rule's new record then depends on the rows it read, so that XLA

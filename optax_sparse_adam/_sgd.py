@@ -51,6 +51,7 @@ from optax_sparse_adam._row_engine import (
     Kernel,
     Rule,
     apply_rule,
+    at_count,
     elementwise_kernel,
     map_rule,
     row_full,
@@ -63,6 +64,7 @@ from optax_sparse_adam._tree import broadcast_rows, param_error
 __all__ = ["CatchUpSgdState", "sparse_sgd"]
 
 _WHERE = "sparse_sgd"
+_CATCH_UP_WHERE = f"{_WHERE}(catch_up=True)"
 
 
 class CatchUpSgdState(NamedTuple):
@@ -232,7 +234,7 @@ def _catch_up_sgd(
     learning_rate: optax.ScalarOrSchedule, momentum: Any, nesterov: bool, accumulator_dtype: Any
 ) -> optax.GradientTransformationExtraArgs:
     """SGD with momentum whose touched rows first take the movement of the steps they sat out."""
-    where = "sparse_sgd(catch_up=True)"
+    where = _CATCH_UP_WHERE
     cap = idle_cap(momentum)
     rule_now = _trace_rule(momentum, nesterov)
     plan = _schedule_plan(learning_rate, momentum, cap)
@@ -308,7 +310,7 @@ def _catch_up_sgd(
             raise ValueError(f"{where}: catching up moves the parameters: call update(grads, state, params)")
         done = state.count  # steps taken before this one
         count = optax.safe_increment(state.count)
-        lr = learning_rate(done) if callable(learning_rate) else learning_rate
+        lr = at_count(learning_rate, done)
         record = record_step(state.idle_record, plan, lr_at, done)  # read as written (see catch_up_adam)
         rule = rule_at(done, count, lr, record)
         kernel = fusion.rows_kernel(done, count, lr, record)
@@ -338,7 +340,7 @@ def _catch_up_sgd(
         ("trace",),
         lambda p, moments, last, st, _: replay_rows(p, moments, last, st.count, st.idle_record),
     )
-    fusion = CatchUpMomentumFusion(learning_rate, momentum, nesterov, idle_coefficients, cap, plan, rule_at)
+    fusion = CatchUpMomentumFusion(learning_rate, momentum, nesterov, idle_coefficients, cap, plan, lr_at, rule_at)
     return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, fusion, rows=rows))
 
 
@@ -346,8 +348,8 @@ class CatchUpMomentumFusion(NamedTuple):
     """What :func:`update_and_apply` needs of a ``sparse_sgd(..., momentum, catch_up=True)`` to run its step in one
     pass per row: the momentum kernels' hyperparameters, ``idle_coefficients(last, done, record)`` (each row's idle
     steps and their closed form's coefficients; ``record`` the state's), :func:`idle_cap`, the schedule's plan of
-    the idle steps' sums (:func:`_schedule_plan`, or ``None``) and ``rule_at(done, count, lr, record)``, the XLA
-    rule, which takes the rows the kernels flag."""
+    the idle steps' sums (:func:`_schedule_plan`, or ``None``), the learning rate of the step after ``d`` steps,
+    ``lr_at(d)``, and ``rule_at(done, count, lr, record)``, the XLA rule, which takes the rows the kernels flag."""
 
     learning_rate: optax.ScalarOrSchedule
     momentum: Any
@@ -355,6 +357,7 @@ class CatchUpMomentumFusion(NamedTuple):
     idle_coefficients: Callable[[jax.Array, jax.Array, IdleRecord], tuple[jax.Array, jax.Array]]
     cap: Any
     plan: _SeriesPlan | None
+    lr_at: Callable[[jax.Array], jax.Array]
     rule_at: Callable[[jax.Array, jax.Array, Any, IdleRecord], Rule]
 
     def apply(
@@ -381,7 +384,7 @@ class CatchUpMomentumFusion(NamedTuple):
         if not self._reads_record(record):
             return p, trace, last
         rule = self.rule_at(done, count, self._lr(done), record)
-        return flagged_steps(flagged, p, (trace, last), leaf, rule, f"{_WHERE}(catch_up=True)", clip)
+        return flagged_steps(flagged, p, (trace, last), leaf, rule, _CATCH_UP_WHERE, clip)
 
     def _kernel(
         self,
@@ -420,7 +423,7 @@ class CatchUpMomentumFusion(NamedTuple):
         )
 
     def _lr(self, done: jax.Array) -> Any:
-        return self.learning_rate(done) if callable(self.learning_rate) else self.learning_rate
+        return at_count(self.learning_rate, done)
 
     def _reads_record(self, record: IdleRecord) -> bool:
         """Whether the kernels take the idle steps' sums from the window and the state's record (a schedule, with
@@ -449,8 +452,7 @@ class CatchUpMomentumFusion(NamedTuple):
         table = self._table()
         if self._reads_record(record):
             assert self.plan is not None  # _reads_record
-            lr_at = functools.partial(rate_at, self.learning_rate)
-            window = _window(self.plan, lr_at, done, gathered=False)[:, 0]
+            window = _window(self.plan, self.lr_at, done, gathered=False)[:, 0]
             if self.nesterov:
                 window = jnp.asarray(self.momentum, jnp.float32) * window
             return window, jnp.asarray(_base_table(float(self.momentum)).reshape(-1)), None

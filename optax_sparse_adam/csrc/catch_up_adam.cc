@@ -233,10 +233,9 @@ struct CatchUp {
     const int32_t n = ri.idle;
     if (n <= steps.cap) return window + static_cast<int64_t>(n - 1) * kTerms;
     int64_t at;
-    if (far_steps != nullptr) {  // the record's entry L mod its length, where it is for L (jnp.mod: L >= 0)
-      if (ri.last < 0) return nullptr;
-      const int64_t entry = ri.last % record_steps;
-      if (far_steps[entry] != ri.last) return nullptr;
+    if (far_steps != nullptr) {  // the record's entry for the row's last step
+      const int64_t entry = RecordEntry(far_steps, record_steps, ri.last);
+      if (entry < 0) return nullptr;
       at = far_offset + entry;
     } else {
       at = far_by_key ? slot : std::clamp<int64_t>(ri.last, 0, far_rows - 1);

@@ -38,7 +38,7 @@
 //     flagged in each of its entries (flags 1): the caller takes it by the XLA rule.
 //   catch_up_momentum_rows (the same operands) -> (trace, last_step, keys, step, flags)
 //     the leaf rule for tx.update: p read, not written; the step rows, packed as the rows handlers pack theirs,
-//     hold the XLA rule's update, (q + neg_lr u) - p where the row sat out steps and neg_lr u elsewhere (zeros
+//     hold the XLA rule's update, (q + neg_lr u) - p where the row sat out steps and neg_lr u elsewhere (NaN
 //     for a flagged row).
 // Per entry, with the expressions XLA:CPU compiles the XLA path to (it contracts a product into the following
 // add, and turns a division by a constant scalar into a multiplication by its reciprocal); built with
@@ -49,6 +49,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "row_loop.h"
 #include "rows.h"
@@ -170,8 +171,8 @@ struct CatchUpMomentumRule {
 
   OSA_ROW_INLINE void Declined(int64_t e) const { keys.flags[e] = 1; }
 
-  // False, nothing written but zeros in the step row (rows), for a row idle longer than the window whose entry the
-  // state's record does not hold.
+  // False, nothing written but a row of NaN in the step row (rows), for a row idle longer than the window whose
+  // entry the state's record does not hold.
   OSA_ROW_INLINE bool Row(const float* __restrict g, int64_t r, int64_t slot, int64_t entry, float*) const {
     const float mu = momentum, neg_lr_ = neg_lr;
     float* __restrict t = trace + r * width;
@@ -198,10 +199,10 @@ struct CatchUpMomentumRule {
       c = keys.per_key[2 * entry];
       decay = keys.per_key[2 * entry + 1];
     } else {
-      if (keys.far_steps != nullptr && idle > keys.cap) {  // the record's entry L mod its length (L > 0 here)
-        const int64_t at = last % keys.record_steps;
-        if (keys.far_steps[at] != last) {
-          if constexpr (!kApply) std::fill(dst, dst + width, 0.0f);
+      if (keys.far_steps != nullptr && idle > keys.cap) {  // the record's entry for the row's last step
+        const int64_t at = RecordEntry(keys.far_steps, keys.record_steps, last);
+        if (at < 0) {
+          if constexpr (!kApply) std::fill(dst, dst + width, std::numeric_limits<float>::quiet_NaN());
           return false;
         }
         c = keys.far[at * keys.far_terms];

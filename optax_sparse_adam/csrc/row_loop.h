@@ -31,7 +31,7 @@ struct Options {
 // summed), the step written to `out` at `slot` or added to the parameters'
 // row r; `entry` is one of the row's entries (for per-entry operands). A rule
 // whose Row returns a bool may decline a row (false: its state and parameters
-// as they were, its step row zeros): the loop then calls Declined(e) for each
+// as they were, its step row NaN): the loop then calls Declined(e) for each
 // of the row's entries e, which the caller takes by another path.
 
 // Rule::Row on a row, and where the rule declines it, Declined on each of its entries (those from `first` on,

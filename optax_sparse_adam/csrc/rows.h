@@ -170,6 +170,15 @@ OSA_ROW_INLINE int32_t IdleSince(int32_t done, int32_t last) {
   return last > 0 ? static_cast<int32_t>(static_cast<uint32_t>(done) - static_cast<uint32_t>(last)) : 0;
 }
 
+// The entry of the state's record (_catch_up.IdleRecord) for a row whose last step is `last`: last mod its length
+// `record_steps` (jnp.mod: last >= 0), where `far_steps` (the last step each entry is for) says it is for `last`;
+// -1 where the record does not hold it (a negative last step too), the row's idle steps not at hand.
+OSA_ROW_INLINE int64_t RecordEntry(const int32_t* far_steps, int64_t record_steps, int32_t last) {
+  if (last < 0) return -1;
+  const int64_t at = last % record_steps;
+  return far_steps[at] == last ? at : -1;
+}
+
 // _round_with for float16: x rounded up or down at random (u uniform in [0, 1)), unbiased; to nearest where the
 // dtype holds x, where x is not finite, and where a neighbour is not. Branch-free, so that the row loops vectorize:
 // the other candidate is the 16-bit neighbour of the nearest toward x (as jax.lax.nextafter steps, from a zero of
