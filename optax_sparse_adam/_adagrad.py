@@ -17,9 +17,8 @@ import optax
 
 from optax_sparse_adam import _ffi
 from optax_sparse_adam._checks import check_hparam, check_params, check_state
-from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import apply_rule, elementwise_kernel, map_rule
-from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._learning_rate import stage, with_learning_rate
+from optax_sparse_adam._row_engine import apply_rule, elementwise_kernel, map_rule, scaled_rule
 
 __all__ = ["scale_by_sparse_adagrad", "sparse_adagrad"]
 
@@ -88,10 +87,10 @@ def scale_by_sparse_adagrad(
         check_params(params, _WHERE)
         return optax.ScaleByRssState(sum_of_squares=optax.tree.full_like(params, initial_accumulator_value))
 
-    def update_fn(
-        updates: optax.Updates, state: optax.ScaleByRssState, params: optax.Params | None = None, **extra_args: Any
+    def update(
+        updates: optax.Updates, state: optax.ScaleByRssState, params: optax.Params | None, scale: Any
     ) -> tuple[optax.Updates, optax.ScaleByRssState]:
-        del params, extra_args
+        del params
         check_state(state, optax.ScaleByRssState, _WHERE)
 
         def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
@@ -100,19 +99,22 @@ def scale_by_sparse_adagrad(
             inv_sqrt = jnp.where(acc > 0, jax.lax.rsqrt(acc + eps), 0.0)
             return inv_sqrt * g, (acc,)
 
-        # The kernels' scalars: eps, then the fused step's learning-rate scale (unused here).
-        kernel = elementwise_kernel("adagrad", _ffi.float32_scalars(eps, 0.0))
+        scaled = scaled_rule(rule, scale)
+        # The kernels' scalars: eps, then the factor of the step rows (with_learning_rate's -lr, or 1).
+        kernel = elementwise_kernel("adagrad", _ffi.float32_scalars(eps, 1.0 if scale is None else scale))
 
         def leaf(path: Any, g: Any, acc: Any) -> tuple[Any, Any]:
             if g is None:
                 return None, acc
-            out, (new,) = apply_rule(path, g, jnp.shape(acc), (acc,), (), rule, _WHERE, whole_rows=False, kernel=kernel)
+            out, (new,) = apply_rule(
+                path, g, jnp.shape(acc), (acc,), (), scaled, _WHERE, whole_rows=False, kernel=kernel
+            )
             return out, new
 
         out, acc = map_rule(leaf, updates, [(state.sum_of_squares, "sum_of_squares")], _WHERE, 2)
         return out, optax.ScaleByRssState(sum_of_squares=acc)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return stage(init_fn, update)
 
 
 def sparse_adagrad(
@@ -163,9 +165,6 @@ def sparse_adagrad(
              [1.    , 1.    ]], dtype=float32)
     """
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
-    tx = optax.chain(
-        scale_by_sparse_adagrad(initial_accumulator_value=initial_accumulator_value, eps=eps),
-        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
-    )
+    inner = scale_by_sparse_adagrad(initial_accumulator_value=initial_accumulator_value, eps=eps)
     # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
-    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, AdagradFusion(learning_rate, eps)))
+    return with_learning_rate(inner, learning_rate, AdagradFusion(learning_rate, eps))

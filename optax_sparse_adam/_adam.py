@@ -11,6 +11,7 @@ they equal :func:`optax.adam` bitwise (with ``eps_placement="torch"``,
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, TypedDict
@@ -30,10 +31,9 @@ from optax_sparse_adam._checks import (
     check_state,
     mask_tree,
 )
-from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, at_count, map_rule, touched_rows
-from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._learning_rate import stage, with_learning_rate
+from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule, scaled_rule, touched_rows
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import is_leaf, param_error
 
@@ -241,7 +241,7 @@ def _update(
     with_params = trees + ([] if params is None else [(params, "parameters")])
     plain_g, plain_m, plain_v = map_rule(plain, updates, with_params, _WHERE, 3)
     dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # all at once, as optax.adam does
-    rule, lazy_rule = _scaled(_rule(hp, count), scale), _scaled(_lazy_rule(hp, count), scale)
+    rule, lazy_rule = scaled_rule(_rule(hp, count), scale), scaled_rule(_lazy_rule(hp, count), scale)
     kernel = _kernel(hp, count, 1.0 if scale is None else scale)
 
     def leaf(path: Any, g: Any, m: Any, v: Any, lazy: bool, *dense: Any) -> tuple[Any, Any, Any]:
@@ -255,18 +255,6 @@ def _update(
     trees += [(tree, "dense step") for tree in dense]
     updates, mu, nu = map_rule(leaf, updates, trees, _WHERE, 3)
     return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
-
-
-def _scaled(rule: Rule, scale: Any) -> Rule:
-    """``rule`` with its updates multiplied by ``scale`` as ``optax.scale`` multiplies them (``None``: as it is)."""
-    if scale is None:
-        return rule
-
-    def scaled(g: jax.Array, state: Arrays, reads: Arrays) -> tuple[jax.Array, Arrays]:
-        out, new = rule(g, state, reads)
-        return jnp.asarray(scale, out.dtype) * out, new
-
-    return scaled
 
 
 def scale_by_sparse_adam(
@@ -377,16 +365,7 @@ def scale_by_sparse_adam(
             nu=optax.tree.zeros_like(params),
         )
 
-    def update_fn(
-        updates: optax.Updates,
-        state: optax.ScaleByAdamState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
-        del extra_args
-        return _update(hp, lazy_dense, updates, state, params)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return stage(init_fn, functools.partial(_update, hp, lazy_dense))
 
 
 def sparse_adam(
@@ -548,25 +527,8 @@ def sparse_adam(
         eps_placement=eps_placement,
         lazy_dense=lazy_dense,
     )
-    scale = sparse_aware(optax.scale_by_learning_rate(learning_rate))
-    tx = optax.chain(adam, scale)
-
-    def update_fn(
-        updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
-    ) -> tuple[optax.Updates, Any]:
-        """The chain's update, the learning rate applied inside Adam's pass (on the rows kernel, to its step rows)
-        rather than in a second pass over them: the same numbers and the same state."""
-        if not (isinstance(state, tuple) and len(state) == 2):
-            return tx.update(updates, state, params, **extra_args)  # the chain reports what is wrong
-        adam_state, scale_state = state
-        step_size = -1 * at_count(learning_rate, scale_state.count)
-        updates, adam_state = _update(hp, lazy_dense, updates, adam_state, params, step_size)
-        _, scale_state = scale.update(jax.tree.map(lambda _: None, updates, is_leaf=is_leaf), scale_state)
-        return updates, (adam_state, scale_state)
-
     # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
-    fusion = AdamFusion(learning_rate, hp)
-    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(update_fn, fusion))
+    return with_learning_rate(adam, learning_rate, AdamFusion(learning_rate, hp))
 
 
 def _hyperparams(b1: Any, b2: Any, eps: Any, eps_root: Any, maximize: Any, eps_placement: Any) -> AdamHyperparams:

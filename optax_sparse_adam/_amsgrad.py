@@ -25,9 +25,9 @@ from optax_sparse_adam import _catch_up, _ffi, _kernel_path
 from optax_sparse_adam._adam import _hyperparams, kernel_scalars
 from optax_sparse_adam._catch_up import IdleRecord
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
-from optax_sparse_adam._fusion import Clipped, FusableUpdate
-from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_full, stamp
-from optax_sparse_adam._sparse_aware import sparse_aware
+from optax_sparse_adam._fusion import Clipped
+from optax_sparse_adam._learning_rate import stage, with_learning_rate
+from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_full, scaled_rule, stamp
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows
 
@@ -69,14 +69,15 @@ def _amsgrad_moments(g: jax.Array, m: jax.Array, v: jax.Array, v_max: jax.Array,
     return m, v, jnp.maximum(v_max, optax.tree.bias_correction(v, b2, count))
 
 
-def _amsgrad_kernel(hp: Any, count: jax.Array) -> Kernel:
-    """The native CPU kernel in the rule's place: the Adam kernels' scalars, its step rows unscaled."""
+def _amsgrad_kernel(hp: Any, count: jax.Array, scale: Any = None) -> Kernel:
+    """The native CPU kernel in the rule's place: the Adam kernels' scalars, its step rows multiplied by ``scale``
+    (rounded to float32 first, as ``optax.scale`` rounds it)."""
 
     def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
         return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-        scalars = kernel_scalars(hp, count)
+        scalars = kernel_scalars(hp, count, 1.0 if scale is None else scale)
         m, v, v_max, keys, step = _ffi.sparse_amsgrad_rows(
             state[0], state[1], state[2], leaf.keys[:, 0], leaf.values, scalars, unique=_kernel_path.unique_flag(leaf)
         )
@@ -152,10 +153,10 @@ def scale_by_sparse_amsgrad(
             nu_max=optax.tree.zeros_like(params),
         )
 
-    def update_fn(
-        updates: optax.Updates, state: optax.ScaleByAmsgradState, params: optax.Params | None = None, **extra_args: Any
+    def update(
+        updates: optax.Updates, state: optax.ScaleByAmsgradState, params: optax.Params | None, scale: Any
     ) -> tuple[optax.Updates, optax.ScaleByAmsgradState]:
-        del params, extra_args
+        del params
         check_state(state, optax.ScaleByAmsgradState, _WHERE)
         count = optax.safe_increment(state.count)
 
@@ -165,13 +166,21 @@ def scale_by_sparse_amsgrad(
             m_hat = optax.tree.bias_correction(m, b1, count)
             return m_hat / (jnp.sqrt(v_max + eps_root) + eps), (m, v, v_max)
 
-        kernel = _amsgrad_kernel(_hyperparams(b1, b2, eps, eps_root, False, "optax"), count)
+        kernel = _amsgrad_kernel(_hyperparams(b1, b2, eps, eps_root, False, "optax"), count, scale)
 
         def leaf(path: Any, g: Any, m: Any, v: Any, v_max: Any) -> tuple[Any, ...]:
             if g is None:
                 return None, m, v, v_max
             out, new = apply_rule(
-                path, g, jnp.shape(v), (m, v, v_max), (), rule, _WHERE, whole_rows=False, kernel=kernel
+                path,
+                g,
+                jnp.shape(v),
+                (m, v, v_max),
+                (),
+                scaled_rule(rule, scale),
+                _WHERE,
+                whole_rows=False,
+                kernel=kernel,
             )
             return (out, *new)
 
@@ -179,7 +188,7 @@ def scale_by_sparse_amsgrad(
         out, mu, nu, nu_max = map_rule(leaf, updates, trees, _WHERE, 4)
         return out, optax.ScaleByAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return stage(init_fn, update)
 
 
 def sparse_amsgrad(
@@ -253,13 +262,10 @@ def sparse_amsgrad(
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
     if check_bool("catch_up", catch_up):
         return _catch_up_amsgrad(learning_rate, b1, b2, eps, eps_root, mu_dtype)
-    tx = optax.chain(
-        scale_by_sparse_amsgrad(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype),
-        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
-    )
+    inner = scale_by_sparse_amsgrad(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype)
     # update_and_apply runs the step in one pass per row on the AMSGrad kernel: the Adam kernel's scalars serve it.
     fusion = AmsgradFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, False, "optax"))
-    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))
+    return with_learning_rate(inner, learning_rate, fusion)
 
 
 class AmsgradFusion(NamedTuple):

@@ -58,7 +58,7 @@ from optax_sparse_adam._row_ops import HALF_FLOATS, explicit_sharding
 __all__ = ["kernel_path", "use_kernels"]
 
 MAX_THREADS = 16
-PREFIX = "optax_sparse_adam_v8_"  # bump when a handler's operands or attributes change
+PREFIX = "optax_sparse_adam_v9_"  # bump when a handler's operands or attributes change
 _SYMBOLS = {
     "sparse_adam_rows": "OptaxSparseAdamRows",
     "sparse_adam_apply": "OptaxSparseAdamApply",

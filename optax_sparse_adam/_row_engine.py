@@ -109,10 +109,22 @@ def touched_rows(g: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(g), axis=tuple(range(1, g.ndim)), keepdims=True) != 0
 
 
-def at_count(value: Any, count: jax.Array) -> Any:
+def at_count(value: Any, count: Any) -> Any:
     """A hyperparameter (a learning rate) at step ``count``: a schedule called on it, as
     ``optax.scale_by_learning_rate`` calls it, a constant as it is."""
     return value(count) if callable(value) else value
+
+
+def scaled_rule(rule: Rule, scale: Any) -> Rule:
+    """``rule`` with its updates multiplied by ``scale`` as ``optax.scale`` multiplies them (``None``: as it is)."""
+    if scale is None:
+        return rule
+
+    def scaled(g: jax.Array, state: Arrays, reads: Arrays) -> tuple[jax.Array, Arrays]:
+        out, new = rule(g, state, reads)
+        return jnp.asarray(scale, out.dtype) * out, new
+
+    return scaled
 
 
 def stamp(last: jax.Array, count: jax.Array) -> jax.Array:

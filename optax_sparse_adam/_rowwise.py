@@ -27,7 +27,17 @@ import optax
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import FusableUpdate
-from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_full, row_mean_square, row_shape
+from optax_sparse_adam._learning_rate import stage, with_learning_rate
+from optax_sparse_adam._row_engine import (
+    Arrays,
+    Kernel,
+    apply_rule,
+    map_rule,
+    row_full,
+    row_mean_square,
+    row_shape,
+    scaled_rule,
+)
 from optax_sparse_adam._row_ops import take_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
@@ -78,7 +88,8 @@ def _row_dtype(p: Any) -> Any:
 
 def rowwise_adam_scalars(b1: Any, b2: Any, eps: Any, eps_root: Any, count: Any, neg_lr: Any = 1.0) -> jax.Array:
     """The row-wise Adam kernels' scalar operand at step ``count``, each value rounded to float32 as the rule rounds
-    it; ``neg_lr`` is the learning-rate scale of the fused step (:func:`update_and_apply`)."""
+    it; ``neg_lr`` is the learning-rate scale: of the fused step's update (:func:`update_and_apply`), or of the rows
+    kernel's step rows."""
     bc1, bc2 = 1 - jnp.power(b1, count), 1 - jnp.power(b2, count)  # as the rule computes them
     return _ffi.float32_scalars(b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2, neg_lr)
 
@@ -100,15 +111,18 @@ def rowwise_adam_per_row(b1: Any, b2: Any, row_count: jax.Array, keys: jax.Array
     return (row_count, rowwise_adam_corrections(b1, b2, row_count, keys))
 
 
-def _adam_kernel(b1: Any, b2: Any, eps: Any, eps_root: Any, count: jax.Array, per_row: bool) -> Kernel:
-    """The native CPU kernel in the rule's place (state: mu, nu and, with per-row bias correction, the row counts)."""
+def _adam_kernel(
+    b1: Any, b2: Any, eps: Any, eps_root: Any, count: jax.Array, per_row: bool, scale: Any = None
+) -> Kernel:
+    """The native CPU kernel in the rule's place (state: mu, nu and, with per-row bias correction, the row counts);
+    its step rows come out multiplied by ``scale`` (rounded to float32 first, as ``optax.scale`` rounds it)."""
 
     def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
         return _kernel_path.supports(leaf.shape, leaf.n_sparse, state[0], state[1], leaf.values)
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
         keys = leaf.keys[:, 0]
-        scalars = rowwise_adam_scalars(b1, b2, eps, eps_root, count)
+        scalars = rowwise_adam_scalars(b1, b2, eps, eps_root, count, 1.0 if scale is None else scale)
         extra = rowwise_adam_per_row(b1, b2, state[2], keys) if per_row else None
         m, v, out_keys, step, *c = _ffi.rowwise_adam_rows(
             state[0], state[1], keys, leaf.values, scalars, extra, unique=_kernel_path.unique_flag(leaf)
@@ -236,10 +250,10 @@ def scale_by_rowwise_adam(
             row_count=row_count,
         )
 
-    def update_fn(
-        updates: optax.Updates, state: ScaleByRowwiseAdamState, params: optax.Params | None = None, **extra_args: Any
+    def update(
+        updates: optax.Updates, state: ScaleByRowwiseAdamState, params: optax.Params | None, scale: Any
     ) -> tuple[optax.Updates, ScaleByRowwiseAdamState]:
-        del params, extra_args
+        del params
         check_state(state, ScaleByRowwiseAdamState, where)
         count = optax.safe_increment(state.count)
 
@@ -259,14 +273,23 @@ def scale_by_rowwise_adam(
             denom = jnp.sqrt(v / bc2 + eps_root) + eps
             return (m / bc1) / broadcast_rows(denom, m.ndim).astype(m.dtype), new
 
-        kernel = _adam_kernel(b1, b2, eps, eps_root, count, per_row_bias_correction)
+        kernel = _adam_kernel(b1, b2, eps, eps_root, count, per_row_bias_correction, scale)
 
         def leaf(path: Any, g: Any, m: Any, v: Any, *c: Any) -> tuple[Any, ...]:
             if g is None:
                 return None, m, v, *c
             wide = jnp.promote_types(m.dtype, v.dtype)  # float32 for a bfloat16 table with a float32 nu
             out, new = apply_rule(
-                path, g, jnp.shape(m), (m, v, *c), (), rule, where, whole_rows=True, kernel=kernel, compute_dtype=wide
+                path,
+                g,
+                jnp.shape(m),
+                (m, v, *c),
+                (),
+                scaled_rule(rule, scale),
+                where,
+                whole_rows=True,
+                kernel=kernel,
+                compute_dtype=wide,
             )
             return (out, *new)
 
@@ -278,7 +301,7 @@ def scale_by_rowwise_adam(
             count=count, mu=mu, nu=nu, row_count=row_count[0] if per_row_bias_correction else state.row_count
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return stage(init_fn, update)
 
 
 def sparse_rowwise_adam(
@@ -321,33 +344,32 @@ def sparse_rowwise_adam(
              [1. , 1. ]], dtype=float32)
     """
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
-    tx = optax.chain(
-        scale_by_rowwise_adam(
-            b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, per_row_bias_correction=per_row_bias_correction
-        ),
-        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
+    inner = scale_by_rowwise_adam(
+        b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, per_row_bias_correction=per_row_bias_correction
     )
     # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
     fusion = RowwiseAdamFusion(learning_rate, b1, b2, eps, eps_root, per_row_bias_correction)
-    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))
+    return with_learning_rate(inner, learning_rate, fusion)
 
 
-def adagrad_scalars(eps: Any, weight_decay: Any, neg_lr: Any = 0.0) -> jax.Array:
+def adagrad_scalars(eps: Any, weight_decay: Any, neg_lr: Any) -> jax.Array:
     """The row-wise Adagrad kernels' scalar operand, each value rounded to float32 as the rule rounds it.
 
-    ``neg_lr`` is the learning-rate scale of the fused step (:func:`update_and_apply`).
+    ``neg_lr`` is the learning-rate scale: of the fused step's update (:func:`update_and_apply`), or of the rows
+    kernel's step rows (1 for the stage's own).
     """
     return _ffi.float32_scalars(eps, weight_decay, neg_lr)
 
 
-def _adagrad_kernel(eps: Any, weight_decay: Any, decays: bool) -> Kernel:
-    """The native CPU kernel in the rule's place (it reads the parameters for L2 decay)."""
+def _adagrad_kernel(eps: Any, weight_decay: Any, decays: bool, scale: Any = None) -> Kernel:
+    """The native CPU kernel in the rule's place (it reads the parameters for L2 decay); its step rows come out
+    multiplied by ``scale`` (rounded to float32 first, as ``optax.scale`` rounds it to the update's dtype)."""
 
     def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
         return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, *reads, leaf.values)
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-        scalars = adagrad_scalars(eps, weight_decay if decays else 0.0)
+        scalars = adagrad_scalars(eps, weight_decay if decays else 0.0, 1.0 if scale is None else scale)
         acc, keys, step = _ffi.rowwise_adagrad_rows(
             state[0],
             leaf.keys[:, 0],
@@ -435,10 +457,9 @@ def scale_by_rowwise_adagrad(
             sum_of_squares=jax.tree.map(lambda p: row_full(p, initial_accumulator_value, _row_dtype(p)), params)
         )
 
-    def update_fn(
-        updates: optax.Updates, state: ScaleByRowwiseAdagradState, params: optax.Params | None = None, **extra_args: Any
+    def update(
+        updates: optax.Updates, state: ScaleByRowwiseAdagradState, params: optax.Params | None, scale: Any
     ) -> tuple[optax.Updates, ScaleByRowwiseAdagradState]:
-        del extra_args
         check_state(state, ScaleByRowwiseAdagradState, where)
         decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
         if decays and params is None:
@@ -451,7 +472,7 @@ def scale_by_rowwise_adagrad(
             acc = acc + row_mean_square(g).astype(acc.dtype)
             return g / broadcast_rows(jnp.sqrt(acc) + eps, g.ndim).astype(g.dtype), (acc,)
 
-        kernel = _adagrad_kernel(eps, weight_decay, decays)
+        kernel = _adagrad_kernel(eps, weight_decay, decays, scale)
 
         def leaf(path: Any, g: Any, acc: Any, *p: Any) -> tuple[Any, ...]:
             if g is None:
@@ -463,7 +484,16 @@ def scale_by_rowwise_adagrad(
                 )
             reads = p if decays else ()
             out, (new,) = apply_rule(
-                path, g, shape, (acc,), reads, rule, where, whole_rows=True, kernel=kernel, compute_dtype=acc.dtype
+                path,
+                g,
+                shape,
+                (acc,),
+                reads,
+                scaled_rule(rule, scale),
+                where,
+                whole_rows=True,
+                kernel=kernel,
+                compute_dtype=acc.dtype,
             )
             return out, new
 
@@ -473,7 +503,7 @@ def scale_by_rowwise_adagrad(
         out, acc = map_rule(leaf, updates, trees, where, 2)
         return out, ScaleByRowwiseAdagradState(sum_of_squares=acc)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return stage(init_fn, update)
 
 
 WeightDecayMode = Literal["l2", "decoupled"]
@@ -534,20 +564,19 @@ def sparse_rowwise_adagrad(
     if weight_decay_mode not in ("l2", "decoupled"):
         raise ValueError(f"Invalid weight_decay_mode: {weight_decay_mode!r}; it must be 'l2' or 'decoupled'")
     if weight_decay_mode == "l2":
-        tx = optax.chain(
-            scale_by_rowwise_adagrad(eps, initial_accumulator_value, weight_decay),
-            sparse_aware(optax.scale_by_learning_rate(learning_rate)),
-        )
         # As the rule decides: a literal 0 reads no parameters.
         decay = 0 if isinstance(weight_decay, int | float) and weight_decay == 0 else 1
-    else:
-        check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
-        tx = optax.chain(
-            scale_by_rowwise_adagrad(eps, initial_accumulator_value),
-            sparse_aware(optax.add_decayed_weights(weight_decay)),
-            sparse_aware(optax.scale_by_learning_rate(learning_rate)),
-        )
-        decay = 2  # add_decayed_weights adds weight_decay * p even for 0, and so does the kernel
-    # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
-    fusion = RowwiseAdagradFusion(learning_rate, eps, weight_decay, decay)
+        # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
+        fusion = RowwiseAdagradFusion(learning_rate, eps, weight_decay, decay)
+        inner = scale_by_rowwise_adagrad(eps, initial_accumulator_value, weight_decay)
+        return with_learning_rate(inner, learning_rate, fusion)
+    # Decoupled decay: a stage between the rule and the learning rate, which scales the rule's updates after it.
+    check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
+    tx = optax.chain(
+        scale_by_rowwise_adagrad(eps, initial_accumulator_value),
+        sparse_aware(optax.add_decayed_weights(weight_decay)),
+        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
+    )
+    # add_decayed_weights adds weight_decay * p even for 0, and so does the kernel (decay 2).
+    fusion = RowwiseAdagradFusion(learning_rate, eps, weight_decay, 2)
     return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))

@@ -45,7 +45,8 @@ from optax_sparse_adam._catch_up import (
     record_step,
 )
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
-from optax_sparse_adam._fusion import Clipped, FusableUpdate
+from optax_sparse_adam._fusion import Clipped
+from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
     Arrays,
     Kernel,
@@ -55,6 +56,7 @@ from optax_sparse_adam._row_engine import (
     elementwise_kernel,
     map_rule,
     row_full,
+    scaled_rule,
     stamp,
 )
 from optax_sparse_adam._sparse_aware import sparse_aware
@@ -119,14 +121,15 @@ def _lazy_trace(momentum: Any, nesterov: bool, accumulator_dtype: Any) -> optax.
         check_params(params, where)
         return optax.TraceState(trace=optax.tree.zeros_like(params, dtype=accumulator_dtype))
 
-    def update_fn(
-        updates: optax.Updates, state: optax.TraceState, params: optax.Params | None = None, **extra_args: Any
+    def update(
+        updates: optax.Updates, state: optax.TraceState, params: optax.Params | None, scale: Any
     ) -> tuple[optax.Updates, optax.TraceState]:
-        del params, extra_args
+        del params
         check_state(state, optax.TraceState, where)
-        rule = _trace_rule(momentum, nesterov)
-        # The kernels' scalars: the momentum, then the fused step's learning-rate scale (unused here).
-        kernel = elementwise_kernel("momentum", _ffi.float32_scalars(momentum, 0.0), nesterov=nesterov)
+        rule = scaled_rule(_trace_rule(momentum, nesterov), scale)
+        # The kernels' scalars: the momentum, then the factor of the step rows (with_learning_rate's -lr, or 1).
+        factor = 1.0 if scale is None else scale
+        kernel = elementwise_kernel("momentum", _ffi.float32_scalars(momentum, factor), nesterov=nesterov)
 
         def leaf(path: Any, g: Any, t: Any) -> tuple[Any, Any]:
             if g is None:
@@ -137,7 +140,7 @@ def _lazy_trace(momentum: Any, nesterov: bool, accumulator_dtype: Any) -> optax.
         out, trace = map_rule(leaf, updates, [(state.trace, "trace")], where, 2)
         return out, optax.TraceState(trace=trace)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return stage(init_fn, update)
 
 
 def idle_cap(momentum: Any) -> Any:
@@ -639,7 +642,6 @@ def sparse_sgd(
     check_hparam("momentum", momentum, lower=0.0, lower_open=False, upper=1.0 if catch_up else math.inf)
     if catch_up:
         return _catch_up_sgd(learning_rate, momentum, nesterov, accumulator_dtype)
-    tx = optax.chain(_lazy_trace(momentum, nesterov, accumulator_dtype), scale)
     # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
     fusion = MomentumFusion(learning_rate, momentum, nesterov)
-    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))
+    return with_learning_rate(_lazy_trace(momentum, nesterov, accumulator_dtype), learning_rate, fusion)

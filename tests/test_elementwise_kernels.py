@@ -278,7 +278,8 @@ def _numpy_rule(name: str, p: np.ndarray, state: list[np.ndarray], ids, values, 
                 quad = rn / alpha + q0 if hp["divides"] else _fma(rn, alpha, q0)
                 p_new = _fma(_sign(zn), l1, -zn) / quad if np.abs(zn) > l1 else F32(0)
                 u = p_new - pj
-            steps[d, j] = u
+            # The rows handlers' step rows: FTRL's update; the others' times neg_lr, the factor they scale them by.
+            steps[d, j] = u if name.startswith("ftrl") else neg_lr * u
             if name.startswith("ftrl"):
                 p[key, j] = p[key, j] + u
             else:

@@ -310,7 +310,7 @@ def _numpy_rule(p, mu, nu, count, ids, values, scalars, bc, apply: bool):
             step = mn / (bc1 * denom) if count is not None else (mn * (F32(1) / bc1)) / denom
         else:
             step = (mn * (F32(1) / bc1)) * (F32(1) / denom)
-        steps[d] = step
+        steps[d] = neg_lr * step  # the rows handler's step rows: times neg_lr, the factor it scales them by
         if apply:
             p[key] = p[key] + neg_lr * step
     keys = np.array(order + [p.shape[0]] * (len(ids) - len(order)), np.int32)

@@ -317,7 +317,7 @@ def _numpy_rule(p, acc, ids, values, mode: str, neg_lr: F32, apply: bool):
         else:
             acc[key] = _fma(_row_sum_of_squares(g), F32(1) / F32(width), acc[key])
             step = g * (F32(1) / (np.sqrt(acc[key]) + eps))
-        steps[d] = step
+        steps[d] = neg_lr * step  # the rows handler's step rows: times neg_lr, the factor it scales them by
         if apply:
             if mode == "decoupled":
                 step = step + wd * p[key] if width == 1 else _fma(wd, p[key], step)

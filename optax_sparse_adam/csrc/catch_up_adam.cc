@@ -1,7 +1,7 @@
 // Lazy Adam with exact catch-up (sparse_adam(catch_up=True), and with
 // decay sparse_adamw(catch_up=True)) and its application, as an XLA FFI
 // handler for the CPU:
-//   optax_sparse_adam_v8_catch_up_adam_apply
+//   optax_sparse_adam_v9_catch_up_adam_apply
 //     (p, mu, nu, last_step, decay_mark, keys, values, scalars, window, far, far_steps, powers, through, limits,
 //      neg_rates, corrections, counts) -> (p, mu, nu, last_step, decay_mark, flags)
 // (scalars: Adam's 10, AdamW's 11 with `decay`, then optionally the
@@ -9,7 +9,7 @@
 // clipped first as sparse_adam.cc does; the attribute far_by_key says
 // whether far holds a row per key, which an empty batch's operands cannot
 // say), and tx.update's rule:
-//   optax_sparse_adam_v8_catch_up_adam_rows
+//   optax_sparse_adam_v9_catch_up_adam_rows
 //     (the same operands and attributes, p read only)
 //     -> (mu, nu, last_step, decay_mark, keys, updates, flags)
 // each touched row replayed and stepped in a scratch copy, its update (UpdateOfRow) packed as sparse_adam.cc's
@@ -658,7 +658,7 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<f
 }
 
 // The idle steps of gathered rows, one by one (_catch_up.replay's elements the series does not take):
-//   optax_sparse_adam_v8_catch_up_adam_steps
+//   optax_sparse_adam_v9_catch_up_adam_steps
 //     (p, mu, nu, last, idle, limits, neg_rates, corrections, powers) -> (p, flags)
 // Each row with idle > 0 takes its first min(idle, cap) idle steps as IdleSteps::Replay takes them, every
 // element (the caller keeps the ones it needs); the moments are read, not written. limits: b1, b2, eps,

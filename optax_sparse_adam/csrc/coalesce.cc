@@ -1,8 +1,8 @@
 // Summing a batch's duplicate keys, and finding its distinct keys, as XLA FFI handlers for the CPU:
-//   optax_sparse_adam_v8_coalesce          (keys, values) -> (keys, values)
-//   optax_sparse_adam_v8_coalesce_squares  (keys, values) -> (keys, values, sum of squares)
-//   optax_sparse_adam_v8_sum_squares       (keys, values) -> sum of squares
-//   optax_sparse_adam_v8_distinct          (keys) -> (keys, inverse)
+//   optax_sparse_adam_v9_coalesce          (keys, values) -> (keys, values)
+//   optax_sparse_adam_v9_coalesce_squares  (keys, values) -> (keys, values, sum of squares)
+//   optax_sparse_adam_v9_sum_squares       (keys, values) -> sum of squares
+//   optax_sparse_adam_v9_distinct          (keys) -> (keys, inverse)
 // Each distinct key in [0, num_rows) once, in order of first occurrence, in
 // the leading slots, its entries' values summed from 0 in entry order (the
 // order of XLA's scatter-add, so each sum is bitwise the XLA path's); the

@@ -5,7 +5,9 @@
 // Each rule has two handlers:
 //   ..._rows  (state..., keys, values, scalars[, p]) -> (state..., keys, step)
 //     the sparse leaf rule for tx.update (the row engine's kernel hook): the state in place, the step rows packed
-//     as the XLA path packs them (distinct keys first, padding after; with `unique`, in the entries' own slots);
+//     as the XLA path packs them (distinct keys first, padding after; with `unique`, in the entries' own slots),
+//     adagrad's and momentum's times neg_lr (1, or the learning rate's -lr, which optax.scale_by_learning_rate
+//     would multiply the rows by next: one multiplication, as there);
 //   ..._apply (p, state..., keys, values, scalars) -> (p, state...)
 //     the rule and the parameters' update in one pass over each touched row (update_and_apply's fused step).
 // The targets, and their scalars in the order the Python side stacks them:
@@ -89,7 +91,7 @@ struct AdagradRule {
       if constexpr (kApply) {
         dst[j] = dst[j] + neg_lr_ * u;
       } else {
-        dst[j] = u;
+        dst[j] = neg_lr_ * u;
       }
     }
   }
@@ -123,7 +125,7 @@ struct MomentumRule {
       if constexpr (kApply) {
         dst[j] = dst[j] + neg_lr_ * u;
       } else {
-        dst[j] = u;
+        dst[j] = neg_lr_ * u;
       }
     }
   }

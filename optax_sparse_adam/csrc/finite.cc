@@ -1,5 +1,5 @@
 // Whether a float32 array holds only finite numbers, as an XLA FFI handler for the CPU:
-//   optax_sparse_adam_v8_all_finite  (x) -> 1 where every element is finite, else 0
+//   optax_sparse_adam_v9_all_finite  (x) -> 1 where every element is finite, else 0
 // (osa.apply_if_finite's check of a gradient, where XLA's reduction of
 // sum(x * 0) read a batch's gradient rows on one thread). An element is not
 // finite where its exponent field is all ones (rows.h's IsFinite). The

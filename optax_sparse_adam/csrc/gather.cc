@@ -1,5 +1,5 @@
 // Gathering table rows, for take_rows (the lookups, and the row engine's reads on the XLA-path rules):
-//   optax_sparse_adam_v8_gather  (table, keys, row_begin) -> rows
+//   optax_sparse_adam_v9_gather  (table, keys, row_begin) -> rows
 // rows[i] = table[key] for key = keys[i], a negative key counted from the end
 // (key + num_rows, as jax's indexing wraps it); rows of keys outside
 // [0, num_rows) after that, and of rows this call does not hold (a row shard

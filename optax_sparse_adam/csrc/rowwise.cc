@@ -2,18 +2,18 @@
 // (duplicates summed, rows split over threads, the step packed as the XLA path packs it) and two rules.
 //
 // Row-wise Adagrad (scale_by_rowwise_adagrad; FBGEMM's EXACT_ROWWISE_ADAGRAD):
-//   optax_sparse_adam_v8_rowwise_adagrad_rows   (acc, keys, values, scalars[, p]) -> (acc, keys, step)
+//   optax_sparse_adam_v9_rowwise_adagrad_rows   (acc, keys, values, scalars[, p]) -> (acc, keys, step)
 //     the sparse leaf rule: the accumulators in place, and the step rows
 //     packed as the XLA path packs them (distinct keys first, padding after;
 //     with `unique`, in the entries' own slots); p (the parameters) is read
 //     for L2 weight decay only;
-//   optax_sparse_adam_v8_rowwise_adagrad_apply  (p, acc, keys, values, scalars, seeds) -> (p, acc)
+//   optax_sparse_adam_v9_rowwise_adagrad_apply  (p, acc, keys, values, scalars, seeds) -> (p, acc)
 //     the rule and p += neg_lr * step (after decoupled weight decay, in that
 //     mode), touching each row of p and acc once.
 // Row-wise Adam (scale_by_rowwise_adam; FBGEMM's PARTIAL_ROWWISE_ADAM):
-//   optax_sparse_adam_v8_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count[, bc]])
+//   optax_sparse_adam_v9_rowwise_adam_rows  (mu, nu, keys, values, scalars[, row_count[, bc]])
 //                                             -> (mu, nu, keys, step[, row_count])
-//   optax_sparse_adam_v8_rowwise_adam_apply (p, mu, nu, keys, values, scalars, seeds[, row_count[, bc]])
+//   optax_sparse_adam_v9_rowwise_adam_apply (p, mu, nu, keys, values, scalars, seeds[, row_count[, bc]])
 //                                             -> (p, mu, nu[, row_count])
 //     mu per entry, nu one scalar per row; with per-row bias correction each
 //     row's update count rises by one (saturating, as optax.safe_increment)
@@ -56,7 +56,8 @@
 //   D   = sqrt(v' (1 / bc2) + eps_root) + eps   (per-row bias correction: v' / bc2)
 //   u   = (m' (1 / bc1)) (1 / D)        (d = 1: (m' (1 / bc1)) / D; per-row: m' / (bc1 D), as XLA
 //                                        rewrites (a / b) / c where all three have one shape)
-// and in the apply handlers p = p + neg_lr u.
+// and in the apply handlers p = p + neg_lr u; the rows handlers' step rows are neg_lr u (neg_lr 1, or the
+// learning rate's -lr, which optax.scale_by_learning_rate would multiply them by next: one multiplication, as there).
 // XLA chooses the order of the row sum itself (a YNNPACK reduction or a loop
 // of its own, by shape and CPU), so S may differ from the XLA path's by the
 // rounding of a sum of d nonnegative terms; the tests bound it.
@@ -174,7 +175,7 @@ struct AdagradRule {
         if constexpr (kDecay == kDecoupled) step = step + wd * P(dst[0]);
         dst[0] = params.Store(P(dst[0]) + neg_lr * step, seed, 0);
       } else {
-        dst[0] = step;
+        dst[0] = neg_lr * step;
       }
       return;
     }
@@ -188,7 +189,7 @@ struct AdagradRule {
         if constexpr (kDecay == kDecoupled) step = std::fma(wd, P(dst[j]), step);
         dst[j] = params.Store(P(dst[j]) + neg_lr * step, seed, j);
       } else {
-        dst[j] = step;
+        dst[j] = neg_lr * step;
       }
     }
   }
@@ -258,7 +259,7 @@ struct AdamRule {
       if constexpr (kApply) {
         dst[0] = params.Store(Params::Load(dst[0]) + neg_lr * step, seed, 0);
       } else {
-        dst[0] = step;
+        dst[0] = neg_lr * step;
       }
       return;
     }
@@ -271,7 +272,7 @@ struct AdamRule {
       if constexpr (kApply) {
         dst[j] = params.Store(Params::Load(dst[j]) + neg_lr * step, seed, j);
       } else {
-        dst[j] = step;
+        dst[j] = neg_lr * step;
       }
     }
   }

@@ -1,5 +1,5 @@
 // Scatter-add of update rows into a table, in place, for apply_updates:
-//   optax_sparse_adam_v8_scatter_add  (table, keys, values, row_begin) -> table
+//   optax_sparse_adam_v9_scatter_add  (table, keys, values, row_begin) -> table
 // table[keys[i]] += values[i] in entry order (the order of XLA's scatter-add,
 // so the sums are bitwise the same); keys outside [0, num_rows) are padding,
 // and only the rows [row_begin, row_begin + table rows) are held (a row shard).
@@ -8,7 +8,7 @@
 // 0 otherwise. Distinct keys are split over the threads by position, into
 // parts of about equal numbers of held rows (ParallelForOwned), with nothing
 // hashed; others by key (ForEachKeyPart), so that each row is one thread's.
-//   optax_sparse_adam_v8_add_rows_half  (table, keys, values, row_begin) -> table
+//   optax_sparse_adam_v9_add_rows_half  (table, keys, values, row_begin) -> table
 // apply_updates' sum into a bfloat16 or float16 table: keys the library made
 // distinct (the duplicates summed before), float32 update rows, each touched
 // element (p + u).astype(p.dtype) as optax forms it, widened, added in

@@ -1,5 +1,5 @@
 // Setting table rows, in place, for scatter_rows' sets into 16-bit float tables:
-//   optax_sparse_adam_v8_set_rows  (table, keys, values, row_begin) -> table
+//   optax_sparse_adam_v9_set_rows  (table, keys, values, row_begin) -> table
 // table[key] = values[i] for key = keys[i], a negative key counted from the
 // end (key + num_rows, as jax's indexing wraps it), the entries in order (a
 // key given twice keeps its last row, as XLA:CPU's scatter leaves it); keys

@@ -1,22 +1,22 @@
 // Lazy Adam on the rows a batch touches, as XLA FFI handlers for the CPU.
 //
 // The handlers share one row loop:
-//   optax_sparse_adam_v8_sparse_adam_rows   (mu, nu, keys, values, scalars) -> (mu, nu, keys, step)
+//   optax_sparse_adam_v9_sparse_adam_rows   (mu, nu, keys, values, scalars) -> (mu, nu, keys, step)
 //     the sparse leaf rule of scale_by_sparse_adam: new moments in place, and
 //     the step rows times the scalar neg_lr (1, or sparse_adam's -lr) packed
 //     as the XLA path packs them (distinct keys first, padding after; with
 //     `unique`, in the entries' own slots);
-//   optax_sparse_adam_v8_sparse_adam_apply  (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
+//   optax_sparse_adam_v9_sparse_adam_apply  (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
 //     the same and p += neg_lr * step, touching each row of p, mu and nu once;
-//   optax_sparse_adam_v8_sparse_adamw_apply (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
+//   optax_sparse_adam_v9_sparse_adamw_apply (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
 //     sparse_adamw's lazy step: p += neg_lr * fma(weight_decay, p, step), the
 //     weight decay an eleventh scalar;
-//   optax_sparse_adam_v8_sparse_amsgrad_apply (p, mu, nu, nu_max, keys, values, scalars) -> (p, mu, nu, nu_max)
+//   optax_sparse_adam_v9_sparse_amsgrad_apply (p, mu, nu, nu_max, keys, values, scalars) -> (p, mu, nu, nu_max)
 //     sparse_amsgrad's lazy step: nu_max' = max(nu_max, v' (1 / bc2)),
 //     s = (m' (1 / bc1)) / (sqrt(nu_max' + eps_root) + eps), p += neg_lr s;
-//   optax_sparse_adam_v8_sparse_amsgrad_rows (mu, nu, nu_max, keys, values, scalars) -> (mu, nu, nu_max, keys, step)
+//   optax_sparse_adam_v9_sparse_amsgrad_rows (mu, nu, nu_max, keys, values, scalars) -> (mu, nu, nu_max, keys, step)
 //     its leaf rule for tx.update: the moments in place, the step rows times neg_lr packed as above;
-//   optax_sparse_adam_v8_catch_up_amsgrad_apply
+//   optax_sparse_adam_v9_catch_up_amsgrad_apply
 //       (p, mu, nu, nu_max, last_step, keys, values, scalars, window, far, powers, decay2, counts)
 //       -> (p, mu, nu, nu_max, last_step)
 //     sparse_amsgrad(catch_up=True)'s fused step: a row that sat out idle > 0 steps since its record first takes
@@ -26,7 +26,7 @@
 //       p = p - C (m / (sqrt(nu_max + eps_root) + eps)),  m = m b1**idle,  v = v b2**idle
 //     (the parameters within two ulps of the XLA path's, which rounds the caught-up row and the update apart);
 //     each touched row's record takes the step's count, in place: last_step = max(last_step, count);
-//   optax_sparse_adam_v8_catch_up_amsgrad_rows
+//   optax_sparse_adam_v9_catch_up_amsgrad_rows
 //       (p, mu, nu, nu_max, last_step, keys, values, scalars, window, far, powers, decay2, counts)
 //       -> (mu, nu, nu_max, last_step, keys, step)
 //     its leaf rule for tx.update: each touched row replayed in a scratch copy of p (read only), its update
