@@ -215,6 +215,21 @@ ROUTES = [
 ]
 
 
+def _placed_state(rs: osa.RowSharding, tx: Any, params: Any) -> Any:
+    """``tx.init(params)`` placed by ``rs.state_specs``, as a routed step returns its state: the leaves that
+    ``tx.init`` leaves on one device (the count, catch-up's records) replicated over the mesh, so that a run's first
+    step and the later ones run one executable (a routed step's compile is most of a test's time; the leaves' values
+    are the same)."""
+    state = tx.init(params)
+    specs = rs.state_specs(tx, state, params)
+    return jax.tree.map(
+        lambda x, spec: jax.device_put(x, NamedSharding(rs.mesh, spec)),
+        state,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
 def _routed_run(rs: osa.RowSharding, tx: Any, batches: list[tuple[np.ndarray, np.ndarray]]) -> Any:
     batch = NamedSharding(rs.mesh, P(rs.batch_axis))
 
@@ -225,7 +240,7 @@ def _routed_run(rs: osa.RowSharding, tx: Any, batches: list[tuple[np.ndarray, np
         return rs.apply_updates(p, u), s, (value, g["emb"].todense(), g["w"]), info
 
     params = rs.shard(_params())
-    state = tx.init(params)
+    state = _placed_state(rs, tx, params)
     grads, infos = [], []
     for ids, y in batches:
         params, state, g, info = step(params, state, jax.device_put(ids, batch), jax.device_put(y, batch))
@@ -430,17 +445,18 @@ def test_suggested_capacity_is_the_largest_bucket_and_stops_zipf_overflow():
     assert exact == largest
     assert rs.suggest_capacity(_params(), recorded, margin=1.25) == int(np.ceil(1.25 * largest))
 
-    def overflow(rs: osa.RowSharding, ids: np.ndarray, y: np.ndarray) -> int:
+    def overflows(rs: osa.RowSharding, batches: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
         batch = NamedSharding(mesh, P("x"))
-        _, _, info = jax.jit(rs.value_and_row_grad(loss_fn))(
-            rs.shard(_params()), jax.device_put(ids, batch), jax.device_put(y, batch)
-        )
-        return int(info.overflow)
+        lookup = jax.jit(rs.value_and_row_grad(loss_fn))  # traced once for all the batches
+        params = rs.shard(_params())
+        return [
+            int(lookup(params, jax.device_put(ids, batch), jax.device_put(y, batch))[2].overflow) for ids, y in batches
+        ]
 
     fresh = _batches(5, seed=12, zipf=True)
-    assert max(overflow(rs, ids, y) for ids, y in fresh) > 0  # the default capacity assumes spread ids
+    assert max(overflows(rs, fresh)) > 0  # the default capacity assumes spread ids
     tuned = dataclasses.replace(rs, capacity=rs.suggest_capacity(_params(), recorded, margin=1.25))
-    assert all(overflow(tuned, ids, y) == 0 for ids, y in fresh)
+    assert all(o == 0 for o in overflows(tuned, fresh))
     with pytest.raises(ValueError, match="margin"):
         rs.suggest_capacity(_params(), recorded, margin=0.5)
 
@@ -524,7 +540,7 @@ def test_stochastic_rounding_of_a_row_sharded_bfloat16_table_draws_as_on_one_dev
         return rs.update_and_apply(tx, g, s, p)
 
     ref = (init, tx.init(init))
-    got = (rs.shard(init), tx.init(rs.shard(init)))
+    got = (rs.shard(init), _placed_state(rs, tx, rs.shard(init)))  # each step one executable (see _placed_state)
     for step, (ids, y) in enumerate(batches):
         k = jax.random.fold_in(key, step)
         ref = one_device(*ref, jnp.asarray(ids), jnp.asarray(y), k)
@@ -820,6 +836,19 @@ def test_routed_entries_with_a_broken_unique_indices_promise_are_summed_not_drop
         assert _route_taken(info) == "one round"
 
 
+def _collection_tables(coll: osa.EmbeddingCollection) -> dict[str, jax.Array]:
+    """The collection's stacks (``coll.stack``, in its layout) of tables drawn by NumPy: the values ``coll.init``
+    would draw take a compile of their own for each collection's shapes, and what is tested here is the routed
+    step, from any values (the initializer is tested with the collection itself)."""
+    rng = np.random.default_rng(0)  # apart from the test's own draws, which its ids and routes come from
+    return coll.stack(  # at the default initializer's scale, 1 / sqrt(width)
+        {
+            n: (rng.standard_normal((t.num_rows, t.width)) / np.sqrt(t.width)).astype(np.float32)
+            for n, t in coll.tables.items()
+        }
+    )
+
+
 @pytest.mark.parametrize("routing", ["all_to_all", "all_gather"])
 def test_a_collection_with_pooled_bags_matches_one_device(routing):
     """A stack of tables read by pooled multi-hot features, routed over 8 devices, equals the one-device step."""
@@ -828,7 +857,7 @@ def test_a_collection_with_pooled_bags_matches_one_device(routing):
         {"user": osa.FeatureSpec("user"), "hist": osa.FeatureSpec("item", "mean"), "cand": osa.FeatureSpec("item")},
     )
     rng = np.random.default_rng(6)
-    init = {"emb": coll.init(jax.random.key(0)), "w": jnp.asarray(rng.standard_normal(D), jnp.float32)}
+    init = {"emb": _collection_tables(coll), "w": jnp.asarray(rng.standard_normal(D), jnp.float32)}
     batch = 32
     ids = {
         "user": rng.integers(-1, N, batch).astype(np.int32),
@@ -884,7 +913,7 @@ def test_a_collection_laid_out_for_the_devices_takes_a_data_parallel_step_as_one
         shards=8,
     )
     rng = np.random.default_rng(7)
-    init = {"emb": coll.init(jax.random.key(0)), "w": jnp.asarray(rng.standard_normal(D), jnp.float32)}
+    init = {"emb": _collection_tables(coll), "w": jnp.asarray(rng.standard_normal(D), jnp.float32)}
     batch = 32
     hist = rng.integers(-1, 2 * N, (batch, 7)).astype(np.int32)
     hist[3] = -1  # an empty bag
@@ -1345,13 +1374,7 @@ def test_routed_optimizers_with_per_row_state_match_one_device(name):
     _assert_row_sharded((params, state), mesh)
 
     p = rs.shard(_params())
-    specs = rs.state_specs(tx, tx.init(p), p)
-    s = jax.tree.map(
-        lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
-        tx.init(p),
-        specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+    s = _placed_state(rs, tx, p)
     batch = NamedSharding(mesh, P("x"))
 
     @jax.jit
