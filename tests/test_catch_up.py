@@ -686,6 +686,11 @@ def _record_flags(monkeypatch: pytest.MonkeyPatch, kernel: str = "catch_up_adam_
 
 
 _IDLE_SHAPE = (96, 8, 64, 400)  # rows, width, ids a step, the step count
+# The entries of a step from the idle state: the rows kernel's test's ``k`` ids, 8 repeated and 2 of padding, and
+# as many in the other tests (distinct where a test needs them so). One shape: the XLA path's step for an optimizer
+# (update_and_apply and the two calls are one program there) compiles once for the tests that take it (the
+# persistent compilation cache), where a shape of each test's own compiled it again.
+_IDLE_ENTRIES = _IDLE_SHAPE[2] + 10
 
 
 def _idle_start(init: Any, rng: np.random.Generator) -> tuple[jax.Array, Any, np.ndarray]:
@@ -778,11 +783,15 @@ def test_the_loops_over_idle_steps_at_the_gpus_unroll_take_the_same_steps(
     rng = np.random.default_rng(11)
     p, state, _ = _idle_start(tx.init, rng)
     rows, width, _, _ = _IDLE_SHAPE
-    ids = rng.integers(0, rows, _catch_up._LAST_STEPS + 16).astype(np.int32)  # repeated ids, more than a chunk
+    ids = rng.integers(0, rows, _IDLE_ENTRIES).astype(np.int32)  # repeated ids, more than a chunk
+    assert ids.size > _catch_up._LAST_STEPS
     g = osa.IndexedRows(jnp.asarray(ids), jnp.asarray(rng.normal(size=(ids.size, width)).astype(np.float32)), rows)
 
     def run() -> Any:  # a function of its own each time: traced anew, at the unroll of the time
-        return jax.jit(osa.use_kernels(False)(lambda p, s: osa.update_and_apply(tx, g, s, p)))(p, state)
+        def step(p: jax.Array, s: Any, g: osa.IndexedRows) -> Any:  # at this unroll, the kernel test's XLA step
+            return osa.update_and_apply(tx, g, s, p)
+
+        return jax.jit(osa.use_kernels(False)(step))(p, state, g)
 
     assert _catch_up._UNROLL != _catch_up._UNROLL_GPU
     here = run()
@@ -817,7 +826,7 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     schedule the state's record holds the long-idle rows' coefficients, as a run to that count writes them: the
     rows flagged are those that need steps, not rows the record misses (the rows kernel's test flags those)."""
     flagged = _record_flags(monkeypatch)
-    rows, width, k, count = _IDLE_SHAPE
+    rows, width, _, count = _IDLE_SHAPE
     lr = optax.cosine_decay_schedule(1e-2, 1000) if case.endswith("schedule") else 1e-2
     if case == "adamw injected":
         static = ("catch_up", "b1", "b2", "eps", "eps_root")  # the closed form's, and so the kernel's
@@ -831,13 +840,14 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     p, state, last = _idle_start(tx.init, rng)
     if case.endswith("schedule"):
         state = _recorded(tx, p, state, count)
-    ids = jnp.asarray(rng.permutation(rows).astype(np.int32)[:k])
-    g = osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(k, width)).astype(np.float32)), rows)
+    ids = jnp.asarray(rng.permutation(rows).astype(np.int32)[:_IDLE_ENTRIES])  # distinct
+    g = osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(ids.size, width)).astype(np.float32)), rows)
 
-    def step(p: jax.Array, s: Any) -> Any:
+    def step(p: jax.Array, s: Any, g: osa.IndexedRows) -> Any:  # the batch an argument: the rows kernel's test's
+        # XLA step, the same program
         return osa.update_and_apply(tx, g, s, p)
 
-    (pn, sn), (px, sx) = jax.jit(step)(p, state), jax.jit(osa.use_kernels(False)(step))(p, state)
+    (pn, sn), (px, sx) = jax.jit(step)(p, state, g), jax.jit(osa.use_kernels(False)(step))(p, state, g)
     assert_trees_equal(sn, sx)
     pn, px = np.asarray(pn), np.asarray(px)
     bound = 2 * np.spacing(np.maximum(np.abs(px), np.abs(np.asarray(p))))
