@@ -673,7 +673,8 @@ def rowwise_adagrad_rows(
 
     ``acc`` holds one accumulator per row; ``p``, the parameters, is given for
     L2 weight decay only (read, not written). The keys and step rows come back
-    packed as in :func:`sparse_adam_rows`.
+    packed as in :func:`sparse_adam_rows`, the steps times ``scalars``' ``neg_lr`` (1, or the learning rate's
+    ``-lr``: :func:`._learning_rate.with_learning_rate`).
     """
     decays = p is not None
     attrs = _attrs(acc.shape[0], decay=int(decays), unique=unique)
@@ -754,7 +755,8 @@ def rowwise_adam_rows(
     ``per_row``: with per-row bias correction, the row counts, and either the corrections (``(k, 2)``:
     ``1 - b1^c``, ``1 - b2^c`` for each key's row at its new count) or nothing more, the kernel then computing
     them itself in float32 (once per row, with the C library's ``powf``, which is what XLA:CPU calls for them).
-    The keys and step rows come back packed as in :func:`sparse_adam_rows`.
+    The keys and step rows come back packed as in :func:`sparse_adam_rows`, the steps times ``scalars``'
+    ``neg_lr`` (1, or the learning rate's ``-lr``: :func:`._learning_rate.with_learning_rate`).
     """
     attrs = _attrs(mu.shape[0], unique=unique)
     shape = values.shape
@@ -833,7 +835,8 @@ def elementwise_rows(
     ``(*tables, keys, step)``, the state tables (each of the parameter's shape) updated in place.
 
     ``reads`` (the parameters, for FTRL) are read, not written; ``flags`` are the handler's own attributes. The
-    keys and step rows come back packed as in :func:`sparse_adam_rows`.
+    keys and step rows come back packed as in :func:`sparse_adam_rows`; Adagrad's and momentum's steps times
+    ``scalars``' ``neg_lr`` (1, or the learning rate's ``-lr``: :func:`._learning_rate.with_learning_rate`).
     """
     attrs = _attrs(tables[0].shape[0], **flags, unique=unique)
     shape, n = values.shape, len(tables)
