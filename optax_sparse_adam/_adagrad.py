@@ -18,7 +18,7 @@ import optax
 from optax_sparse_adam import _ffi
 from optax_sparse_adam._checks import check_hparam, check_params, check_state
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
-from optax_sparse_adam._row_engine import apply_rule, elementwise_kernel, map_rule, scaled_rule
+from optax_sparse_adam._row_engine import apply_rule, elementwise_kernel, map_rule, scaled_rule, step_factor
 
 __all__ = ["scale_by_sparse_adagrad", "sparse_adagrad"]
 
@@ -101,7 +101,7 @@ def scale_by_sparse_adagrad(
 
         scaled = scaled_rule(rule, scale)
         # The kernels' scalars: eps, then the factor of the step rows (with_learning_rate's -lr, or 1).
-        kernel = elementwise_kernel("adagrad", _ffi.float32_scalars(eps, 1.0 if scale is None else scale))
+        kernel = elementwise_kernel("adagrad", _ffi.float32_scalars(eps, step_factor(scale)))
 
         def leaf(path: Any, g: Any, acc: Any) -> tuple[Any, Any]:
             if g is None:

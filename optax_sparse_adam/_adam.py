@@ -33,7 +33,16 @@ from optax_sparse_adam._checks import (
 )
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
-from optax_sparse_adam._row_engine import Arrays, Kernel, Rule, apply_rule, map_rule, scaled_rule, touched_rows
+from optax_sparse_adam._row_engine import (
+    Arrays,
+    Kernel,
+    Rule,
+    apply_rule,
+    map_rule,
+    scaled_rule,
+    step_factor,
+    touched_rows,
+)
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import is_leaf, param_error
 
@@ -242,7 +251,7 @@ def _update(
     plain_g, plain_m, plain_v = map_rule(plain, updates, with_params, _WHERE, 3)
     dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # all at once, as optax.adam does
     rule, lazy_rule = scaled_rule(_rule(hp, count), scale), scaled_rule(_lazy_rule(hp, count), scale)
-    kernel = _kernel(hp, count, 1.0 if scale is None else scale)
+    kernel = _kernel(hp, count, step_factor(scale))
 
     def leaf(path: Any, g: Any, m: Any, v: Any, lazy: bool, *dense: Any) -> tuple[Any, Any, Any]:
         if g is not None and not is_sparse(g) and not lazy:

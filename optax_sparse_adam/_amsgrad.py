@@ -27,7 +27,16 @@ from optax_sparse_adam._catch_up import IdleRecord
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
 from optax_sparse_adam._fusion import Clipped
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
-from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, map_rule, row_full, scaled_rule, stamp
+from optax_sparse_adam._row_engine import (
+    Arrays,
+    Kernel,
+    apply_rule,
+    map_rule,
+    row_full,
+    scaled_rule,
+    stamp,
+    step_factor,
+)
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows
 
@@ -77,7 +86,7 @@ def _amsgrad_kernel(hp: Any, count: jax.Array, scale: Any = None) -> Kernel:
         return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-        scalars = kernel_scalars(hp, count, 1.0 if scale is None else scale)
+        scalars = kernel_scalars(hp, count, step_factor(scale))
         m, v, v_max, keys, step = _ffi.sparse_amsgrad_rows(
             state[0], state[1], state[2], leaf.keys[:, 0], leaf.values, scalars, unique=_kernel_path.unique_flag(leaf)
         )
@@ -166,21 +175,14 @@ def scale_by_sparse_amsgrad(
             m_hat = optax.tree.bias_correction(m, b1, count)
             return m_hat / (jnp.sqrt(v_max + eps_root) + eps), (m, v, v_max)
 
+        scaled = scaled_rule(rule, scale)
         kernel = _amsgrad_kernel(_hyperparams(b1, b2, eps, eps_root, False, "optax"), count, scale)
 
         def leaf(path: Any, g: Any, m: Any, v: Any, v_max: Any) -> tuple[Any, ...]:
             if g is None:
                 return None, m, v, v_max
             out, new = apply_rule(
-                path,
-                g,
-                jnp.shape(v),
-                (m, v, v_max),
-                (),
-                scaled_rule(rule, scale),
-                _WHERE,
-                whole_rows=False,
-                kernel=kernel,
+                path, g, jnp.shape(v), (m, v, v_max), (), scaled, _WHERE, whole_rows=False, kernel=kernel
             )
             return (out, *new)
 

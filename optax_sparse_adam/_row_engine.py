@@ -115,6 +115,12 @@ def at_count(value: Any, count: Any) -> Any:
     return value(count) if callable(value) else value
 
 
+def step_factor(scale: Any) -> Any:
+    """What a rows kernel multiplies its step rows by for a rule scaled by ``scale`` (:func:`scaled_rule`): the
+    scale, or 1 where there is none."""
+    return 1.0 if scale is None else scale
+
+
 def scaled_rule(rule: Rule, scale: Any) -> Rule:
     """``rule`` with its updates multiplied by ``scale`` as ``optax.scale`` multiplies them (``None``: as it is)."""
     if scale is None:

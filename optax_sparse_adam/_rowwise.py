@@ -37,6 +37,7 @@ from optax_sparse_adam._row_engine import (
     row_mean_square,
     row_shape,
     scaled_rule,
+    step_factor,
 )
 from optax_sparse_adam._row_ops import take_rows
 from optax_sparse_adam._sparse_aware import sparse_aware
@@ -122,7 +123,7 @@ def _adam_kernel(
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
         keys = leaf.keys[:, 0]
-        scalars = rowwise_adam_scalars(b1, b2, eps, eps_root, count, 1.0 if scale is None else scale)
+        scalars = rowwise_adam_scalars(b1, b2, eps, eps_root, count, step_factor(scale))
         extra = rowwise_adam_per_row(b1, b2, state[2], keys) if per_row else None
         m, v, out_keys, step, *c = _ffi.rowwise_adam_rows(
             state[0], state[1], keys, leaf.values, scalars, extra, unique=_kernel_path.unique_flag(leaf)
@@ -273,6 +274,7 @@ def scale_by_rowwise_adam(
             denom = jnp.sqrt(v / bc2 + eps_root) + eps
             return (m / bc1) / broadcast_rows(denom, m.ndim).astype(m.dtype), new
 
+        scaled = scaled_rule(rule, scale)
         kernel = _adam_kernel(b1, b2, eps, eps_root, count, per_row_bias_correction, scale)
 
         def leaf(path: Any, g: Any, m: Any, v: Any, *c: Any) -> tuple[Any, ...]:
@@ -280,16 +282,7 @@ def scale_by_rowwise_adam(
                 return None, m, v, *c
             wide = jnp.promote_types(m.dtype, v.dtype)  # float32 for a bfloat16 table with a float32 nu
             out, new = apply_rule(
-                path,
-                g,
-                jnp.shape(m),
-                (m, v, *c),
-                (),
-                scaled_rule(rule, scale),
-                where,
-                whole_rows=True,
-                kernel=kernel,
-                compute_dtype=wide,
+                path, g, jnp.shape(m), (m, v, *c), (), scaled, where, whole_rows=True, kernel=kernel, compute_dtype=wide
             )
             return (out, *new)
 
@@ -369,7 +362,7 @@ def _adagrad_kernel(eps: Any, weight_decay: Any, decays: bool, scale: Any = None
         return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, *reads, leaf.values)
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-        scalars = adagrad_scalars(eps, weight_decay if decays else 0.0, 1.0 if scale is None else scale)
+        scalars = adagrad_scalars(eps, weight_decay if decays else 0.0, step_factor(scale))
         acc, keys, step = _ffi.rowwise_adagrad_rows(
             state[0],
             leaf.keys[:, 0],
@@ -472,6 +465,7 @@ def scale_by_rowwise_adagrad(
             acc = acc + row_mean_square(g).astype(acc.dtype)
             return g / broadcast_rows(jnp.sqrt(acc) + eps, g.ndim).astype(g.dtype), (acc,)
 
+        scaled = scaled_rule(rule, scale)
         kernel = _adagrad_kernel(eps, weight_decay, decays, scale)
 
         def leaf(path: Any, g: Any, acc: Any, *p: Any) -> tuple[Any, ...]:
@@ -484,16 +478,7 @@ def scale_by_rowwise_adagrad(
                 )
             reads = p if decays else ()
             out, (new,) = apply_rule(
-                path,
-                g,
-                shape,
-                (acc,),
-                reads,
-                scaled_rule(rule, scale),
-                where,
-                whole_rows=True,
-                kernel=kernel,
-                compute_dtype=acc.dtype,
+                path, g, shape, (acc,), reads, scaled, where, whole_rows=True, kernel=kernel, compute_dtype=acc.dtype
             )
             return out, new
 

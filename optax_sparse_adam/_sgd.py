@@ -58,6 +58,7 @@ from optax_sparse_adam._row_engine import (
     row_full,
     scaled_rule,
     stamp,
+    step_factor,
 )
 from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
@@ -128,8 +129,7 @@ def _lazy_trace(momentum: Any, nesterov: bool, accumulator_dtype: Any) -> optax.
         check_state(state, optax.TraceState, where)
         rule = scaled_rule(_trace_rule(momentum, nesterov), scale)
         # The kernels' scalars: the momentum, then the factor of the step rows (with_learning_rate's -lr, or 1).
-        factor = 1.0 if scale is None else scale
-        kernel = elementwise_kernel("momentum", _ffi.float32_scalars(momentum, factor), nesterov=nesterov)
+        kernel = elementwise_kernel("momentum", _ffi.float32_scalars(momentum, step_factor(scale)), nesterov=nesterov)
 
         def leaf(path: Any, g: Any, t: Any) -> tuple[Any, Any]:
             if g is None:
