@@ -161,21 +161,36 @@ def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 1.0, *ex
     return jnp.stack([f32(x) for x in (*values, *extra)])
 
 
-def _kernel(hp: AdamHyperparams, count: jax.Array, scale: Any = 1.0) -> Kernel:
+def _kernel(hp: AdamHyperparams, count: jax.Array, scale: Any = 1.0, weight_decay: Any = None) -> Kernel:
     """The native CPU kernel in the rule's place; its step rows come out multiplied by ``scale`` (rounded to
-    float32 first, as ``optax.scale`` rounds it to the update's dtype)."""
+    float32 first, as ``optax.scale`` rounds it to the update's dtype). With ``weight_decay``, the rule of
+    :func:`_decayed`: each step row plus ``weight_decay`` times the parameters' row (a float32 table, the rule's
+    one read), before the scale."""
 
     def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
-        return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, leaf.values)
+        return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, *reads, leaf.values)
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-        scalars = kernel_scalars(hp, count, scale)
+        extra = () if weight_decay is None else (weight_decay,)
+        scalars = kernel_scalars(hp, count, scale, *extra)
+        p = reads[0] if reads else None
         m, v, keys, step = _ffi.sparse_adam_rows(
-            state[0], state[1], leaf.keys[:, 0], leaf.values, scalars, **kernel_flags(hp, leaf)
+            state[0], state[1], leaf.keys[:, 0], leaf.values, scalars, **kernel_flags(hp, leaf), p=p
         )
         return keys[:, None], step, (m, v)
 
     return Kernel(supports, run)
+
+
+def _decayed(rule: Rule, weight_decay: Any) -> Rule:
+    """``rule`` followed by ``optax.add_decayed_weights(weight_decay)`` on its rows: each update plus
+    ``weight_decay`` times the parameters' rows (the rule's one read)."""
+
+    def decayed(g: jax.Array, state: Arrays, reads: Arrays) -> tuple[jax.Array, Arrays]:
+        out, new = rule(g, state, ())
+        return out + weight_decay * reads[0], new
+
+    return decayed
 
 
 class KernelFlags(TypedDict):
@@ -222,10 +237,19 @@ def _dense_adam(grads: Any, mu: Any, nu: Any, state_count: jax.Array, hp: AdamHy
 
 
 def _update(
-    hp: AdamHyperparams, lazy_dense: Any, updates: Any, state: optax.ScaleByAdamState, params: Any, scale: Any = None
+    hp: AdamHyperparams,
+    lazy_dense: Any,
+    updates: Any,
+    state: optax.ScaleByAdamState,
+    params: Any,
+    scale: Any = None,
+    decay: tuple[Any, Any] | None = None,
 ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
     """:func:`scale_by_sparse_adam`'s update; with ``scale``, its updates multiplied by it as ``optax.scale`` would
-    (``jnp.array(scale, dtype) * u``), on the rows kernel inside its pass (:func:`sparse_adam`'s learning rate)."""
+    (``jnp.array(scale, dtype) * u``), on the rows kernel inside its pass (:func:`sparse_adam`'s learning rate).
+    With ``decay``, ``(weight_decay, flags)`` (a bool a leaf of the parameters), each leaf flagged first takes
+    ``optax.add_decayed_weights(weight_decay)``'s ``u + weight_decay * p`` before the scale (:func:`sparse_adamw`):
+    on a table's rows, inside the rule's pass (the rows kernel reads the parameters' rows)."""
     check_state(state, optax.ScaleByAdamState, _WHERE)
     count = optax.safe_increment(state.count)
     # Without params, a mask function sees the gradients with each sparse leaf as the array it stands for.
@@ -250,17 +274,35 @@ def _update(
     with_params = trees + ([] if params is None else [(params, "parameters")])
     plain_g, plain_m, plain_v = map_rule(plain, updates, with_params, _WHERE, 3)
     dense = _dense_adam(plain_g, plain_m, plain_v, state.count, hp)  # all at once, as optax.adam does
-    rule, lazy_rule = scaled_rule(_rule(hp, count), scale), scaled_rule(_lazy_rule(hp, count), scale)
-    kernel = _kernel(hp, count, step_factor(scale))
+    weight_decay: Any = None if decay is None else decay[0]
+    rules = {
+        decays: tuple(
+            scaled_rule(_decayed(r, weight_decay) if decays else r, scale)
+            for r in (_rule(hp, count), _lazy_rule(hp, count))
+        )
+        for decays in (False, True)
+    }
+    kernels = {decays: _kernel(hp, count, step_factor(scale), weight_decay if decays else None) for decays in rules}
 
-    def leaf(path: Any, g: Any, m: Any, v: Any, lazy: bool, *dense: Any) -> tuple[Any, Any, Any]:
+    def leaf(path: Any, g: Any, m: Any, v: Any, lazy: bool, *rest: Any) -> tuple[Any, Any, Any]:
+        # With decay, the leaf's parameters and its flag come before the dense step: read where it decays.
+        decays = decay is not None and bool(rest[1])
+        reads: tuple[Any, ...] = (rest[0],) if decays else ()
+        dense = rest[-3:]
         if g is not None and not is_sparse(g) and not lazy:
             u, m, v = dense
+            if decays:
+                u = u + weight_decay * reads[0]
             return (u if scale is None else jnp.asarray(scale, u.dtype) * u), m, v
+        rule, lazy_rule = rules[decays]
         leaf_rule = lazy_rule if lazy and not is_sparse(g) else rule
-        out, (m, v) = apply_rule(path, g, jnp.shape(m), (m, v), (), leaf_rule, _WHERE, whole_rows=False, kernel=kernel)
+        out, (m, v) = apply_rule(
+            path, g, jnp.shape(m), (m, v), reads, leaf_rule, _WHERE, whole_rows=False, kernel=kernels[decays]
+        )
         return out, m, v
 
+    if decay is not None:
+        trees += [(params, "parameters"), (decay[1], "mask")]
     trees += [(tree, "dense step") for tree in dense]
     updates, mu, nu = map_rule(leaf, updates, trees, _WHERE, 3)
     return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)

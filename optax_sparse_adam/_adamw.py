@@ -16,9 +16,8 @@ from optax_sparse_adam._adam import (
     scale_by_sparse_adam,
 )
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state, mask_tree
-from optax_sparse_adam._fusion import FusableUpdate
+from optax_sparse_adam._learning_rate import with_learning_rate
 from optax_sparse_adam._row_engine import apply_rule, at_count, map_rule, row_full, stamp
-from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._tree import broadcast_rows
 
 __all__ = ["LazyWeightDecayState", "lazy_decoupled_weight_decay", "sparse_adamw"]
@@ -220,11 +219,7 @@ def sparse_adamw(
     adam = scale_by_sparse_adam(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, maximize=maximize, eps_placement=eps_placement
     )
-    tx = optax.chain(
-        adam,
-        sparse_aware(optax.add_decayed_weights(weight_decay, mask)),
-        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
-    )
-    # update_and_apply runs the step in one pass per row: Adam's, with the decay of the row's parameters.
+    # update_and_apply runs the step in one pass per row: Adam's, with the decay of the row's parameters; tx.update
+    # adds the decay and the learning rate in Adam's pass (the rows kernel reads the parameters' rows).
     fusion = AdamFusion(learning_rate, _hyperparams(b1, b2, eps, eps_root, maximize, eps_placement), weight_decay, mask)
-    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))
+    return with_learning_rate(adam, learning_rate, fusion, weight_decay=weight_decay, mask=mask, where="sparse_adamw")

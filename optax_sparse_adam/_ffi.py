@@ -152,6 +152,7 @@ def sparse_adam_rows(
     torch_eps: bool,
     maximize: bool,
     unique: int,
+    p: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The sparse leaf rule on the CPU: ``(m, v, keys, step)``, moments updated in place.
 
@@ -159,23 +160,30 @@ def sparse_adam_rows(
     rows come back packed as :func:`coalesce` packs them (each distinct key
     once, first, then padding keys ``num_rows`` with zero rows), or with
     ``unique`` (1: the user's promise, checked; 2: keys the library made
-    distinct) in the entries' own slots.
+    distinct) in the entries' own slots. With the float32 parameters ``p`` (read only), ``sparse_adamw``'s rule:
+    each step row ``neg_lr * (step + weight_decay * p)`` (a fused multiply-add, as XLA:CPU contracts it), the
+    weight decay an eleventh scalar.
     """
     attrs = _attrs(m.shape[0], torch_eps=torch_eps, maximize=maximize, unique=unique)
     shape = values.shape
+    tables = () if p is None else (p,)
 
-    def fn(row_begin: jax.Array, m: jax.Array, v: jax.Array, keys: jax.Array, values: jax.Array, scalars: jax.Array):
+    def fn(row_begin: jax.Array, *args: jax.Array):
+        *params, m, v, keys, values, scalars = args
         table = jax.ShapeDtypeStruct(m.shape, m.dtype)
         rows = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(values.shape, values.dtype))
+        n = len(params)
         return _ffi_call(
-            PREFIX + "sparse_adam_rows",
+            PREFIX + ("sparse_adamw_rows" if params else "sparse_adam_rows"),
             (table, table, *rows),
-            input_output_aliases={0: 0, 1: 1},
+            input_output_aliases={n: 0, n + 1: 1},
             vmap_method="sequential",
-        )(m, v, keys, values, scalars, row_begin, **attrs)
+        )(*params, m, v, keys, values, scalars, row_begin, **attrs)
 
-    rule = "n w, n w, k, k w, s -> n w, n w, k, k w"
-    m2, v2, keys, step = _by_row_shards(fn, rule, summed=(3,))(_rows2d(m), _rows2d(v), keys, _rows2d(values), scalars)
+    rule = "n w, " * len(tables) + "n w, n w, k, k w, s -> n w, n w, k, k w"
+    m2, v2, keys, step = _by_row_shards(fn, rule, summed=(3,))(
+        *(_rows2d(t) for t in tables), _rows2d(m), _rows2d(v), keys, _rows2d(values), scalars
+    )
     return m2.reshape(m.shape), v2.reshape(v.shape), keys, step.reshape(shape)
 
 

@@ -63,6 +63,7 @@ _SYMBOLS = {
     "sparse_adam_rows": "OptaxSparseAdamRows",
     "sparse_adam_apply": "OptaxSparseAdamApply",
     "sparse_adamw_apply": "OptaxSparseAdamWApply",
+    "sparse_adamw_rows": "OptaxSparseAdamWRows",
     "sparse_amsgrad_apply": "OptaxSparseAmsgradApply",
     "sparse_amsgrad_rows": "OptaxSparseAmsgradRows",
     "catch_up_amsgrad_apply": "OptaxSparseAdamCatchUpAmsgradApply",

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import optax
 
+from optax_sparse_adam._checks import mask_tree
 from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._row_engine import at_count
 from optax_sparse_adam._sparse_aware import sparse_aware
@@ -27,8 +28,9 @@ from optax_sparse_adam._tree import is_leaf
 __all__: list[str] = []
 
 # A stage's update: (updates, state, params, scale) -> (updates, state), its updates multiplied by `scale` as
-# optax.scale multiplies them (jnp.asarray(scale, u.dtype) * u), or as they are where `scale` is None.
-StageUpdate = Callable[[optax.Updates, optax.OptState, optax.Params | None, Any], tuple[optax.Updates, optax.OptState]]
+# optax.scale multiplies them (jnp.asarray(scale, u.dtype) * u), or as they are where `scale` is None; a stage
+# that decays (with_learning_rate's weight_decay) takes a fifth argument, (weight_decay, flags).
+StageUpdate = Callable[..., tuple[optax.Updates, optax.OptState]]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -50,26 +52,43 @@ def stage(init_fn: optax.TransformInitFn, update: StageUpdate) -> optax.Gradient
 
 
 def with_learning_rate(
-    inner: optax.GradientTransformationExtraArgs, learning_rate: optax.ScalarOrSchedule, fusion: Any
+    inner: optax.GradientTransformationExtraArgs,
+    learning_rate: optax.ScalarOrSchedule,
+    fusion: Any,
+    *,
+    weight_decay: Any = None,
+    mask: Any = None,
+    where: str = "",
 ) -> optax.GradientTransformationExtraArgs:
     """``optax.chain(inner, sparse_aware(optax.scale_by_learning_rate(learning_rate)))`` for a :func:`stage`
     ``inner``, its state the chain's, whose ``tx.update`` multiplies the stage's updates by ``-lr`` inside the
     stage's pass (on a rows kernel, its step rows as it writes them) rather than in a second pass over them;
-    ``fusion`` travels with it for :func:`update_and_apply`."""
+    ``fusion`` travels with it for :func:`update_and_apply`.
+
+    With ``weight_decay``, ``sparse_aware(optax.add_decayed_weights(weight_decay, mask))`` sits between the two,
+    as in :func:`optax.adamw`, and the stage (whose update then also takes ``(weight_decay, flags)``, a bool a
+    leaf of the parameters) adds the decay in the same pass: the parameters' rows read where the rows are
+    written. ``where`` names the optimizer in errors about ``mask``."""
     assert isinstance(inner.update, _StageUpdate), "with_learning_rate takes a stage()"
     update = inner.update.scalable
     scale = sparse_aware(optax.scale_by_learning_rate(learning_rate))
-    tx = optax.chain(inner, scale)
+    between = () if weight_decay is None else (sparse_aware(optax.add_decayed_weights(weight_decay, mask)),)
+    tx = optax.chain(inner, *between, scale)
 
     def update_fn(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, Any]:
-        if not (isinstance(state, tuple) and len(state) == 2):
+        if not (isinstance(state, tuple) and len(state) == 2 + len(between)) or (between and params is None):
             return tx.update(updates, state, params, **extra_args)  # the chain reports what is wrong
-        inner_state, scale_state = state
+        inner_state, *kept, scale_state = state
         count = scale_state.count if callable(learning_rate) else None  # a constant rate's stage counts nothing
-        updates, inner_state = update(updates, inner_state, params, -1 * at_count(learning_rate, count))
+        factor = -1 * at_count(learning_rate, count)
+        if between:  # add_decayed_weights keeps no state of its own (masked or not): kept as it is
+            flags = mask_tree(True if mask is None else mask, params, "mask", where)
+            updates, inner_state = update(updates, inner_state, params, factor, (weight_decay, flags))
+        else:
+            updates, inner_state = update(updates, inner_state, params, factor)
         _, scale_state = scale.update(jax.tree.map(lambda _: None, updates, is_leaf=is_leaf), scale_state)
-        return updates, (inner_state, scale_state)
+        return updates, (inner_state, *kept, scale_state)
 
     return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(update_fn, fusion))

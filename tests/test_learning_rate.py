@@ -1,5 +1,7 @@
 """The optimizers that are ``chain(stage, sparse_aware(scale_by_learning_rate))`` apply their learning rate inside
-the stage's pass (``_learning_rate.with_learning_rate``): the chain's numbers and state, one pass fewer."""
+the stage's pass (``_learning_rate.with_learning_rate``), and ``sparse_adamw``, which is ``chain(stage,
+sparse_aware(add_decayed_weights), sparse_aware(scale_by_learning_rate))``, its decay too: the chain's numbers
+and state, a pass or two fewer."""
 
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ from tests.helpers import assert_trees_equal
 
 ROWS, WIDTH, BATCH = 40, 4, 24
 
+
+_TABLES = {"emb": True, "w": False}  # a decay mask: the table decays, the dense layer does not
+
+
 # name -> (the optimizer at a learning rate, the stage it chains with that rate).
 STAGES: dict[str, tuple[Callable[[Any], optax.GradientTransformation], Callable[[], optax.GradientTransformation]]] = {
     "adam": (lambda lr: osa.sparse_adam(lr), lambda: osa.scale_by_sparse_adam()),
@@ -36,6 +42,22 @@ STAGES: dict[str, tuple[Callable[[Any], optax.GradientTransformation], Callable[
     ),
     "momentum": (lambda lr: osa.sparse_sgd(lr, momentum=0.9), lambda: _lazy_trace(0.9, False, None)),
     "nesterov": (lambda lr: osa.sparse_sgd(lr, momentum=0.9, nesterov=True), lambda: _lazy_trace(0.9, True, None)),
+    "adamw": (lambda lr: osa.sparse_adamw(lr, weight_decay=0.01), lambda: osa.scale_by_sparse_adam()),
+    "adamw_masked": (
+        lambda lr: osa.sparse_adamw(lr, weight_decay=0.01, mask=_TABLES),
+        lambda: osa.scale_by_sparse_adam(),
+    ),
+    # float32 parameters, bfloat16 first moments: the rows kernel does not take them, the XLA rule does.
+    "adamw_mu_bf16": (
+        lambda lr: osa.sparse_adamw(lr, weight_decay=0.01, mu_dtype=jnp.bfloat16),
+        lambda: osa.scale_by_sparse_adam(mu_dtype=jnp.bfloat16),
+    ),
+}
+# name -> the stages between the stage and the learning rate in the chain (sparse_adamw's decay).
+BETWEEN: dict[str, Callable[[], list[optax.GradientTransformation]]] = {
+    "adamw": lambda: [osa.sparse_aware(optax.add_decayed_weights(0.01))],
+    "adamw_masked": lambda: [osa.sparse_aware(optax.add_decayed_weights(0.01, _TABLES))],
+    "adamw_mu_bf16": lambda: [osa.sparse_aware(optax.add_decayed_weights(0.01))],
 }
 RATES = {"constant": 0.05, "schedule": optax.linear_schedule(0.05, 0.01, 4)}
 
@@ -43,7 +65,9 @@ RATES = {"constant": 0.05, "schedule": optax.linear_schedule(0.05, 0.01, 4)}
 def _pair(name: str, learning_rate: Any) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
     """The optimizer, and the chain it stands for."""
     make, make_stage = STAGES[name]
-    return make(learning_rate), optax.chain(make_stage(), osa.sparse_aware(optax.scale_by_learning_rate(learning_rate)))
+    between = BETWEEN.get(name, list)()
+    scale = osa.sparse_aware(optax.scale_by_learning_rate(learning_rate))
+    return make(learning_rate), optax.chain(make_stage(), *between, scale)
 
 
 def _grads(rng: np.random.Generator) -> dict[str, Any]:
@@ -89,7 +113,11 @@ def _row_passes(tx: optax.GradientTransformation, params: jax.Array, grads: osa.
     return [op for op in ops if op not in ("custom-call", "get-tuple-element", "parameter", "bitcast")]
 
 
-@pytest.mark.parametrize("name", list(STAGES))
+# The stages a rows kernel takes on one float32 table (a mask of two leaves needs their tree).
+KERNEL_STAGES = [name for name in STAGES if name not in ("adamw_masked", "adamw_mu_bf16")]
+
+
+@pytest.mark.parametrize("name", KERNEL_STAGES)
 def test_two_calls_take_no_pass_of_their_own_to_scale_the_rows(name):
     """On the CPU the rows kernel writes the scaled step rows: tx.update's program holds no operation over them of
     its own, where the chain written out multiplies them in a second pass."""

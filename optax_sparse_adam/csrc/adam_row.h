@@ -17,7 +17,8 @@ namespace {
 // Order of the scalars operand, as _adam.kernel_scalars stacks it.
 struct Scalars {
   float b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, bc1, bc2, torch_scale, neg_lr;
-  float weight_decay = 0.0f;  // an eleventh scalar, for the AdamW handler only
+  float weight_decay = 0.0f;  // an eleventh scalar, for the AdamW handlers only
+  const float* params = nullptr;  // the AdamW rows handler's parameters (local rows), read only
   Clip clip = {};             // two more, for the apply handlers: each summed gradient row clipped before the step
 };
 constexpr int64_t kNumScalars = 10;
@@ -31,12 +32,13 @@ struct Options {
 
 // One row: m and v updated in place from the gradient row g; the step times
 // neg_lr written to `out`, or with kApply added times neg_lr to the parameter row `out`
-// (with kDecay, the step plus weight_decay times the parameter, as AdamW).
+// (with kDecay, the step plus weight_decay times the parameter, as AdamW: the parameter row `p` without kApply).
 // With kAmsgrad, AMSGrad's rule (optax's placement): vm, the largest
 // bias-corrected v, rises to v' / bc2, and the step divides by its root.
 template <bool kTorch, bool kMaximize, bool kApply, bool kDecay = false, bool kAmsgrad = false>
 OSA_ROW_INLINE void UpdateRow(const Scalars& s, const float* __restrict g, float* __restrict m, float* __restrict v,
-                              float* __restrict out, int64_t width, float* __restrict vm = nullptr) {
+                              float* __restrict out, int64_t width, float* __restrict vm = nullptr,
+                              const float* __restrict p = nullptr) {
   // Locals, not loads through `s`: the rows written might alias it, which
   // would keep the compiler from vectorizing the loop.
   const float b1 = s.b1, one_minus_b1 = s.one_minus_b1, b2 = s.b2, one_minus_b2 = s.one_minus_b2;
@@ -66,6 +68,8 @@ OSA_ROW_INLINE void UpdateRow(const Scalars& s, const float* __restrict g, float
       out[j] = out[j] + neg_lr * std::fma(weight_decay, out[j], step);
     } else if constexpr (kApply) {
       out[j] = out[j] + neg_lr * step;
+    } else if constexpr (kDecay) {
+      out[j] = neg_lr * std::fma(weight_decay, p[j], step);  // sparse_adamw's update: (step + weight_decay p) (-lr)
     } else {
       out[j] = neg_lr * step;  // the step times a scale: 1, or sparse_adam's learning rate (a product, exact at 1)
     }

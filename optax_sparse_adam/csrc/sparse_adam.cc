@@ -11,6 +11,9 @@
 //   optax_sparse_adam_v9_sparse_adamw_apply (p, mu, nu, keys, values, scalars) -> (p, mu, nu)
 //     sparse_adamw's lazy step: p += neg_lr * fma(weight_decay, p, step), the
 //     weight decay an eleventh scalar;
+//   optax_sparse_adam_v9_sparse_adamw_rows  (p, mu, nu, keys, values, scalars) -> (mu, nu, keys, step)
+//     its leaf rule for tx.update with the decay and the learning rate: the step rows
+//     neg_lr * fma(weight_decay, p, step), packed as above (p read only);
 //   optax_sparse_adam_v9_sparse_amsgrad_apply (p, mu, nu, nu_max, keys, values, scalars) -> (p, mu, nu, nu_max)
 //     sparse_amsgrad's lazy step: nu_max' = max(nu_max, v' (1 / bc2)),
 //     s = (m' (1 / bc1)) / (sqrt(nu_max' + eps_root) + eps), p += neg_lr s;
@@ -140,7 +143,8 @@ OSA_ROW_INLINE void StepRow(const Scalars& s, const IdleRows* idle, int64_t slot
       return;
     }
   }
-  UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m, v, dst, width, kAmsgrad ? vm : nullptr);
+  UpdateRow<kTorch, kMaximize, kApply, kDecay, kAmsgrad>(s, g, m, v, dst, width, kAmsgrad ? vm : nullptr,
+                                                         kDecay && !kApply ? s.params + r * width : nullptr);
 }
 
 // The distinct rows [lo, hi) of a coalesced batch; with `sums`, their summed gradient rows (c.size x width, each
@@ -162,6 +166,7 @@ OSA_TARGET_CLONES void CoalescedRows(const Scalars& s, const Coalesced& c, const
         if (!kApply && idle != nullptr) PrefetchRow(idle->table + r * width, width);
       }
       if constexpr (kApply) PrefetchRow(out + r * width, width);
+      if constexpr (!kApply && kDecay) PrefetchRow(s.params + r * width, width);
       if (sums == nullptr) PrefetchChain(c, d + kPrefetchDistance, values, width);
     }
     if (!shard.Owns(c.row[d])) {  // another shard's row
@@ -195,6 +200,7 @@ OSA_TARGET_CLONES void UniqueRows(const Scalars& s, const int32_t* keys, const S
         if (idle != nullptr) __builtin_prefetch(idle->last_step + r, 1, 3);
       }
       if constexpr (kApply) PrefetchRow(out + r * width, width);
+      if constexpr (!kApply && kDecay) PrefetchRow(s.params + r * width, width);
     }
     if (!shard.Owns(keys[i])) {
       if constexpr (!kApply) std::memset(out + i * width, 0, sizeof(float) * static_cast<size_t>(width));
@@ -321,19 +327,24 @@ void Dispatch(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const i
   }
 }
 
-ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
-                    ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
-                    ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> mu_out,
-                    ffi::ResultBuffer<ffi::F32> nu_out,
-                    ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out, int64_t num_rows,
-                    int64_t torch_eps, int64_t maximize, int64_t unique, int64_t threads) {
+// The rows handlers: the leaf rule for tx.update, the step rows times neg_lr packed as the XLA path packs them;
+// with kDecay, sparse_adamw's, each step row neg_lr * fma(weight_decay, p, step) (the weight decay an eleventh
+// scalar; `p`, the parameters, read only).
+template <bool kDecay>
+ffi::Error Rows(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>* p, ffi::Buffer<ffi::F32>& mu,
+                ffi::Buffer<ffi::F32>& nu, ffi::BufferR1<ffi::S32>& keys, ffi::Buffer<ffi::F32>& values,
+                ffi::BufferR1<ffi::F32>& scalars, ffi::BufferR0<ffi::S32>& row_begin,
+                ffi::ResultBuffer<ffi::F32>& mu_out, ffi::ResultBuffer<ffi::F32>& nu_out,
+                ffi::ResultBufferR1<ffi::S32>& keys_out, ffi::ResultBuffer<ffi::F32>& step_out, int64_t num_rows,
+                int64_t torch_eps, int64_t maximize, int64_t unique, int64_t threads) {
   const int64_t k = static_cast<int64_t>(keys.element_count());
   Shard shard{num_rows, *row_begin.typed_data(), 0};
   int64_t width = 0;
   if (ffi::Error e = CheckShapes(mu.dimensions(), mu.element_count(), nu.element_count(), k, values.element_count(),
-                                 scalars.element_count(), kNumScalars, shard, width);
+                                 scalars.element_count(), kDecay ? kNumScalars + 1 : kNumScalars, shard, width);
       e.failure())
     return e;
+  if (kDecay && p->element_count() != mu.element_count()) return ffi::Error::InvalidArgument("p must have mu's shape");
   if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
   float* m = mu_out->typed_data();
@@ -341,9 +352,34 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
   CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
-  Dispatch<false>(pool, ReadScalars(scalars), o, keys.typed_data(), k, shard, values.typed_data(), m, v,
-                  step_out->typed_data(), keys_out->typed_data(), width);
+  Scalars s = ReadScalars(scalars);
+  if constexpr (kDecay) {
+    s.weight_decay = scalars.typed_data()[kNumScalars];
+    s.params = p->typed_data();
+  }
+  Dispatch<false, kDecay>(pool, s, o, keys.typed_data(), k, shard, values.typed_data(), m, v, step_out->typed_data(),
+                          keys_out->typed_data(), width);
   return ffi::Error::Success();
+}
+
+ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                    ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::F32> scalars,
+                    ffi::BufferR0<ffi::S32> row_begin, ffi::ResultBuffer<ffi::F32> mu_out,
+                    ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBufferR1<ffi::S32> keys_out,
+                    ffi::ResultBuffer<ffi::F32> step_out, int64_t num_rows, int64_t torch_eps, int64_t maximize,
+                    int64_t unique, int64_t threads) {
+  return Rows<false>(pool, nullptr, mu, nu, keys, values, scalars, row_begin, mu_out, nu_out, keys_out, step_out,
+                     num_rows, torch_eps, maximize, unique, threads);
+}
+
+ffi::Error AdamwRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+                         ffi::Buffer<ffi::F32> nu, ffi::BufferR1<ffi::S32> keys, ffi::Buffer<ffi::F32> values,
+                         ffi::BufferR1<ffi::F32> scalars, ffi::BufferR0<ffi::S32> row_begin,
+                         ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                         ffi::ResultBufferR1<ffi::S32> keys_out, ffi::ResultBuffer<ffi::F32> step_out,
+                         int64_t num_rows, int64_t torch_eps, int64_t maximize, int64_t unique, int64_t threads) {
+  return Rows<true>(pool, &p, mu, nu, keys, values, scalars, row_begin, mu_out, nu_out, keys_out, step_out, num_rows,
+                    torch_eps, maximize, unique, threads);
 }
 
 template <bool kDecay>
@@ -549,24 +585,29 @@ ffi::Error CatchUpAmsgradRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p,
 }  // namespace
 }  // namespace optax_sparse_adam
 
+// The rows handlers' operands and results after the thread pool (and AdamW's parameters).
+#define OSA_ROWS_BINDING                                              \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* mu */                        \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* nu */                        \
+      .Arg<ffi::BufferR1<ffi::S32>>() /* keys */                      \
+      .Arg<ffi::Buffer<ffi::F32>>()   /* values */                    \
+      .Arg<ffi::BufferR1<ffi::F32>>() /* scalars */                   \
+      .Arg<ffi::BufferR0<ffi::S32>>() /* row_begin: first row held */ \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* mu */                        \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* nu */                        \
+      .Ret<ffi::BufferR1<ffi::S32>>() /* keys, distinct first */      \
+      .Ret<ffi::Buffer<ffi::F32>>()   /* step rows */                 \
+      .Attr<int64_t>("num_rows")                                      \
+      .Attr<int64_t>("torch_eps")                                     \
+      .Attr<int64_t>("maximize")                                      \
+      .Attr<int64_t>("unique")                                        \
+      .Attr<int64_t>("threads")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamRows, optax_sparse_adam::RowsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // mu
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // nu
-                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // values
-                                  .Arg<ffi::BufferR1<ffi::F32>>()   // scalars
-                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin: first row held
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // mu
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // nu
-                                  .Ret<ffi::BufferR1<ffi::S32>>()  // keys, distinct first
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // step rows
-                                  .Attr<int64_t>("num_rows")
-                                  .Attr<int64_t>("torch_eps")
-                                  .Attr<int64_t>("maximize")
-                                  .Attr<int64_t>("unique")
-                                  .Attr<int64_t>("threads"));
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() OSA_ROWS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamWRows, optax_sparse_adam::AdamwRowsImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()  // p, read only
+                                  OSA_ROWS_BINDING);
 
 #define OSA_APPLY_BINDING                                               \
   ffi::Ffi::Bind()                                                      \
