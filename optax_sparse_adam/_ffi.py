@@ -597,6 +597,26 @@ def add_rows_half(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.A
     return _write_rows("add_rows_half", table, keys, values)
 
 
+def add_rows_half_stochastic(table: jax.Array, keys: jax.Array, values: jax.Array, seeds: jax.Array) -> jax.Array:
+    """:func:`add_rows_half` with each sum rounded stochastically, as ``apply_updates_stochastic`` rounds it: each
+    row's draws from its id and the leaf's two ``seeds`` (``_stochastic_rounding._draws``), a third word (where
+    given) added to the ids (the draws' row offset of a table's block inside ``shard_map``)."""
+    attrs = _attrs(table.shape[0])
+
+    def fn(row_begin: jax.Array, table: jax.Array, keys: jax.Array, values: jax.Array, seeds: jax.Array):
+        return (
+            _ffi_call(
+                PREFIX + "add_rows_half_stochastic",
+                jax.ShapeDtypeStruct(table.shape, table.dtype),
+                input_output_aliases={0: 0},
+                vmap_method="sequential",
+            )(table, keys, values, seeds, row_begin, **attrs),
+        )
+
+    (out,) = _by_row_shards(fn, "n w, k, k w, s -> n w")(_rows2d(table), keys, _rows2d(values), _seeds_operand(seeds))
+    return out.reshape(table.shape)
+
+
 def set_rows(table: jax.Array, keys: jax.Array, values: jax.Array) -> jax.Array:
     """``table.at[keys].set(values, mode="drop")`` in place, for a table of a 2-byte dtype: a negative key counts
     from the end, a key out of range after that is dropped, a repeated key keeps its last row."""

@@ -73,6 +73,7 @@ _SYMBOLS = {
     "catch_up_adam_rows": "OptaxSparseAdamCatchUpRows",
     "scatter_add": "OptaxSparseAdamScatterAdd",
     "add_rows_half": "OptaxSparseAdamAddRowsHalf",
+    "add_rows_half_stochastic": "OptaxSparseAdamAddRowsHalfStochastic",
     "set_rows": "OptaxSparseAdamSetRows",
     "coalesce": "OptaxSparseAdamCoalesce",
     "distinct": "OptaxSparseAdamDistinct",

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._apply import apply_updates
 from optax_sparse_adam._coalesce import _mix, coalesce_unless_known
 from optax_sparse_adam._indexed_rows import is_sparse
@@ -203,7 +204,18 @@ def apply_stochastic(
             rounded = _round_with(x, p.dtype, _draws(seeds, keys, x.shape[1:]))
             return scatter_rows(p, idx, rounded, "set", unique=True)
 
-        return (for_each_chunk(leaf, round_rows, p),)  # the summed rows fill the first slots
+        def xla() -> jax.Array:
+            return for_each_chunk(leaf, round_rows, p)  # the summed rows fill the first slots
+
+        # On the CPU, float32 rows of one sparse axis: one native pass over the touched rows, the same sums rounded
+        # with the same draws (the keys distinct, as the kernel needs them: coalesced above).
+        if leaf.n_sparse == 1 and _kernel_path.supports(p.shape, 1, leaf.values, params=p):
+            if i in first_rows:
+                seeds = jnp.concatenate([seeds, first_rows[i].astype(jnp.uint32).reshape(1)])
+            return (
+                _kernel_path.select(lambda: _ffi.add_rows_half_stochastic(p, leaf.keys[:, 0], leaf.values, seeds), xla),
+            )
+        return (xla(),)
 
     (new,) = map_leaves(
         leaf, updates, [(params, "parameters"), (index, "parameters")], where=_WHERE, tree_name="updates", n_out=1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optax_sparse_adam as osa
-from optax_sparse_adam._stochastic_rounding import _round_with
+from optax_sparse_adam._stochastic_rounding import _round_with, leaf_seeds
 from tests.helpers import ON_CPU, assert_trees_equal, needs_kernels
 
 
@@ -246,6 +247,25 @@ def test_a_broken_unique_indices_promise_sums_its_duplicates_on_half_float_table
     np.testing.assert_array_equal(np.asarray(got, np.float32), [[0] * 8, [2] * 8, [1] * 8, [0] * 8])
 
 
+def _half_table_batch(rng: np.random.Generator, rows: int, tail: tuple[int, ...], dtype: Any):
+    """A 16-bit table ``p`` holding an infinity, a NaN, a negative zero and a subnormal (float16's; bfloat16's are
+    float32 subnormals, which XLA:CPU's threads, and so the kernels, flush), and float32 update rows ``u`` at ``ids``
+    with duplicates (a row summed six times), padding and int32 extremes, and a sum past the dtype's range."""
+    p = np.asarray(rng.standard_normal((rows, *tail)) * 10, dtype)
+    flat = p.reshape(rows, -1)
+    flat[0, :1], flat[1, :1], flat[2, :1] = np.inf, np.nan, -0.0
+    tiny = np.finfo(dtype).smallest_subnormal if dtype == jnp.float16 else np.finfo(dtype).smallest_normal
+    flat[3, :1] = tiny
+    ids = rng.integers(0, rows, 40).astype(np.int32)
+    ids[:8] = [0, 1, 2, 3, 4, np.iinfo(np.int32).min, np.iinfo(np.int32).max, rows]
+    ids[8:14] = 5
+    values = rng.standard_normal((40, *tail)).astype(np.float32) * 10
+    v = values.reshape(40, -1)
+    v[4, :1] = float(np.finfo(dtype).max)  # past the dtype's range: to infinity
+    v[3, :1] = float(tiny)
+    return p, ids, osa.IndexedRows(jnp.asarray(ids), jnp.asarray(values), rows)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("tail", [(1,), (), (513,), (3, 4)])
@@ -259,33 +279,68 @@ def test_the_half_table_add_kernel_equals_the_xla_path(dtype, tail):
     their sum."""
     rng = np.random.default_rng([60, len(tail), sum(tail), jnp.dtype(dtype).itemsize])
     rows = 50
-    p = np.asarray(rng.standard_normal((rows, *tail)) * 10, dtype)
-    flat = p.reshape(rows, -1)
-    flat[0, :1] = np.inf
-    flat[1, :1] = np.nan
-    flat[2, :1] = -0.0
-    # float16's subnormals; bfloat16's are float32 subnormals, which XLA:CPU's threads (and so the kernel) flush
-    tiny = np.finfo(dtype).smallest_subnormal if dtype == jnp.float16 else np.finfo(dtype).smallest_normal
-    flat[3, :1] = tiny
-    ids = rng.integers(0, rows, 40).astype(np.int32)
-    ids[:8] = [0, 1, 2, 3, 4, np.iinfo(np.int32).min, np.iinfo(np.int32).max, rows]
-    ids[8:14] = 5  # a row summed six times
-    values = rng.standard_normal((40, *tail)).astype(np.float32) * 10
-    v = values.reshape(40, -1)
-    v[4, :1] = float(np.finfo(dtype).max)  # past the dtype's range: to infinity
-    v[3, :1] = float(tiny)
-    u = osa.IndexedRows(jnp.asarray(ids), jnp.asarray(values), rows)
+    p, ids, u = _half_table_batch(rng, rows, tail, dtype)
     summed = np.asarray(jax.jit(lambda u: u.todense())(u))  # the entries summed from zero in entry order
     touched = np.isin(np.arange(rows), ids)
     want = p.copy()
     want[touched] = (p[touched].astype(np.float32) + summed[touched]).astype(dtype)
-    step = jax.jit(osa.apply_updates, donate_argnums=(0,))
+    _check_half_kernel(osa.apply_updates, "add_rows_half", p, u, want, rng)
+
+
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    """murmur3's 32-bit finalizer, in NumPy's wrapping uint32 arithmetic."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> np.uint32(16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("tail", [(), (513,), (3, 4)])
+def test_the_half_table_stochastic_kernel_equals_the_rule(dtype, tail):
+    """``apply_updates_stochastic`` of float32 rows into a 16-bit table on the native kernel
+    (``add_rows_half_stochastic``): bitwise the rule computed apart, each touched element ``p + u`` (``u`` the
+    summed rows, from zero in entry order) formed in float32 and rounded by ``_round_with`` with the draws of a NumPy
+    loop (the row's seed murmur3's finalizer over its id and the leaf's two seeds, each element's draw that seed
+    plus its position times the golden ratio), with duplicates, padding and int32 extremes, NaN, infinities, sums
+    past the dtype's range, subnormals and a negative zero in the table; the same bits on 1 and 4 threads, under
+    vmap, donated in place, split by rows over 8 devices, and for an empty batch. The XLA path is within an ulp of
+    the table (its sums may round apart: see test_the_half_table_add_kernel_equals_the_xla_path)."""
+    rng = np.random.default_rng([61, len(tail), sum(tail), jnp.dtype(dtype).itemsize])
+    rows = 50
+    p, ids, u = _half_table_batch(rng, rows, tail, dtype)
+    flat = p.reshape(rows, -1)
+    key = jax.random.key(21)
+    # The rule: the sums, the draws by row id, _round_with.
+    summed = np.asarray(jax.jit(lambda u: u.todense())(u)).reshape(rows, -1)
+    touched = np.flatnonzero(np.isin(np.arange(rows), ids))
+    s0, s1 = (np.uint32(s) for s in np.asarray(leaf_seeds(key, 0)))
+    seed = _fmix32(_fmix32(touched.astype(np.uint32) ^ s0) ^ s1)
+    position = np.arange(flat.shape[1], dtype=np.uint32) * np.uint32(0x9E3779B9)
+    bits = seed[:, None] + position[None, :]
+    x = flat[touched].astype(np.float32) + summed[touched]
+    want = flat.copy()
+    want[touched] = np.asarray(_round_with(jnp.asarray(x), dtype, jnp.asarray(bits)))
+    want = want.reshape(p.shape)
+    _check_half_kernel(osa.apply_updates_stochastic, "add_rows_half_stochastic", p, u, want, rng, key)
+
+
+def _check_half_kernel(apply, kernel, p, u, want, rng, key=None):
+    """A 16-bit table's add kernel (``kernel``, run by ``apply(table, update[, key])``): bitwise ``want`` on 1 and 4
+    threads, the XLA path within an ulp of the table (inside its program XLA:CPU may add a row's summed entries onto
+    ``p`` one by one, seen at width 513 to round a tie the other way, where the rule adds their sum); donated, in
+    place (no temporary of the table's size), under vmap (each table with a key of its own), on a table split by rows
+    over 8 devices (the kernel on each shard, the same bits as on one) and for an empty batch."""
+    rows, tail, dtype = p.shape[0], p.shape[1:], p.dtype
+    keys = () if key is None else (key,)
+    step = jax.jit(apply, donate_argnums=(0,))
     outs = {}
     for kernels, threads in ((False, None), (True, 1), (True, 4)):
         with osa.use_kernels(kernels, threads=threads):
-            text = step.lower(jnp.asarray(p), u).as_text()
-            assert ("add_rows_half" in text) == kernels
-            outs[kernels, threads] = np.asarray(step(jnp.asarray(p), u))
+            assert (kernel + '"' in step.lower(jnp.asarray(p), u, *keys).compile().as_text()) == kernels
+            outs[kernels, threads] = np.asarray(step(jnp.asarray(p), u, *keys))
     assert outs[True, 1].dtype == dtype and outs[True, 1].tobytes() == outs[True, 4].tobytes()
     nan = np.isnan(want.astype(np.float32))
     assert np.array_equal(np.isnan(outs[True, 1].astype(np.float32)), nan)
@@ -296,30 +351,29 @@ def test_the_half_table_add_kernel_equals_the_xla_path(dtype, tail):
     with np.errstate(over="ignore"):  # the spacing at the dtype's largest value is infinite
         ulp = np.spacing(np.abs(want[finite]).astype(dtype)).astype(np.float32)
     assert np.all(np.abs(xla[finite] - want[finite].astype(np.float32)) <= ulp)
-    # donated, written in place: no temporary of the table's size
     big = jnp.zeros((200_000, 32), dtype)
     small = osa.IndexedRows(jnp.arange(64, dtype=jnp.int32), jnp.ones((64, 32), jnp.float32), 200_000)
-    assert step.lower(big, small).compile().memory_analysis().temp_size_in_bytes < big.nbytes // 4
-    # vmapped over tables, and an empty batch
+    assert step.lower(big, small, *keys).compile().memory_analysis().temp_size_in_bytes < big.nbytes // 4
     tables = jnp.asarray(rng.standard_normal((3, rows, *tail)), dtype)
     stacked = osa.IndexedRows(
         jnp.asarray(rng.integers(-1, rows + 1, (3, 9)), jnp.int32),
         jnp.asarray(rng.standard_normal((3, 9, *tail)), jnp.float32),
         rows,
     )
-    batched = jax.jit(jax.vmap(osa.apply_updates))(tables, stacked)
+    split = () if key is None else (jax.random.split(key, 3),)
+    batched = jax.jit(jax.vmap(apply))(tables, stacked, *split)
     for b in range(3):
         one = jax.tree.map(lambda x, b=b: x[b], stacked)
-        assert np.asarray(batched[b]).tobytes() == np.asarray(osa.apply_updates(tables[b], one)).tobytes()
-    # a table split by rows over 8 devices: the kernel on each shard, the same bits
+        alone = apply(tables[b], one, *(k[b] for k in split))
+        assert np.asarray(batched[b]).tobytes() == np.asarray(alone).tobytes()
     mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
     by_rows = jax.sharding.NamedSharding(mesh, jax.P("rows"))
     u48 = osa.IndexedRows(u.indices, u.values, 48)
     placed = jax.device_put(jnp.asarray(p[:48]), by_rows)
-    assert "add_rows_half" in jax.jit(osa.apply_updates).lower(placed, u48).compile().as_text()
-    sharded = jax.jit(osa.apply_updates)(placed, u48)
+    jitted = jax.jit(apply)
+    assert kernel + '"' in jitted.lower(placed, u48, *keys).compile().as_text()
+    sharded = jitted(placed, u48, *keys)
     assert sharded.sharding.is_equivalent_to(by_rows, sharded.ndim)
-    alone = jax.jit(osa.apply_updates)(jnp.asarray(p[:48]), u48)
-    assert np.asarray(sharded).tobytes() == np.asarray(alone).tobytes()
+    assert np.asarray(sharded).tobytes() == np.asarray(jitted(jnp.asarray(p[:48]), u48, *keys)).tobytes()
     empty = osa.IndexedRows(jnp.zeros((0,), jnp.int32), jnp.zeros((0, *tail), jnp.float32), rows)
-    assert np.asarray(jax.jit(osa.apply_updates)(jnp.asarray(p), empty)).tobytes() == p.tobytes()
+    assert np.asarray(jitted(jnp.asarray(p), empty, *keys)).tobytes() == p.tobytes()

@@ -14,6 +14,10 @@
 // element (p + u).astype(p.dtype) as optax forms it, widened, added in
 // float32 and rounded once to nearest even (rows.h's Bf16 and F16), where
 // XLA:CPU gathers the rows, adds them and sets them back in three passes.
+//   optax_sparse_adam_v9_add_rows_half_stochastic  (table, keys, values, seeds, row_begin) -> table
+// apply_updates_stochastic's: the same sums rounded stochastically, each row's draws those of _draws (rows.h's
+// HalfParams: murmur3's finalizer over the row's id and the leaf's two seeds, seeds[0] and seeds[1]; seeds[2]
+// added to the ids, the draws' row offset inside shard_map).
 #include <cstdint>
 
 #include "rows.h"
@@ -75,20 +79,91 @@ OSA_TARGET_CLONES void AddF16Range(const int32_t* keys, const Shard& shard, cons
   AddDistinct<F16>(keys, shard, values, table, width, lo, hi);
 }
 
-ffi::Error AddRowsHalfImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::BufferR1<ffi::S32> keys,
-                           ffi::Buffer<ffi::F32> values, ffi::BufferR0<ffi::S32> row_begin,
-                           ffi::Result<ffi::AnyBuffer> table_out, int64_t num_rows, int64_t threads) {
+// The entries [lo, hi) of a batch whose keys are distinct, those of rows this shard holds, added into a 16-bit
+// table, each sum rounded once stochastically (`params`: rows.h's HalfParams, its draws by row id).
+template <class Params>
+OSA_ROW_INLINE void AddDistinctStochastic(const Params& params, const int32_t* keys, const Shard& shard,
+                                          const float* values, uint16_t* table, int64_t width, int64_t lo,
+                                          int64_t hi) {
+  for (int64_t i = lo; i < hi; ++i) {
+    if (i + kPrefetchDistance < hi && shard.Owns(keys[i + kPrefetchDistance]))
+      PrefetchRow(table + shard.Local(keys[i + kPrefetchDistance]) * width, width);
+    if (!shard.Owns(keys[i])) continue;
+    const int64_t r = shard.Local(keys[i]);
+    const uint32_t seed = params.RowSeed(r);
+    uint16_t* __restrict row = table + r * width;
+    const float* __restrict u = values + i * width;
+    for (int64_t j = 0; j < width; ++j) row[j] = params.Store(Params::Load(row[j]) + u[j], seed, j);
+  }
+}
+
+OSA_TARGET_CLONES void AddBf16StochasticRange(const HalfParams<Bf16, true>& params, const int32_t* keys,
+                                              const Shard& shard, const float* values, uint16_t* table, int64_t width,
+                                              int64_t lo, int64_t hi) {
+  AddDistinctStochastic(params, keys, shard, values, table, width, lo, hi);
+}
+
+OSA_TARGET_CLONES void AddF16StochasticRange(const HalfParams<F16, true>& params, const int32_t* keys,
+                                             const Shard& shard, const float* values, uint16_t* table, int64_t width,
+                                             int64_t lo, int64_t hi) {
+  AddDistinctStochastic(params, keys, shard, values, table, width, lo, hi);
+}
+
+// The checks the 16-bit handlers share; the shard and the width, set.
+ffi::Error CheckHalfTable(const ffi::AnyBuffer& table, ffi::Result<ffi::AnyBuffer>& table_out,
+                          const ffi::BufferR1<ffi::S32>& keys, const ffi::Buffer<ffi::F32>& values,
+                          const ffi::BufferR0<ffi::S32>& row_begin, int64_t num_rows, Shard& shard, int64_t& width) {
   auto dims = table.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("the table must have at least one dimension");
-  const Shard shard{num_rows, *row_begin.typed_data(), dims[0]};
+  shard = Shard{num_rows, *row_begin.typed_data(), dims[0]};
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
   const ffi::DataType type = table.element_type();
   if ((type != ffi::DataType::BF16 && type != ffi::DataType::F16) || table_out->element_type() != type)
     return ffi::Error::InvalidArgument("add_rows_half takes bfloat16 and float16 tables");
-  const int64_t width = RowWidth(dims);
-  const auto k = static_cast<int64_t>(keys.element_count());
-  if (static_cast<int64_t>(values.element_count()) != k * width)
+  width = RowWidth(dims);
+  if (static_cast<int64_t>(values.element_count()) != static_cast<int64_t>(keys.element_count()) * width)
     return ffi::Error::InvalidArgument("values must have one row per key");
+  return ffi::Error::Success();
+}
+
+ffi::Error AddRowsHalfStochasticImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::BufferR1<ffi::S32> keys,
+                                     ffi::Buffer<ffi::F32> values, ffi::BufferR1<ffi::U32> seeds,
+                                     ffi::BufferR0<ffi::S32> row_begin, ffi::Result<ffi::AnyBuffer> table_out,
+                                     int64_t num_rows, int64_t threads) {
+  Shard shard{};
+  int64_t width = 0;
+  if (ffi::Error e = CheckHalfTable(table, table_out, keys, values, row_begin, num_rows, shard, width); e.failure())
+    return e;
+  if (seeds.element_count() != 3)
+    return ffi::Error::InvalidArgument("seeds must hold three values (two seeds, then the draws' row offset)");
+  const auto k = static_cast<int64_t>(keys.element_count());
+  auto* out = static_cast<uint16_t*>(table_out->untyped_data());
+  CopyIfNotAliased(out, static_cast<const uint16_t*>(table.untyped_data()), table.element_count());
+  const int32_t* key = keys.typed_data();
+  const float* u = values.typed_data();
+  const uint32_t* w = seeds.typed_data();
+  const int64_t first_row = shard.begin + static_cast<int64_t>(w[2]);  // the id the draws give local row 0
+  const bool bf16 = table.element_type() == ffi::DataType::BF16;
+  // Split by position: the keys must be distinct (the caller sums their duplicates first).
+  ParallelForOwned(pool, key, k, shard, threads, [&](int64_t lo, int64_t hi) {
+    if (bf16) {
+      AddBf16StochasticRange(HalfParams<Bf16, true>{w[0], w[1], first_row}, key, shard, u, out, width, lo, hi);
+    } else {
+      AddF16StochasticRange(HalfParams<F16, true>{w[0], w[1], first_row}, key, shard, u, out, width, lo, hi);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error AddRowsHalfImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::BufferR1<ffi::S32> keys,
+                           ffi::Buffer<ffi::F32> values, ffi::BufferR0<ffi::S32> row_begin,
+                           ffi::Result<ffi::AnyBuffer> table_out, int64_t num_rows, int64_t threads) {
+  Shard shard{};
+  int64_t width = 0;
+  if (ffi::Error e = CheckHalfTable(table, table_out, keys, values, row_begin, num_rows, shard, width); e.failure())
+    return e;
+  const ffi::DataType type = table.element_type();
+  const auto k = static_cast<int64_t>(keys.element_count());
   auto* out = static_cast<uint16_t*>(table_out->untyped_data());
   CopyIfNotAliased(out, static_cast<const uint16_t*>(table.untyped_data()), table.element_count());
   const int32_t* key = keys.typed_data();
@@ -151,6 +226,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamAddRowsHalf, optax_sparse_adam::Add
                                   .Arg<ffi::AnyBuffer>()           // table
                                   .Arg<ffi::BufferR1<ffi::S32>>()  // keys: distinct, the library's
                                   .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
+                                  .Ret<ffi::AnyBuffer>()           // table
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamAddRowsHalfStochastic, optax_sparse_adam::AddRowsHalfStochasticImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()           // table
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // keys: distinct, the library's
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // values
+                                  .Arg<ffi::BufferR1<ffi::U32>>()  // seeds: the leaf's two, the draws' row offset
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // row_begin: first row held
                                   .Ret<ffi::AnyBuffer>()           // table
                                   .Attr<int64_t>("num_rows")
