@@ -38,6 +38,7 @@ from optax_sparse_adam._row_engine import (
     Kernel,
     Rule,
     apply_rule,
+    decayed_rule,
     map_rule,
     scaled_rule,
     step_factor,
@@ -164,8 +165,8 @@ def kernel_scalars(hp: AdamHyperparams, count: jax.Array, neg_lr: Any = 1.0, *ex
 def _kernel(hp: AdamHyperparams, count: jax.Array, scale: Any = 1.0, weight_decay: Any = None) -> Kernel:
     """The native CPU kernel in the rule's place; its step rows come out multiplied by ``scale`` (rounded to
     float32 first, as ``optax.scale`` rounds it to the update's dtype). With ``weight_decay``, the rule of
-    :func:`_decayed`: each step row plus ``weight_decay`` times the parameters' row (a float32 table, the rule's
-    one read), before the scale."""
+    :func:`._row_engine.decayed_rule`: each step row plus ``weight_decay`` times the parameters' row (a float32
+    table, the rule's one read), before the scale."""
 
     def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
         return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, *reads, leaf.values)
@@ -180,17 +181,6 @@ def _kernel(hp: AdamHyperparams, count: jax.Array, scale: Any = 1.0, weight_deca
         return keys[:, None], step, (m, v)
 
     return Kernel(supports, run)
-
-
-def _decayed(rule: Rule, weight_decay: Any) -> Rule:
-    """``rule`` followed by ``optax.add_decayed_weights(weight_decay)`` on its rows: each update plus
-    ``weight_decay`` times the parameters' rows (the rule's one read)."""
-
-    def decayed(g: jax.Array, state: Arrays, reads: Arrays) -> tuple[jax.Array, Arrays]:
-        out, new = rule(g, state, ())
-        return out + weight_decay * reads[0], new
-
-    return decayed
 
 
 class KernelFlags(TypedDict):
@@ -277,7 +267,7 @@ def _update(
     weight_decay: Any = None if decay is None else decay[0]
     rules = {
         decays: tuple(
-            scaled_rule(_decayed(r, weight_decay) if decays else r, scale)
+            scaled_rule(decayed_rule(r, weight_decay) if decays else r, scale)
             for r in (_rule(hp, count), _lazy_rule(hp, count))
         )
         for decays in (False, True)

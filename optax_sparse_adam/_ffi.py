@@ -696,16 +696,18 @@ def rowwise_adagrad_rows(
     p: jax.Array | None = None,
     *,
     unique: int,
+    decoupled: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The row-wise Adagrad leaf rule on the CPU: ``(acc, keys, step)``, the accumulators updated in place.
 
     ``acc`` holds one accumulator per row; ``p``, the parameters, is given for
-    L2 weight decay only (read, not written). The keys and step rows come back
+    weight decay only (read, not written): L2 (in the gradient), or with ``decoupled`` each step row plus
+    ``weight_decay * p`` (``sparse_aware(add_decayed_weights)`` after the rule). The keys and step rows come back
     packed as in :func:`sparse_adam_rows`, the steps times ``scalars``' ``neg_lr`` (1, or the learning rate's
     ``-lr``: :func:`._learning_rate.with_learning_rate`).
     """
     decays = p is not None
-    attrs = _attrs(acc.shape[0], decay=int(decays), unique=unique)
+    attrs = _attrs(acc.shape[0], decay=2 if decoupled else int(decays), unique=unique)
     shape = values.shape
 
     def fn(row_begin: jax.Array, *args: jax.Array):

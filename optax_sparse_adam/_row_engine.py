@@ -133,6 +133,17 @@ def scaled_rule(rule: Rule, scale: Any) -> Rule:
     return scaled
 
 
+def decayed_rule(rule: Rule, weight_decay: Any) -> Rule:
+    """``rule`` followed by ``optax.add_decayed_weights(weight_decay)`` on its rows: each update plus
+    ``weight_decay`` times the parameters' rows (the rule's one read, which ``rule`` does not see)."""
+
+    def decayed(g: jax.Array, state: Arrays, reads: Arrays) -> tuple[jax.Array, Arrays]:
+        out, new = rule(g, state, ())
+        return out + weight_decay * reads[0], new
+
+    return decayed
+
+
 def stamp(last: jax.Array, count: jax.Array) -> jax.Array:
     """``count`` for each row of ``last`` (a per-row record of the step a row was last updated at, never above
     ``count``), written as ``max(last, count)``: a rule's new record then depends on the rows it read, so that XLA

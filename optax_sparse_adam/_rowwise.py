@@ -26,12 +26,12 @@ import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
-from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
     Arrays,
     Kernel,
     apply_rule,
+    decayed_rule,
     map_rule,
     row_full,
     row_mean_square,
@@ -40,7 +40,6 @@ from optax_sparse_adam._row_engine import (
     step_factor,
 )
 from optax_sparse_adam._row_ops import take_rows
-from optax_sparse_adam._sparse_aware import sparse_aware
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, param_error
 
@@ -354,22 +353,26 @@ def adagrad_scalars(eps: Any, weight_decay: Any, neg_lr: Any) -> jax.Array:
     return _ffi.float32_scalars(eps, weight_decay, neg_lr)
 
 
-def _adagrad_kernel(eps: Any, weight_decay: Any, decays: bool, scale: Any = None) -> Kernel:
+def _adagrad_kernel(eps: Any, weight_decay: Any, decays: bool, scale: Any = None, decoupled: Any = None) -> Kernel:
     """The native CPU kernel in the rule's place (it reads the parameters for L2 decay); its step rows come out
-    multiplied by ``scale`` (rounded to float32 first, as ``optax.scale`` rounds it to the update's dtype)."""
+    multiplied by ``scale`` (rounded to float32 first, as ``optax.scale`` rounds it to the update's dtype). With
+    ``decoupled``, a weight decay, the rule of :func:`._row_engine.decayed_rule` (the step rows plus ``decoupled``
+    times the parameters' rows, before the scale)."""
 
     def supports(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> bool:
         return _kernel_path.supports(leaf.shape, leaf.n_sparse, *state, *reads, leaf.values)
 
     def run(leaf: SparseLeaf, state: Arrays, reads: Arrays) -> tuple[jax.Array, jax.Array, Arrays]:
-        scalars = adagrad_scalars(eps, weight_decay if decays else 0.0, step_factor(scale))
+        wd = weight_decay if decays else 0.0 if decoupled is None else decoupled
+        scalars = adagrad_scalars(eps, wd, step_factor(scale))
         acc, keys, step = _ffi.rowwise_adagrad_rows(
             state[0],
             leaf.keys[:, 0],
             leaf.values,
             scalars,
-            reads[0] if decays else None,
+            reads[0] if reads else None,
             unique=_kernel_path.unique_flag(leaf),
+            decoupled=decoupled is not None,
         )
         return keys[:, None], step, (acc,)
 
@@ -451,10 +454,18 @@ def scale_by_rowwise_adagrad(
         )
 
     def update(
-        updates: optax.Updates, state: ScaleByRowwiseAdagradState, params: optax.Params | None, scale: Any
+        updates: optax.Updates,
+        state: ScaleByRowwiseAdagradState,
+        params: optax.Params | None,
+        scale: Any,
+        decay: tuple[Any, Any] | None = None,
     ) -> tuple[optax.Updates, ScaleByRowwiseAdagradState]:
+        """The stage's update, its updates times ``scale``; with ``decay``, ``(weight_decay, flags)`` (a bool a
+        leaf of the parameters), each flagged leaf's updates first plus ``weight_decay`` times its parameters
+        (``sparse_rowwise_adagrad(weight_decay_mode="decoupled")``'s decay stage, in the rule's pass)."""
         check_state(state, ScaleByRowwiseAdagradState, where)
         decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
+        assert not (decays and decay is not None), "L2 decay or a decay stage after the rule, not both"
         if decays and params is None:
             raise ValueError(f"{where}: weight_decay needs the parameters: call update(grads, state, params)")
 
@@ -465,8 +476,12 @@ def scale_by_rowwise_adagrad(
             acc = acc + row_mean_square(g).astype(acc.dtype)
             return g / broadcast_rows(jnp.sqrt(acc) + eps, g.ndim).astype(g.dtype), (acc,)
 
-        scaled = scaled_rule(rule, scale)
-        kernel = _adagrad_kernel(eps, weight_decay, decays, scale)
+        later: Any = None if decay is None else decay[0]  # the decay stage's weight decay
+        scaled = {False: scaled_rule(rule, scale), True: scaled_rule(decayed_rule(rule, later), scale)}
+        kernels = {
+            False: _adagrad_kernel(eps, weight_decay, decays, scale),
+            True: _adagrad_kernel(eps, 0.0, False, scale, later),
+        }
 
         def leaf(path: Any, g: Any, acc: Any, *p: Any) -> tuple[Any, ...]:
             if g is None:
@@ -476,15 +491,27 @@ def scale_by_rowwise_adagrad(
                 raise param_error(
                     ValueError, where, path, f"gradient shape {shape} does not fit the accumulator's shape {acc.shape}"
                 )
-            reads = p if decays else ()
+            after = decay is not None and bool(p[1])  # this leaf takes the decay stage
+            reads = p[:1] if decays or after else ()
             out, (new,) = apply_rule(
-                path, g, shape, (acc,), reads, scaled, where, whole_rows=True, kernel=kernel, compute_dtype=acc.dtype
+                path,
+                g,
+                shape,
+                (acc,),
+                reads,
+                scaled[after],
+                where,
+                whole_rows=True,
+                kernel=kernels[after],
+                compute_dtype=acc.dtype,
             )
             return out, new
 
         trees = [(state.sum_of_squares, "sum_of_squares")]
         if params is not None:
             trees.append((params, "parameters"))
+        if decay is not None:
+            trees.append((decay[1], "mask"))
         out, acc = map_rule(leaf, updates, trees, where, 2)
         return out, ScaleByRowwiseAdagradState(sum_of_squares=acc)
 
@@ -555,13 +582,10 @@ def sparse_rowwise_adagrad(
         fusion = RowwiseAdagradFusion(learning_rate, eps, weight_decay, decay)
         inner = scale_by_rowwise_adagrad(eps, initial_accumulator_value, weight_decay)
         return with_learning_rate(inner, learning_rate, fusion)
-    # Decoupled decay: a stage between the rule and the learning rate, which scales the rule's updates after it.
+    # Decoupled decay: a stage between the rule and the learning rate (chain(rule, sparse_aware(
+    # add_decayed_weights), sparse_aware(scale_by_learning_rate))), taken in the rule's pass as the learning rate is.
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
-    tx = optax.chain(
-        scale_by_rowwise_adagrad(eps, initial_accumulator_value),
-        sparse_aware(optax.add_decayed_weights(weight_decay)),
-        sparse_aware(optax.scale_by_learning_rate(learning_rate)),
-    )
-    # add_decayed_weights adds weight_decay * p even for 0, and so does the kernel (decay 2).
+    inner = scale_by_rowwise_adagrad(eps, initial_accumulator_value)
+    # add_decayed_weights adds weight_decay * p even for 0, and so do the kernels (decay 2).
     fusion = RowwiseAdagradFusion(learning_rate, eps, weight_decay, 2)
-    return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(tx.update, fusion))
+    return with_learning_rate(inner, learning_rate, fusion, weight_decay=weight_decay, where="sparse_rowwise_adagrad")

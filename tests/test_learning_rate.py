@@ -1,7 +1,7 @@
 """The optimizers that are ``chain(stage, sparse_aware(scale_by_learning_rate))`` apply their learning rate inside
-the stage's pass (``_learning_rate.with_learning_rate``), and ``sparse_adamw``, which is ``chain(stage,
-sparse_aware(add_decayed_weights), sparse_aware(scale_by_learning_rate))``, its decay too: the chain's numbers
-and state, a pass or two fewer."""
+the stage's pass (``_learning_rate.with_learning_rate``), and ``sparse_adamw`` and decoupled
+``sparse_rowwise_adagrad``, which are ``chain(stage, sparse_aware(add_decayed_weights),
+sparse_aware(scale_by_learning_rate))``, their decay too: the chain's numbers and state, a pass or two fewer."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ STAGES: dict[str, tuple[Callable[[Any], optax.GradientTransformation], Callable[
     ),
     "momentum": (lambda lr: osa.sparse_sgd(lr, momentum=0.9), lambda: _lazy_trace(0.9, False, None)),
     "nesterov": (lambda lr: osa.sparse_sgd(lr, momentum=0.9, nesterov=True), lambda: _lazy_trace(0.9, True, None)),
+    "rowwise_adagrad_decoupled": (
+        lambda lr: osa.sparse_rowwise_adagrad(lr, weight_decay=0.01, weight_decay_mode="decoupled"),
+        lambda: osa.scale_by_rowwise_adagrad(),
+    ),
     "adamw": (lambda lr: osa.sparse_adamw(lr, weight_decay=0.01), lambda: osa.scale_by_sparse_adam()),
     "adamw_masked": (
         lambda lr: osa.sparse_adamw(lr, weight_decay=0.01, mask=_TABLES),
@@ -53,8 +57,9 @@ STAGES: dict[str, tuple[Callable[[Any], optax.GradientTransformation], Callable[
         lambda: osa.scale_by_sparse_adam(mu_dtype=jnp.bfloat16),
     ),
 }
-# name -> the stages between the stage and the learning rate in the chain (sparse_adamw's decay).
+# name -> the stages between the stage and the learning rate in the chain (the decoupled weight decays).
 BETWEEN: dict[str, Callable[[], list[optax.GradientTransformation]]] = {
+    "rowwise_adagrad_decoupled": lambda: [osa.sparse_aware(optax.add_decayed_weights(0.01))],
     "adamw": lambda: [osa.sparse_aware(optax.add_decayed_weights(0.01))],
     "adamw_masked": lambda: [osa.sparse_aware(optax.add_decayed_weights(0.01, _TABLES))],
     "adamw_mu_bf16": lambda: [osa.sparse_aware(optax.add_decayed_weights(0.01))],

@@ -317,10 +317,10 @@ def _numpy_rule(p, acc, ids, values, mode: str, neg_lr: F32, apply: bool):
         else:
             acc[key] = _fma(_row_sum_of_squares(g), F32(1) / F32(width), acc[key])
             step = g * (F32(1) / (np.sqrt(acc[key]) + eps))
+        if mode == "decoupled":  # the decay stage after the rule: the step plus wd p (fused, but at width 1)
+            step = step + wd * p[key] if width == 1 else _fma(wd, p[key], step)
         steps[d] = neg_lr * step  # the rows handler's step rows: times neg_lr, the factor it scales them by
         if apply:
-            if mode == "decoupled":
-                step = step + wd * p[key] if width == 1 else _fma(wd, p[key], step)
             p[key] = p[key] + neg_lr * step
     keys = np.array(order + [p.shape[0]] * (len(ids) - len(order)), np.int32)
     return p, acc, keys, steps
@@ -342,14 +342,14 @@ def test_kernels_equal_a_numpy_loop_of_their_arithmetic(tail, mode):
         got_p, got_acc = jax.jit(_ffi.rowwise_adagrad_apply, static_argnames=("decay", "unique"))(
             jnp.asarray(p), jnp.asarray(acc), *args, decay=DECAY[mode], unique=0
         )
-        if mode != "decoupled":  # the rows kernel: no decoupled decay (it is a later transformation's)
-            rows = jax.jit(_ffi.rowwise_adagrad_rows, static_argnames="unique")
-            got_acc2, got_keys, got_steps = rows(
-                jnp.asarray(acc), *args, jnp.asarray(p) if mode == "l2" else None, unique=0
-            )
-            np.testing.assert_array_equal(got_acc2, want_acc)
-            np.testing.assert_array_equal(got_keys, want_keys)
-            np.testing.assert_array_equal(np.asarray(got_steps).reshape(len(ids), -1), want_steps)
+        # the rows kernel (decoupled: the decay stage after the rule, taken in its pass)
+        rows = jax.jit(_ffi.rowwise_adagrad_rows, static_argnames=("unique", "decoupled"))
+        got_acc2, got_keys, got_steps = rows(
+            jnp.asarray(acc), *args, None if mode == "none" else jnp.asarray(p), unique=0, decoupled=mode == "decoupled"
+        )
+        np.testing.assert_array_equal(got_acc2, want_acc)
+        np.testing.assert_array_equal(got_keys, want_keys)
+        np.testing.assert_array_equal(np.asarray(got_steps).reshape(len(ids), -1), want_steps)
     np.testing.assert_array_equal(got_acc, want_acc)
     np.testing.assert_array_equal(np.asarray(got_p).reshape(ROWS, -1), want_p)
 

@@ -6,7 +6,8 @@
 //     the sparse leaf rule: the accumulators in place, and the step rows
 //     packed as the XLA path packs them (distinct keys first, padding after;
 //     with `unique`, in the entries' own slots); p (the parameters) is read
-//     for L2 weight decay only;
+//     for weight decay only: L2 (decay 1), or decoupled (decay 2: each step
+//     row plus wd p, sparse_rowwise_adagrad's decay stage, before neg_lr);
 //   optax_sparse_adam_v9_rowwise_adagrad_apply  (p, acc, keys, values, scalars, seeds) -> (p, acc)
 //     the rule and p += neg_lr * step (after decoupled weight decay, in that
 //     mode), touching each row of p and acc once.
@@ -49,7 +50,7 @@
 //   g   = fma(wd, p, g)                 (L2 decay, before S)
 //   a'  = fma(S, 1 / d, a)              (d = 1: fma(g, g, a))
 //   u   = g (1 / (sqrt(a') + eps))      (d = 1: g / (sqrt(a') + eps))
-//   u   = fma(wd, p, u)                 (decoupled decay, apply only; d = 1: u + wd p)
+//   u   = fma(wd, p, u)                 (decoupled decay; d = 1: u + wd p)
 // Adam:
 //   m'  = fma(1 - b1, g, b1 m)          per entry
 //   v'  = fma(1 - b2, S (1 / d), b2 v)  (d = 1: g g in place of S (1 / d))
@@ -131,17 +132,17 @@ struct AdagradScalars {
 constexpr int64_t kAdagradScalars = 3;
 
 // How weight decay enters: not at all, folded into the gradient (L2), or added
-// to the step (decoupled; the apply handler only).
+// to the step (decoupled).
 enum Decay : int64_t { kNoDecay = 0, kL2 = 1, kDecoupled = 2 };
 
 template <int64_t kDecay, bool kApplies, class Params = F32Params>
 struct AdagradRule {
   static constexpr bool kApply = kApplies;
-  static constexpr bool kReadsP = kApply || kDecay == kL2;
+  static constexpr bool kReadsP = kApply || kDecay != kNoDecay;
   using T = typename Params::T;  // the parameters' entries (float32 but in an apply handler's)
   AdagradScalars s;
   float* acc;
-  const T* p;  // the parameters: read for L2 decay, written by apply (then p == out); null otherwise
+  const T* p;  // the parameters: read for decay, written by apply (then p == out); null otherwise
   T* out;      // apply: the parameters; rows: the step rows (float32)
   int64_t width;
   Params params = {};
@@ -175,6 +176,7 @@ struct AdagradRule {
         if constexpr (kDecay == kDecoupled) step = step + wd * P(dst[0]);
         dst[0] = params.Store(P(dst[0]) + neg_lr * step, seed, 0);
       } else {
+        if constexpr (kDecay == kDecoupled) step = step + wd * P(p[r]);
         dst[0] = neg_lr * step;
       }
       return;
@@ -183,12 +185,14 @@ struct AdagradRule {
     const float an = std::fma(RowSumOfSquares(g, width), inv_width, *a);
     *a = an;
     const float rcp = 1.0f / (std::sqrt(an) + eps);
+    const T* __restrict pr = kDecay == kDecoupled && !kApply ? p + r * width : nullptr;  // rows: decay's p
     for (int64_t j = 0; j < width; ++j) {
       float step = g[j] * rcp;
       if constexpr (kApply) {
         if constexpr (kDecay == kDecoupled) step = std::fma(wd, P(dst[j]), step);
         dst[j] = params.Store(P(dst[j]) + neg_lr * step, seed, j);
       } else {
+        if constexpr (kDecay == kDecoupled) step = std::fma(wd, P(pr[j]), step);
         dst[j] = neg_lr * step;
       }
     }
@@ -291,12 +295,9 @@ void DispatchAdagrad(ffi::ThreadPool& pool, const AdagradScalars& s, int64_t dec
           out_keys);
       return;
     case kDecoupled:
-      if constexpr (kApply) {
-        Run(pool, AdagradRule<kDecoupled, kApply, Params>{s, acc, p, out, width, params}, o, keys, k, shard, values,
-            out_keys);
-        return;
-      }
-      [[fallthrough]];  // unreachable: checked by the handlers
+      Run(pool, AdagradRule<kDecoupled, kApply, Params>{s, acc, p, out, width, params}, o, keys, k, shard, values,
+          out_keys);
+      return;
     default:
       Run(pool, AdagradRule<kNoDecay, kApply, Params>{s, acc, p, out, width, params}, o, keys, k, shard, values,
           out_keys);
@@ -338,19 +339,18 @@ ffi::Error AdagradRowsImpl(ffi::ThreadPool pool, ffi::BufferR1<ffi::F32> acc, ff
                              /*clips=*/false);
       e.failure())
     return e;
-  if (decay == kDecoupled) return ffi::Error::InvalidArgument("decoupled decay is the apply handler's");
   if (step_out->element_count() != values.element_count() || keys_out->element_count() != keys.element_count())
     return ffi::Error::InvalidArgument("results must have the shapes of keys and values");
   const float* p = nullptr;
-  if (decay == kL2) {  // L2 decay reads the parameters, the one remaining operand
-    if (params.size() != 1) return ffi::Error::InvalidArgument("L2 decay needs the parameters");
+  if (decay != kNoDecay) {  // decay reads the parameters, the one remaining operand
+    if (params.size() != 1) return ffi::Error::InvalidArgument("weight decay needs the parameters");
     auto p_buf = params.get<ffi::Buffer<ffi::F32>>(0);
     if (p_buf.has_error()) return p_buf.error();
     if (static_cast<int64_t>(p_buf->element_count()) != shard.local_rows * width)
       return ffi::Error::InvalidArgument("p must have one row of the values' width per accumulator");
     p = p_buf->typed_data();
   } else if (!params.empty()) {
-    return ffi::Error::InvalidArgument("the parameters are read for L2 decay only");
+    return ffi::Error::InvalidArgument("the parameters are read for weight decay only");
   }
   float* a = acc_out->typed_data();
   CopyIfNotAliased(a, acc.typed_data(), acc.element_count());
