@@ -184,7 +184,8 @@ def sparse_adamw(
       eps: Term added to the denominator, outside the square root.
       eps_root: Term added inside the square root.
       mu_dtype: Dtype of the first moment; ``None`` uses the parameter's.
-      weight_decay: Decay rate :math:`\lambda`.
+      weight_decay: Decay rate :math:`\lambda`: a number, or (without ``catch_up``) an optax schedule, as
+        :func:`optax.add_decayed_weights` takes it (the two calls of that chain then run, in either door).
       mask: Which parameters decay, as :func:`optax.adamw`'s ``mask``.
       catch_up: Whether a returning row first takes the steps it sat out, as
         dense AdamW took them (decay and momentum).
@@ -212,6 +213,11 @@ def sparse_adamw(
     check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
     if check_bool("catch_up", catch_up):
+        if callable(weight_decay):
+            raise ValueError(
+                "sparse_adamw(catch_up=True) takes a constant weight_decay (its record holds log(1 - lr * "
+                "weight_decay) at one decay), not a schedule: pass a number, or use catch_up=False"
+            )
         from optax_sparse_adam import _catch_up  # it builds on sparse_adam's rule
 
         hp = _catch_up_hyperparams(b1, b2, eps, eps_root, maximize, eps_placement, False)

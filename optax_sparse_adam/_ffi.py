@@ -169,7 +169,8 @@ def sparse_adam_rows(
     tables = () if p is None else (p,)
 
     def fn(row_begin: jax.Array, *args: jax.Array):
-        *params, m, v, keys, values, scalars = args
+        # The moments first (their sharding decides the row blocks); the handler takes the parameters first.
+        m, v, *params, keys, values, scalars = args
         table = jax.ShapeDtypeStruct(m.shape, m.dtype)
         rows = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(values.shape, values.dtype))
         n = len(params)
@@ -180,9 +181,9 @@ def sparse_adam_rows(
             vmap_method="sequential",
         )(*params, m, v, keys, values, scalars, row_begin, **attrs)
 
-    rule = "n w, " * len(tables) + "n w, n w, k, k w, s -> n w, n w, k, k w"
+    rule = "n w, n w, " + "n w, " * len(tables) + "k, k w, s -> n w, n w, k, k w"
     m2, v2, keys, step = _by_row_shards(fn, rule, summed=(3,))(
-        *(_rows2d(t) for t in tables), _rows2d(m), _rows2d(v), keys, _rows2d(values), scalars
+        _rows2d(m), _rows2d(v), *(_rows2d(t) for t in tables), keys, _rows2d(values), scalars
     )
     return m2.reshape(m.shape), v2.reshape(v.shape), keys, step.reshape(shape)
 

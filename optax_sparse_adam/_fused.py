@@ -266,7 +266,10 @@ class _Fusable(NamedTuple):
 
 
 def _fusable(fusion: Any) -> _Fusable | None:
-    """How to fuse the optimizer that carries ``fusion``; ``None`` for one this module does not fuse."""
+    """How to fuse the optimizer that carries ``fusion``; ``None`` for one this module does not fuse (among them a
+    weight decay given as a schedule: the kernels take it as a number, and the two calls run)."""
+    if callable(getattr(fusion, "weight_decay", None)):
+        return None
     if isinstance(fusion, AdamFusion):
         hp, wd, mask = fusion.hp, fusion.weight_decay, fusion.mask
         decayed = () if wd is None else (wd,)

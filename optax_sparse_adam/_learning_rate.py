@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam._checks import mask_tree
@@ -68,23 +69,33 @@ def with_learning_rate(
     With ``weight_decay``, ``sparse_aware(optax.add_decayed_weights(weight_decay, mask))`` sits between the two,
     as in :func:`optax.adamw`, and the stage (whose update then also takes ``(weight_decay, flags)``, a bool a
     leaf of the parameters) adds the decay in the same pass: the parameters' rows read where the rows are
-    written. ``where`` names the optimizer in errors about ``mask``."""
+    written. Where the decay is a schedule, or reaches a leaf whose updates or parameters are not float32, the
+    chain itself runs (its numbers there are not the stage's). ``where`` names the optimizer in errors about
+    ``mask``."""
     assert isinstance(inner.update, _StageUpdate), "with_learning_rate takes a stage()"
     update = inner.update.scalable
     scale = sparse_aware(optax.scale_by_learning_rate(learning_rate))
     between = () if weight_decay is None else (sparse_aware(optax.add_decayed_weights(weight_decay, mask)),)
     tx = optax.chain(inner, *between, scale)
+    # add_decayed_weights skips a literal zero (the updates as they are, even where p is not finite); a schedule
+    # of weight decays keeps a count, which the chain advances.
+    skips = isinstance(weight_decay, int | float) and weight_decay == 0
+    scheduled = callable(weight_decay)
 
     def update_fn(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, Any]:
         if not (isinstance(state, tuple) and len(state) == 2 + len(between)) or (between and params is None):
             return tx.update(updates, state, params, **extra_args)  # the chain reports what is wrong
-        inner_state, *kept, scale_state = state
+        flags = None
+        if between and not skips:
+            flags = mask_tree(True if mask is None else mask, params, "mask", where)
+            if scheduled or not _decays_in_float32(updates, params, flags):
+                return tx.update(updates, state, params, **extra_args)
+        inner_state, *kept, scale_state = state  # add_decayed_weights' own state: empty (masked or not), kept
         count = scale_state.count if callable(learning_rate) else None  # a constant rate's stage counts nothing
         factor = -1 * at_count(learning_rate, count)
-        if between:  # add_decayed_weights keeps no state of its own (masked or not): kept as it is
-            flags = mask_tree(True if mask is None else mask, params, "mask", where)
+        if flags is not None:
             updates, inner_state = update(updates, inner_state, params, factor, (weight_decay, flags))
         else:
             updates, inner_state = update(updates, inner_state, params, factor)
@@ -92,3 +103,18 @@ def with_learning_rate(
         return updates, (inner_state, *kept, scale_state)
 
     return optax.GradientTransformationExtraArgs(tx.init, FusableUpdate(update_fn, fusion))
+
+
+def _decays_in_float32(updates: optax.Updates, params: optax.Params, flags: Any) -> bool:
+    """Whether every leaf the decay reaches has float32 updates and parameters: there the stage's pass computes
+    the chain's numbers. With another dtype the chain rounds each update to its dtype before it adds the decay and
+    scales, and a 16-bit table's rows are no kernel's read: the chain itself runs."""
+    leaves = jax.tree.leaves(updates, is_leaf=lambda x: x is None or is_leaf(x))
+    ps, fs = jax.tree.leaves(params), jax.tree.leaves(flags)
+    if not len(leaves) == len(ps) == len(fs):
+        return False
+    f32 = jnp.dtype(jnp.float32)
+    return all(
+        u is None or not f or (jnp.dtype(u.dtype) == f32 and jnp.dtype(p.dtype) == f32)
+        for u, p, f in zip(leaves, ps, fs, strict=True)
+    )

@@ -354,7 +354,7 @@ def adagrad_scalars(eps: Any, weight_decay: Any, neg_lr: Any) -> jax.Array:
 
 
 def _adagrad_kernel(eps: Any, weight_decay: Any, decays: bool, scale: Any = None, decoupled: Any = None) -> Kernel:
-    """The native CPU kernel in the rule's place (it reads the parameters for L2 decay); its step rows come out
+    """The native CPU kernel in the rule's place (it reads the parameters for weight decay); its step rows come out
     multiplied by ``scale`` (rounded to float32 first, as ``optax.scale`` rounds it to the update's dtype). With
     ``decoupled``, a weight decay, the rule of :func:`._row_engine.decayed_rule` (the step rows plus ``decoupled``
     times the parameters' rows, before the scale)."""
@@ -586,6 +586,7 @@ def sparse_rowwise_adagrad(
     # add_decayed_weights), sparse_aware(scale_by_learning_rate))), taken in the rule's pass as the learning rate is.
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
     inner = scale_by_rowwise_adagrad(eps, initial_accumulator_value)
-    # add_decayed_weights adds weight_decay * p even for 0, and so do the kernels (decay 2).
-    fusion = RowwiseAdagradFusion(learning_rate, eps, weight_decay, 2)
+    # add_decayed_weights skips a literal 0 (the step as it is, even where p is not finite): so does the fused kernel.
+    decay = 0 if isinstance(weight_decay, int | float) and weight_decay == 0 else 2
+    fusion = RowwiseAdagradFusion(learning_rate, eps, weight_decay, decay)
     return with_learning_rate(inner, learning_rate, fusion, weight_decay=weight_decay, where="sparse_rowwise_adagrad")

@@ -108,6 +108,86 @@ def test_the_learning_rate_inside_the_stages_pass_is_the_chain(kernel_path, name
         params = osa.apply_updates(params, u1)
 
 
+_ADAMW = (lambda wd, **kw: osa.sparse_adamw(0.05, weight_decay=wd, **kw), osa.scale_by_sparse_adam)
+_DECOUPLED = (
+    lambda wd, **kw: osa.sparse_rowwise_adagrad(0.05, weight_decay=wd, weight_decay_mode="decoupled", **kw),
+    osa.scale_by_rowwise_adagrad,
+)
+_SCHEDULE = optax.linear_schedule(0.02, 0.001, 3)
+# name -> (optimizer and stage, weight decay, the table's shape, its dtype, the gradient's dtype, options).
+DECAYS = {
+    "adamw width 1": (_ADAMW, 0.01, (ROWS, 1), jnp.float32, jnp.float32, {}),
+    "adamw 1-d table": (_ADAMW, 0.01, (ROWS,), jnp.float32, jnp.float32, {}),
+    "adamw rows of 3 x 4": (_ADAMW, 0.01, (ROWS, 3, 4), jnp.float32, jnp.float32, {}),
+    "adamw maximize, torch's eps": (
+        _ADAMW,
+        0.01,
+        (ROWS, WIDTH),
+        jnp.float32,
+        jnp.float32,
+        {"maximize": True, "eps_placement": "torch"},
+    ),
+    "decoupled width 1": (_DECOUPLED, 0.01, (ROWS, 1), jnp.float32, jnp.float32, {}),
+    # The chain itself runs: a schedule of decays (its count advances), ...
+    "adamw decay schedule": (_ADAMW, _SCHEDULE, (ROWS, WIDTH), jnp.float32, jnp.float32, {}),
+    "decoupled decay schedule": (_DECOUPLED, _SCHEDULE, (ROWS, WIDTH), jnp.float32, jnp.float32, {}),
+    # ... a 16-bit table or gradient (the chain rounds the update to its dtype before the decay).
+    "adamw bfloat16 table": (_ADAMW, 0.01, (ROWS, WIDTH), jnp.bfloat16, jnp.bfloat16, {"mu_dtype": jnp.float32}),
+    "adamw bfloat16 gradient": (_ADAMW, 0.01, (ROWS, WIDTH), jnp.float32, jnp.bfloat16, {}),
+    "decoupled bfloat16 table": (_DECOUPLED, 0.01, (ROWS, WIDTH), jnp.bfloat16, jnp.float32, {}),
+    # A literal zero decay is none (add_decayed_weights skips it): an infinite parameter's row still moves.
+    "adamw zero decay": (_ADAMW, 0, (ROWS, WIDTH), jnp.float32, jnp.float32, {}),
+    "decoupled zero decay": (_DECOUPLED, 0.0, (ROWS, WIDTH), jnp.float32, jnp.float32, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(DECAYS))
+def test_the_decays_inside_the_stages_pass_are_the_chain_on_any_table(kernel_path, name):
+    """sparse_adamw and decoupled row-wise Adagrad give bitwise the chain's updates and state (their stage, then
+    sparse_aware(add_decayed_weights), then the learning rate) on rows of any shape and options; where the decay
+    cannot be taken in the stage's pass with the chain's numbers (a schedule, a 16-bit table or gradient) the chain
+    runs, and a literal zero decays nothing, as there (a table holding an infinity still moves its other rows)."""
+    (make, make_stage), wd, shape, p_dtype, g_dtype, options = DECAYS[name]
+    ours = make(wd, **options)
+    chain = optax.chain(
+        make_stage(**options),
+        osa.sparse_aware(optax.add_decayed_weights(wd)),
+        osa.sparse_aware(optax.scale_by_learning_rate(0.05)),
+    )
+    rng = np.random.default_rng(6)
+    table = rng.standard_normal(shape).astype(np.float32)
+    table[0] = np.inf  # a touched row: with a zero decay, the chain's update is finite there
+    params = jnp.asarray(table, p_dtype)
+    states = [ours.init(params), chain.init(params)]
+    steps = [jax.jit(tx.update) for tx in (ours, chain)]
+    for _ in range(3):
+        ids = jnp.asarray(np.concatenate([[0], rng.integers(-2, ROWS + 3, BATCH - 1)]), jnp.int32)
+        grads = osa.IndexedRows(ids, jnp.asarray(rng.standard_normal((BATCH, *shape[1:])), g_dtype), ROWS)
+        (u1, s1), (u2, s2) = (step(grads, s, params) for step, s in zip(steps, states, strict=True))
+        assert_trees_equal(s1, s2)
+        assert u1.values.dtype == u2.values.dtype
+        np.testing.assert_array_equal(u1.indices, u2.indices)
+        np.testing.assert_array_equal(np.asarray(u1.values, np.float32), np.asarray(u2.values, np.float32))
+        states = [s1, s2]
+        params = osa.apply_updates(params, u1)
+
+
+@pytest.mark.parametrize("make", [_ADAMW[0], _DECOUPLED[0]], ids=["adamw", "decoupled"])
+def test_a_decay_schedule_runs_the_chain_through_either_door(make):
+    """A weight decay given as a schedule (optax.add_decayed_weights takes one): update_and_apply runs the two calls
+    (the kernels take a decay as a number), their numbers exactly; catch-up AdamW says it takes a number."""
+    tx = make(_SCHEDULE)
+    rng = np.random.default_rng(7)
+    params = jnp.asarray(rng.standard_normal((ROWS, WIDTH)), jnp.float32)
+    grads = osa.IndexedRows(jnp.asarray(rng.integers(0, ROWS, BATCH), jnp.int32), jnp.ones((BATCH, WIDTH)), ROWS)
+    state = tx.init(params)
+    fused = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(params, state, grads)
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+    assert_trees_equal(fused, (osa.apply_updates(params, updates), new_state))
+    with pytest.raises(ValueError, match="constant weight_decay"):
+        osa.sparse_adamw(0.05, weight_decay=_SCHEDULE, catch_up=True)
+
+
 def _row_passes(tx: optax.GradientTransformation, params: jax.Array, grads: osa.IndexedRows) -> list[str]:
     """The operations of tx.update's compiled program (on the CPU) that produce an array of the update rows' shape,
     other than the kernel's own results: each is a pass of XLA's over the rows."""

@@ -543,11 +543,12 @@ OSA_ROW_INLINE void SumEntries(const int32_t* row_of, int64_t k, const float* va
   for (int64_t i = 0; i < k; ++i) SumEntry(row_of, i, values, width, lo, hi, sums);
 }
 
-// SumEntries on a batch of k entries coalesced as `c`. A part's coalescing (Coalesce with parts) lists its entries:
-// they are read from that list, each a few entries ahead of its turn (they are spread over the batch, where the
-// hardware's prefetcher does not follow: without it, a row-wise Adagrad step at 1e6 x 128 with 8,192 uniform ids
-// and the batch out of the caches took 0.68 ms against 0.49 coalesced on one thread; with it, about 0.58, and
-// reading 16 entries ahead measured the same).
+// SumEntries on a batch of k entries coalesced as `c` (the summing pass of the norm-clipped steps, SummedParts). A
+// part's coalescing (Coalesce with parts) lists its entries: they are read from that list, each a few entries ahead
+// of its turn (they are spread over the batch, where the hardware's prefetcher does not follow: without it, a
+// row-wise Adagrad step at 1e6 x 128 with 8,192 uniform ids and the batch out of the caches took 0.68 ms against
+// 0.49 coalesced on one thread, when its row loop summed this way; with it, about 0.58, and reading 16 entries
+// ahead measured the same).
 OSA_ROW_INLINE void SumEntries(const Coalesced& c, int64_t k, const float* values, int64_t width, int64_t lo,
                                int64_t hi, float* sums) {
   if (c.taken < 0) {

@@ -119,7 +119,7 @@ ffi::Error CheckHalfTable(const ffi::AnyBuffer& table, ffi::Result<ffi::AnyBuffe
   if (!shard.Valid()) return ffi::Error::InvalidArgument("row range outside a table of at most 2**31 - 1 rows");
   const ffi::DataType type = table.element_type();
   if ((type != ffi::DataType::BF16 && type != ffi::DataType::F16) || table_out->element_type() != type)
-    return ffi::Error::InvalidArgument("add_rows_half takes bfloat16 and float16 tables");
+    return ffi::Error::InvalidArgument("the 16-bit add kernels take bfloat16 and float16 tables");
   width = RowWidth(dims);
   if (static_cast<int64_t>(values.element_count()) != static_cast<int64_t>(keys.element_count()) * width)
     return ffi::Error::InvalidArgument("values must have one row per key");

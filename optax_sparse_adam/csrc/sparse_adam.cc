@@ -295,7 +295,9 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> table, size_t mu_count, size_t n
     return ffi::Error::InvalidArgument("values must have one row per key");
   const auto count = static_cast<int64_t>(scalars_count);
   if (!ScalarCountOk(count, num_scalars, clips)) {
-    if (!clips) return ffi::Error::InvalidArgument("scalars must hold 10 values");
+    if (!clips)
+      return ffi::Error::InvalidArgument(num_scalars == kNumScalars ? "scalars must hold 10 values"
+                                                                    : "scalars must hold 11 values");
     return ffi::Error::InvalidArgument(num_scalars == kNumScalars
                                            ? "scalars must hold 10 values (11 or 12 to clip)"
                                            : "scalars must hold 11 values (12 or 13 to clip)");
