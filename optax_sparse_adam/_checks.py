@@ -29,6 +29,12 @@ __all__ = [
 ]
 
 
+def literal_zero(x: Any) -> bool:
+    """Whether ``x`` is a Python number equal to 0: a weight decay that decays nothing, which
+    ``optax.add_decayed_weights`` skips (and the kernels read no parameters for); an array zero is not one."""
+    return isinstance(x, int | float) and x == 0
+
+
 def check_hparam(name: str, value: Any, *, lower: float, lower_open: bool, upper: float = math.inf) -> None:
     """Checks a concrete scalar hyperparameter; schedules and traced (injected) values are left alone."""
     if callable(value) or isinstance(value, jax.core.Tracer):

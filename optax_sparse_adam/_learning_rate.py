@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_sparse_adam._checks import mask_tree
+from optax_sparse_adam._checks import literal_zero, mask_tree
 from optax_sparse_adam._fusion import FusableUpdate
 from optax_sparse_adam._row_engine import at_count
 from optax_sparse_adam._sparse_aware import sparse_aware
@@ -79,7 +79,7 @@ def with_learning_rate(
     tx = optax.chain(inner, *between, scale)
     # add_decayed_weights skips a literal zero (the updates as they are, even where p is not finite); a schedule
     # of weight decays keeps a count, which the chain advances.
-    skips = isinstance(weight_decay, int | float) and weight_decay == 0
+    skips = literal_zero(weight_decay)
     scheduled = callable(weight_decay)
 
     def update_fn(

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
-from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
+from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state, literal_zero
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
     Arrays,
@@ -464,7 +464,7 @@ def scale_by_rowwise_adagrad(
         leaf of the parameters), each flagged leaf's updates first plus ``weight_decay`` times its parameters
         (``sparse_rowwise_adagrad(weight_decay_mode="decoupled")``'s decay stage, in the rule's pass)."""
         check_state(state, ScaleByRowwiseAdagradState, where)
-        decays = not (isinstance(weight_decay, int | float) and weight_decay == 0)
+        decays = not literal_zero(weight_decay)
         assert not (decays and decay is not None), "L2 decay or a decay stage after the rule, not both"
         if decays and params is None:
             raise ValueError(f"{where}: weight_decay needs the parameters: call update(grads, state, params)")
@@ -577,7 +577,7 @@ def sparse_rowwise_adagrad(
         raise ValueError(f"Invalid weight_decay_mode: {weight_decay_mode!r}; it must be 'l2' or 'decoupled'")
     if weight_decay_mode == "l2":
         # As the rule decides: a literal 0 reads no parameters.
-        decay = 0 if isinstance(weight_decay, int | float) and weight_decay == 0 else 1
+        decay = 0 if literal_zero(weight_decay) else 1
         # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
         fusion = RowwiseAdagradFusion(learning_rate, eps, weight_decay, decay)
         inner = scale_by_rowwise_adagrad(eps, initial_accumulator_value, weight_decay)
@@ -587,6 +587,6 @@ def sparse_rowwise_adagrad(
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
     inner = scale_by_rowwise_adagrad(eps, initial_accumulator_value)
     # add_decayed_weights skips a literal 0 (the step as it is, even where p is not finite): so does the fused kernel.
-    decay = 0 if isinstance(weight_decay, int | float) and weight_decay == 0 else 2
+    decay = 0 if literal_zero(weight_decay) else 2
     fusion = RowwiseAdagradFusion(learning_rate, eps, weight_decay, decay)
     return with_learning_rate(inner, learning_rate, fusion, weight_decay=weight_decay, where="sparse_rowwise_adagrad")
