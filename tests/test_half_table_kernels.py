@@ -12,6 +12,7 @@ differs by the float32 rounding that XLA's own fusion choices already allow on f
 from __future__ import annotations
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +127,7 @@ def _compare(fused, xla, p0) -> None:
     ids=lambda x: {False: "nearest", True: "stochastic"}.get(x) if isinstance(x, bool) else None,
 )
 def test_fused_step_on_a_half_float_table_equals_the_two_calls(name, dtype, values_dtype, stochastic):
-    rng = np.random.default_rng(abs(hash((name, dtype, values_dtype, stochastic))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((name, dtype, values_dtype, stochastic)).encode()))  # str hashes vary
     dt = HALF[dtype]
     p, ids, values = _case(rng, dt, jnp.float32 if values_dtype == "float32" else dt)
     s = _warm_state(_tx(name), p, rng)

@@ -46,6 +46,19 @@ _APPLY_KERNELS = {
     "adam catch_up": "catch_up_adam_apply",
     "adamw catch_up": "catch_up_adam_apply",
 }
+# tx.update's rows kernel (at a constant learning rate), where it is not sparse_{adam}_rows.
+_ROWS_KERNELS = {
+    "amsgrad catch_up": "catch_up_amsgrad_rows",
+    "adam catch_up": "catch_up_adam_rows",
+    "adamw catch_up": "catch_up_adam_rows",
+}
+
+
+def _kernel_of(adam: str, fused: bool) -> str:
+    """The kernel a step of ``ADAMS[adam]`` calls: fused, or tx.update's rows kernel."""
+    if fused:
+        return _APPLY_KERNELS.get(adam, f"sparse_{adam}_apply")
+    return _ROWS_KERNELS.get(adam, f"sparse_{adam}_rows")
 
 
 def _adam_state(state):
@@ -198,6 +211,49 @@ def test_native_equals_xla(kind, eps_placement, maximize, fused, adam):
     _assert_same(native, xla, len(steps), 0.05)
     if kind == "all_padding":  # nothing moved but the dense vector
         np.testing.assert_array_equal(_adam_state(native[1]).mu["table"], 0.0)
+
+
+def _non_finite_zeroed(a, b):
+    """Trees ``a`` and ``b`` with their NaNs at the same places and the same infinities, asserted, and those
+    elements zeroed in both (for the bounds of :func:`_assert_same` on the rest)."""
+    out_a, out_b = [], []
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype.kind == "f":
+            np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
+            np.testing.assert_array_equal(np.where(np.isinf(x), x, 0), np.where(np.isinf(y), y, 0))
+            keep = np.isfinite(x) & np.isfinite(y)
+            x, y = np.where(keep, x, 0), np.where(keep, y, 0)
+        out_a.append(x)
+        out_b.append(y)
+    return jax.tree.unflatten(jax.tree.structure(a), out_a), jax.tree.unflatten(jax.tree.structure(b), out_b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("adam", sorted(ADAMS))
+def test_native_equals_xla_on_non_finite_and_extreme_values(adam, fused):
+    """A gradient with NaN, both infinities, the largest floats (their squares overflow the second moment),
+    subnormals and -0.0, among duplicates and padding, three steps: the kernels give NaN and infinity where the
+    XLA path does (moments, parameters, the dense leaf), and elsewhere its numbers within test_native_equals_xla's
+    bounds (the moments bitwise)."""
+    steps = _steps("dups", 24, n=3, seed=5)
+    for _, values in steps:
+        values[0, 0], values[1, 1], values[2, 2] = np.nan, np.inf, -np.inf
+        values[3], values[4, 3], values[5] = 3e38, -3e38, -0.0
+        values[6], values[7] = 1e-40, np.float32(1.4e-45)
+    tx = _adam(adam, 0.1)
+    with osa.use_kernels(True):
+        native = _run(tx, steps, fused=fused)
+    with osa.use_kernels(False):
+        xla = _run(tx, steps, fused=False)
+    (pa, sa), (pb, sb) = _non_finite_zeroed(native[:2], xla[:2])
+    assert (
+        np.isnan(np.asarray(native[0]["table"])).any()
+        and np.isinf(np.asarray(_adam_state(native[1]).nu["table"])).any()
+    )
+    assert_trees_equal(native[1], xla[1])
+    _assert_same((pa, sa, None), (pb, sb, None), len(steps), 0.1)
 
 
 @needs_kernels
@@ -674,8 +730,7 @@ def test_in_place_and_compiled_once(fused, adam):
         step = traced_once if rows == 1_000 else jax.jit(_step_fn(tx, fused, rows), donate_argnums=(0, 1))
         compiled = step.lower(*args).compile()
         text = compiled.as_text()
-        assert PREFIX in text
-        assert not fused or f"{PREFIX}{_APPLY_KERNELS.get(adam, f'sparse_{adam}_apply')}" in text
+        assert f"{PREFIX}{_kernel_of(adam, fused)}" in text
         sizes[rows] = compiled.memory_analysis().temp_size_in_bytes
     assert sizes[100_000] == sizes[1_000] < 100_000 * 16 * 4 / 10  # independent of the table, and small
 
@@ -690,11 +745,13 @@ def test_in_place_and_compiled_once(fused, adam):
 
 
 @needs_kernels
-def test_row_sharded_table_stays_sharded_on_both_calls():
-    """Tables split by rows over 8 devices: each device updates its own rows; numbers as on one device."""
+@pytest.mark.parametrize("adam", ["adam", "adamw"])
+def test_row_sharded_table_stays_sharded_on_both_calls(adam):
+    """Tables split by rows over 8 devices: each device updates its own rows; numbers as on one device (AdamW's
+    rows kernel reads the parameters' rows too, its blocks taken from the moments)."""
     mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows", None))
-    tx = osa.sparse_adam(0.1)
+    tx = ADAMS[adam](0.1)
     steps = _steps("dups", 64, n=2, seed=8)
     num_rows = 96  # divisible by 8
     outs = []
@@ -705,11 +762,13 @@ def test_row_sharded_table_stays_sharded_on_both_calls():
                 table = jax.device_put(table, rows)
             state = tx.init(table)
             step = jax.jit(_step_fn(tx, fused, num_rows))
+            text = step.lower(table, state, *map(jnp.asarray, steps[0])).compile().as_text()
+            assert f"{PREFIX}{_kernel_of(adam, fused)}" in text
             for ids, values in steps:
                 table, state = step(table, state, jnp.asarray(ids), jnp.asarray(values))
             if shard:
                 assert table.sharding.is_equivalent_to(rows, 2)
-                assert state[0].mu.sharding.is_equivalent_to(rows, 2)
+                assert optax.tree.get(state, "mu").sharding.is_equivalent_to(rows, 2)
             outs.append((table, state))
     for a, b in (outs[:2], outs[2:]):
         assert_trees_equal(a, b)

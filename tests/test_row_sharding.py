@@ -506,13 +506,22 @@ def test_update_and_apply_equals_update_then_apply_updates(tx):
 
 
 @pytest.mark.parametrize(
-    "tx", [osa.sparse_rowwise_adagrad(0.5), osa.sparse_adam(0.05)], ids=["fused rows", "two calls"]
+    ("tx", "kernel"),
+    [
+        (osa.sparse_rowwise_adagrad(0.5), "rowwise_adagrad_apply"),
+        # bfloat16 updates (Adam's moments take the table's dtype): apply_stochastic's XLA rounding
+        (osa.sparse_adam(0.05), None),
+        # float32 updates, not fused (a stage after the optimizer): the native stochastic add on each block
+        (optax.chain(osa.sparse_rowwise_adam(0.05), osa.sparse_aware(optax.scale(1.0))), "add_rows_half_stochastic"),
+    ],
+    ids=["fused rows", "two calls", "two calls, float32 updates"],
 )
-def test_stochastic_rounding_of_a_row_sharded_bfloat16_table_draws_as_on_one_device(tx, kernel_path):
+def test_stochastic_rounding_of_a_row_sharded_bfloat16_table_draws_as_on_one_device(tx, kernel, kernel_path):
     """``RowSharding.update_and_apply(key=)``: each device's block draws by its rows' ids in the whole table (the
-    fused row-wise kernel by the third word of its seeds, the two calls by apply_stochastic's first rows), so the
-    table and its state equal ``update_and_apply(key=)``'s on one device bitwise (replicated ids, one summation
-    order; the dense leaf's gradient is summed over the devices, to float32 rounding), step after step."""
+    fused row-wise kernel and the stochastic add kernel by the third word of their seeds, the two calls on the XLA
+    path by apply_stochastic's first rows), so the table and its state equal ``update_and_apply(key=)``'s on one
+    device bitwise (replicated ids, one summation order; the dense leaf's gradient is summed over the devices, to
+    float32 rounding), step after step."""
     mesh = _mesh()
     rs = osa.RowSharding(mesh, "x", lambda p: p["emb"])
     rng = np.random.default_rng(11)
@@ -541,6 +550,10 @@ def test_stochastic_rounding_of_a_row_sharded_bfloat16_table_draws_as_on_one_dev
 
     ref = (init, tx.init(init))
     got = (rs.shard(init), _placed_state(rs, tx, rs.shard(init)))  # each step one executable (see _placed_state)
+    hlo = sharded.lower(*got, jnp.asarray(batches[0][0]), jnp.asarray(batches[0][1]), key).compile().as_text()
+    calls = set(re.findall(f'custom_call_target="{PREFIX}(\\w+)"', hlo))
+    if kernel is not None:
+        assert (kernel in calls) == (kernel_path == "native-cpu"), calls
     for step, (ids, y) in enumerate(batches):
         k = jax.random.fold_in(key, step)
         ref = one_device(*ref, jnp.asarray(ids), jnp.asarray(y), k)

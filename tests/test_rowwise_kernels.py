@@ -185,16 +185,17 @@ def test_width_one_without_l2_decay_is_bitwise_xla():
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", ["l2", "decoupled"])
 @pytest.mark.parametrize("k", [0, 1])
 @pytest.mark.parametrize("fused", [False, True])
-def test_empty_and_single_entry_batches(k, fused):
+def test_empty_and_single_entry_batches(k, fused, mode):
     rng = np.random.default_rng(13)
-    tx = _tx("l2")
+    tx = _tx(mode)
     p, s = _start(tx, rng, (5,))
     ids, values = _batch(rng, "dups", 1, (5,))
     ids, values = ids[:k] * 0 + 4, values[:k]
     native, xla = _one_step(tx, p, s, ids, values, fused=fused)
-    _assert_within_bounds(native, xla, np.asarray(p), ids, values, "l2")
+    _assert_within_bounds(native, xla, np.asarray(p), ids, values, mode)
     if k == 0:
         assert_trees_equal(native[:2], (p, s))
 
@@ -227,11 +228,12 @@ def test_schedule_steps_fused_and_in_two_calls(mode):
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", ["l2", "decoupled"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_threads_give_the_same_numbers(fused):
+def test_threads_give_the_same_numbers(fused, mode):
     """Distinct rows split over threads (4 parts of a few hundred rows here): the same numbers on any count."""
     rng = np.random.default_rng(15)
-    tx, rows = _tx("l2"), 1000
+    tx, rows = _tx(mode), 1000
     p, s = _start(tx, rng, (16,), rows)
     ids, values = _batch(rng, "dups", 4096, (16,), rows)
     args = (p, s, jnp.asarray(ids), jnp.asarray(values))
@@ -483,9 +485,10 @@ def test_lowers_for_gpu_and_tpu_without_the_cpu_kernel(fused, platform):
 
 
 @needs_kernels
-@pytest.mark.parametrize("mode", ["none", "l2"])
+@pytest.mark.parametrize("mode", sorted(MODES))
 def test_row_sharded_table_stays_sharded(mode):
-    """Table and accumulators split by rows over 8 devices: each device updates its own rows, as on one."""
+    """Table and accumulators split by rows over 8 devices: each device updates its own rows, as on one (the
+    decoupled rows kernel takes its row blocks from the parameters, which it reads)."""
     mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
     by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
     tx, num_rows = _tx(mode), 96
@@ -510,9 +513,10 @@ def test_row_sharded_table_stays_sharded(mode):
 
 
 @needs_kernels
-def test_vmapped_step_equals_the_unbatched_steps():
+@pytest.mark.parametrize("mode", ["l2", "decoupled"])
+def test_vmapped_step_equals_the_unbatched_steps(mode):
     """Under vmap the kernels run once per batch element."""
-    tx = _tx("l2")
+    tx = _tx(mode)
     rng = np.random.default_rng(22)
     starts = [_start(tx, rng, (5,)) for _ in range(2)]
     batches = [tuple(map(jnp.asarray, _batch(rng, "dups", 8, (5,)))) for _ in range(2)]
