@@ -46,6 +46,33 @@ def assert_trees_equal(actual: Any, desired: Any, *, rtol: float = 0.0, atol: fl
             np.testing.assert_array_equal(a, d, err_msg=where, strict=True)
 
 
+def non_finite_values(values: np.ndarray) -> np.ndarray:
+    """``values`` (a batch's gradient rows, at least 8 entries) with NaN, both infinities, the largest floats (their
+    squares overflow), subnormals and -0.0 written into its first eight entries."""
+    values = np.array(values, np.float32)
+    flat = values.reshape(len(values), -1)
+    flat[0, 0], flat[1, -1], flat[2, 0] = np.nan, np.inf, -np.inf
+    flat[3], flat[4, -1], flat[5] = 3e38, -3e38, -0.0
+    flat[6], flat[7] = 1e-40, np.float32(1.4e-45)
+    return values
+
+
+def assert_same_non_finite(actual: Any, desired: Any, *, rtol: float) -> None:
+    """Leaf by leaf: NaN at the same places, the same infinities, and the finite elements within ``rtol`` of
+    ``desired`` (the fine bounds are other tests' business; this one is about where the numbers stop being
+    numbers)."""
+    for (path, a), d in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(desired), strict=True):
+        where = jax.tree_util.keystr(path) or "the root"
+        a, d = np.asarray(a), np.asarray(d)
+        if a.dtype.kind != "f":
+            np.testing.assert_array_equal(a, d, err_msg=where)
+            continue
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(d), err_msg=f"{where}: NaNs")
+        np.testing.assert_array_equal(np.where(np.isinf(a), a, 0), np.where(np.isinf(d), d, 0), err_msg=where)
+        finite = np.isfinite(a) & np.isfinite(d)
+        np.testing.assert_allclose(a[finite], d[finite], rtol=rtol, atol=0, err_msg=where)
+
+
 def jit_once(fn: Callable[..., Any], *, jit: Callable[..., Any] = jax.jit, **jit_kwargs: Any) -> Callable[..., Any]:
     """``jit(fn, **jit_kwargs)`` that fails the test as soon as ``fn`` is traced a second time (a recompile).
 

@@ -25,7 +25,7 @@ import pytest
 
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path
-from tests.helpers import assert_trees_equal, jit_once, needs_kernels, spread
+from tests.helpers import assert_same_non_finite, assert_trees_equal, jit_once, needs_kernels, non_finite_values, spread
 from tests.test_rowwise_kernels import ROWS, _batch, _coalesced, _fma, _step
 
 LR, EPS, MU = 0.05, 1e-7, 0.9
@@ -170,6 +170,33 @@ def test_native_equals_the_xla_path(name, tail, kind, fused):
     """Duplicates, padding (int32 extremes too) and promised-distinct ids, widths 1 to 513 and a 1-D table."""
     native, xla, p, s, ids, values = _one_step(name, tail, kind, fused)
     _assert_close(name, native, xla, p, s, ids, values)
+
+
+def _non_finite_batches(rng: np.random.Generator, tail: tuple[int, ...], n: int = 2) -> list[tuple[jax.Array, ...]]:
+    """Batches of 24 entries with duplicates and padding whose first eight rows (on table rows, two of them
+    repeated) hold NaN, infinities, the largest floats, subnormals and -0.0."""
+    out = []
+    for _ in range(n):
+        ids, values = _batch(rng, "dups", 24, tail)
+        ids[:10] = [0, 3, 6, 9, 12, 15, 18, 21, 0, 3]
+        out.append((jnp.asarray(ids), jnp.asarray(non_finite_values(values))))
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_non_finite_and_extreme_values_as_on_the_xla_path(name, fused):
+    """NaN, infinities, the largest floats, subnormals and -0.0 among duplicates and padding, two steps: NaN and
+    infinity where the XLA path has them (state and parameters), its numbers elsewhere."""
+    tx = _tx(name)
+    rng = np.random.default_rng(31)
+    p, s = _start(name, tx, rng, (5,))
+    batches = _non_finite_batches(rng, (5,))
+    native = _run(name, tx, p, s, batches, fused=fused, kernels=True)
+    xla = _run(name, tx, p, s, batches, fused=False, kernels=False)
+    assert np.isnan(np.asarray(native[0])).any()
+    assert_same_non_finite(native[:2], xla[:2], rtol=1e-5)
 
 
 @needs_kernels

@@ -22,7 +22,7 @@ import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._rowwise import rowwise_adam_corrections, rowwise_adam_scalars
 from tests.helpers import assert_trees_equal, jit_once, needs_kernels
-from tests.test_rowwise_kernels import _batch, _fma, _row_sum_of_squares, _spacing
+from tests.test_rowwise_kernels import _batch, _fma, _row_sum_of_squares, _spacing, assert_non_finite_as_on_the_xla_path
 
 ROWS, LR, B1, B2, EPS = 37, 0.05, 0.9, 0.999, 1e-8
 F32 = np.float32
@@ -102,6 +102,16 @@ def _assert_within_bounds(native, xla, p0: np.ndarray, lr: float = LR) -> None:
 
 
 # --- Against the XLA path. ---
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_non_finite_and_extreme_values_as_on_the_xla_path(mode, fused):
+    """NaN, infinities, the largest floats (their squares overflow a row's sum), subnormals and -0.0 among
+    duplicates and padding, two steps (test_rowwise_kernels' batches): NaN and infinity where the XLA path has
+    them, its numbers elsewhere."""
+    assert_non_finite_as_on_the_xla_path(_tx(mode), _start, _step, fused=fused)
 
 
 @needs_kernels

@@ -19,7 +19,7 @@ import pytest
 import optax_sparse_adam as osa
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._rowwise import adagrad_scalars
-from tests.helpers import assert_trees_equal, jit_once, needs_kernels
+from tests.helpers import assert_same_non_finite, assert_trees_equal, jit_once, needs_kernels, non_finite_values
 
 ROWS, LR, WD, EPS = 37, 0.05, 0.3, 1e-10
 F32 = np.float32
@@ -182,6 +182,38 @@ def test_width_one_without_l2_decay_is_bitwise_xla():
             for fused, threads in ((False, 1), (True, 4)):
                 native, xla = _one_step(tx, p, s, ids, values, fused=fused, threads=threads)
                 assert_trees_equal(native[:2], xla[:2])
+
+
+def assert_non_finite_as_on_the_xla_path(tx, start, step_fn, *, fused: bool) -> None:
+    """Two steps of ``tx`` from ``start(tx, rng, (5,))`` (``step_fn``: a module's ``_step``), on batches of 24
+    entries with duplicates and padding whose first eight rows (on table rows, two of them repeated) hold NaN,
+    infinities, the largest floats, subnormals and -0.0: NaN and infinity where the XLA path has them, its numbers
+    elsewhere."""
+    rng = np.random.default_rng(33)
+    batches = []
+    for _ in range(2):
+        ids, values = _batch(rng, "dups", 24, (5,))
+        ids[:10] = [0, 3, 6, 9, 12, 15, 18, 21, 0, 3]
+        batches.append((jnp.asarray(ids), jnp.asarray(non_finite_values(values))))
+    out = []
+    for kernels in (True, False):
+        p, s = start(tx, np.random.default_rng(32), (5,))
+        with osa.use_kernels(kernels):
+            step = jax.jit(step_fn(tx, fused and kernels))
+            for ids, values in batches:
+                p, s, _ = step(p, s, ids, values)
+        out.append((p, s))
+    assert np.isnan(np.asarray(out[0][0])).any()
+    assert_same_non_finite(*out, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_non_finite_and_extreme_values_as_on_the_xla_path(mode, fused):
+    """NaN, infinities, the largest floats (their squares overflow a row's sum), subnormals and -0.0 among
+    duplicates and padding, two steps: NaN and infinity where the XLA path has them, its numbers elsewhere."""
+    assert_non_finite_as_on_the_xla_path(_tx(mode), _start, _step, fused=fused)
 
 
 @needs_kernels
