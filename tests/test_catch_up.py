@@ -890,6 +890,32 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
 
 
 @needs_kernels
+@pytest.mark.parametrize("adamw", [False, True], ids=["adam", "adamw"])
+def test_the_catch_up_replay_kernel_on_threads_and_under_vmap(adamw: bool) -> None:
+    """``catch_up`` (every row brought up to date; its elements the series does not take replayed one by one in
+    ``catch_up_adam_steps``): the same numbers on 1 and 4 threads, bitwise; under vmap, run once per element, the
+    XLA path's moments bitwise and its table within two ulps (the batched program is another shape, and XLA:CPU
+    contracts ``p + (-lr) * step`` into multiply-adds by shape: the unbatched test above finds Adam's table bitwise,
+    here a few elements differ by an ulp)."""
+    tx = osa.sparse_adamw(1e-2, weight_decay=0.3, catch_up=True) if adamw else osa.sparse_adam(1e-2, catch_up=True)
+    rng = np.random.default_rng(9)
+    starts = [_idle_start(tx.init, rng)[:2] for _ in range(2)]
+    caught = jax.jit(lambda p, s: osa.catch_up(tx, p, s))
+    out = []
+    for threads in (1, 4):
+        with osa.use_kernels(True, threads=threads):
+            assert PREFIX + "catch_up_adam_steps" in caught.lower(*starts[0]).as_text()
+            out.append(caught(*starts[0]))
+    assert_trees_equal(out[0], out[1])
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *starts)
+    batched = jax.vmap(lambda p, s: osa.catch_up(tx, p, s))
+    assert PREFIX + "catch_up_adam_steps" in jax.jit(batched).lower(*stacked).as_text()
+    (pn, sn), (px, sx) = jax.jit(batched)(*stacked), jax.jit(osa.use_kernels(False)(batched))(*stacked)
+    assert_trees_equal(sn, sx)
+    np.testing.assert_array_max_ulp(np.asarray(pn), np.asarray(px), maxulp=2)
+
+
+@needs_kernels
 @pytest.mark.parametrize(
     "case", ["optax", "torch", "adamw", "schedule", "schedule, distinct", "adamw schedule", "adamw injected"]
 )

@@ -505,7 +505,7 @@ def test_row_sharded_table_stays_sharded(name):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["adagrad", "ftrl"])
+@pytest.mark.parametrize("name", ["adagrad", "momentum", "ftrl"])
 def test_vmapped_step_equals_the_unbatched_steps(name):
     """Under vmap the kernels run once per batch element."""
     tx = _tx(name)
@@ -569,6 +569,31 @@ def test_catch_up_momentum_fused_equals_the_xla_path(lr, nesterov, door):
         assert_trees_equal(native, xla)
     else:
         _assert_drift_within_ulps(native, xla)
+
+
+@needs_kernels
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("door", DOORS)
+def test_catch_up_momentum_on_non_finite_and_extreme_values_as_on_the_xla_path(door, nesterov):
+    """Six steps over 300 rows, two of them with NaN, infinities, the largest floats, subnormals and -0.0 among
+    duplicates and padding (rows idle in between catch up across them): NaN and infinity where the XLA path has
+    them, its numbers elsewhere (the plain trace's drift within 16 ulps of the largest element, as in
+    test_catch_up_momentum_fused_equals_the_xla_path), the last steps bitwise."""
+    tx = osa.sparse_sgd(SCHEDULE, MU, nesterov, catch_up=True)
+    rng = np.random.default_rng([34, nesterov])
+    p = jnp.asarray(rng.standard_normal((300, 8)), jnp.float32)
+    batches = _zipf_batches(rng)[:6]
+    for i in (1, 3):
+        ids, values = np.array(batches[i][0]), non_finite_values(np.asarray(batches[i][1]))
+        ids[:10] = [5, 40, 41, 42, 43, 44, 45, 46, 5, 40]
+        batches[i] = (jnp.asarray(ids), jnp.asarray(values))
+    native, xla = (_catch_up_run(tx, p, tx.init(p), batches, kernels, door) for kernels in (True, False))
+    assert np.isnan(np.asarray(native[0])).any()
+    assert_trees_equal(native[1].last_step, xla[1].last_step)
+    largest = max(
+        float(np.max(np.abs(x), where=np.isfinite(x), initial=0)) for x in map(np.asarray, (xla[0], xla[1].trace))
+    )
+    assert_same_non_finite(native, xla, rtol=1e-5, atol=16 * float(np.spacing(F32(largest))))
 
 
 def _assert_drift_within_ulps(native, xla):

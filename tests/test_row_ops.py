@@ -80,6 +80,8 @@ def test_take_rows_with_many_ids_on_several_threads(kernel_path):
     assert np.asarray(got).tobytes() == _gather_reference(table, ids).tobytes()
     np.testing.assert_array_equal(take_rows(jnp.ones((5, 2), jnp.float32), jnp.array([7], jnp.int32), 3.0), [[3, 3]])
     assert take_rows(jnp.ones((0, 2), jnp.float32), jnp.array([0, 1], jnp.int32)).shape == (2, 2)
+    # no ids: an empty result (XLA drops the kernel's call, whose result has no elements)
+    assert jax.jit(take_rows)(jnp.asarray(table), jnp.zeros((0,), jnp.int32)).shape == (0, 16)
 
 
 def test_take_rows_under_vmap_and_grad(kernel_path):
@@ -216,6 +218,9 @@ def test_scatter_rows_sets_half_float_rows_on_threads_under_vmap_and_in_place(ke
     got = jax.jit(jax.vmap(lambda t, i, v: scatter_rows(t, i, v, "set")))(tables, few, rows)
     for b in range(3):
         _assert_set(got[b], np.asarray(tables[b]), np.asarray(few[b]), np.asarray(rows[b]))
+    # no ids: the table as it was
+    got = jax.jit(lambda t, i, v: scatter_rows(t, i, v, "set"))(tables[0], few[0, :0], rows[0, :0])
+    assert np.asarray(got).tobytes() == np.asarray(tables[0]).tobytes()
     # donated, the table is written in place: no temporary of its size (XLA:CPU's own scatter converts it; XLA:GPU
     # scatters in place)
     big = jnp.zeros((200_000, 32), jnp.bfloat16)
