@@ -57,10 +57,11 @@ def non_finite_values(values: np.ndarray) -> np.ndarray:
     return values
 
 
-def assert_same_non_finite(actual: Any, desired: Any, *, rtol: float, atol: float = 0.0) -> None:
-    """Leaf by leaf: NaN at the same places, the same infinities, and the finite elements within ``rtol`` (and
-    ``atol``) of ``desired`` (the fine bounds are other tests' business; this one is about where the numbers stop
-    being numbers)."""
+def assert_same_non_finite(actual: Any, desired: Any, *, rtol: float, ulps_of_largest: int = 0) -> None:
+    """Leaf by leaf: NaN at the same places, the same infinities, and the finite elements within ``rtol`` of
+    ``desired`` plus ``ulps_of_largest`` ulps of the leaf's largest finite magnitude (a sum whose terms cancel is
+    within the rounding of its terms, not of itself). The fine bounds are other tests' business; this one is about
+    where the numbers stop being numbers."""
     for (path, a), d in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(desired), strict=True):
         where = jax.tree_util.keystr(path) or "the root"
         a, d = np.asarray(a), np.asarray(d)
@@ -70,6 +71,8 @@ def assert_same_non_finite(actual: Any, desired: Any, *, rtol: float, atol: floa
         np.testing.assert_array_equal(np.isnan(a), np.isnan(d), err_msg=f"{where}: NaNs")
         np.testing.assert_array_equal(np.where(np.isinf(a), a, 0), np.where(np.isinf(d), d, 0), err_msg=where)
         finite = np.isfinite(a) & np.isfinite(d)
+        largest = np.max(np.abs(d[finite]), initial=0).astype(d.dtype)
+        atol = ulps_of_largest * float(np.spacing(largest))
         np.testing.assert_allclose(a[finite], d[finite], rtol=rtol, atol=atol, err_msg=where)
 
 

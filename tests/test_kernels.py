@@ -244,6 +244,8 @@ def test_native_equals_xla_on_non_finite_and_extreme_values(adam, fused):
         values[6], values[7] = 1e-40, np.float32(1.4e-45)
     tx = _adam(adam, 0.1)
     with osa.use_kernels(True):
+        text = _run_step(tx, fused, False).lower(*_run_start(tx), *map(jnp.asarray, steps[0])).as_text()
+        assert PREFIX + _kernel_of(adam, fused) in text
         native = _run(tx, steps, fused=fused)
     with osa.use_kernels(False):
         xla = _run(tx, steps, fused=False)

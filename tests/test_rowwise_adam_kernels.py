@@ -111,7 +111,7 @@ def test_non_finite_and_extreme_values_as_on_the_xla_path(mode, fused):
     """NaN, infinities, the largest floats (their squares overflow a row's sum), subnormals and -0.0 among
     duplicates and padding, two steps (test_rowwise_kernels' batches): NaN and infinity where the XLA path has
     them, its numbers elsewhere."""
-    assert_non_finite_as_on_the_xla_path(_tx(mode), _start, _step, fused=fused)
+    assert_non_finite_as_on_the_xla_path(_tx(mode), _start, _step, "rowwise_adam", fused=fused)
 
 
 @needs_kernels

@@ -77,7 +77,7 @@ OSA_ROW_INLINE void PrefetchRow(const T* row, int64_t width) {
   for (int64_t j = 0; j < width; j += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(row + j, kWrite, 3);
 }
 
-inline uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
+OSA_ROW_INLINE uint32_t Mix(uint32_t x) {  // murmur3's 32-bit finalizer
   x ^= x >> 16;
   x *= 0x85EBCA6Bu;
   x ^= x >> 13;
@@ -456,7 +456,18 @@ constexpr uint16_t kNoPart = 0xFFFF;
 // own (Coalesce with parts > 1): the top 16 bits of murmur3's mix of the key, scaled to [0, parts) by a multiply
 // (no division a key, and in 32 bits, so that a loop of them vectorizes). Independent of KeySlots::Home, so that a
 // part's keys spread over its table.
-inline uint32_t KeyPart(uint32_t key, uint32_t parts) { return ((Mix(key) >> 16) * parts) >> 16; }
+OSA_ROW_INLINE uint32_t KeyPart(uint32_t key, uint32_t parts) { return ((Mix(key) >> 16) * parts) >> 16; }
+
+// part_of[i]: the part of [0, parts) of key i (KeyPart), or kNoPart where the key is outside [first, first + span).
+// A loop of its own, built for each ISA (its AVX2 and AVX-512 clones multiply eight or sixteen keys at once; the
+// baseline x86-64 has no 32-bit vector multiply).
+OSA_TARGET_CLONES inline void KeyParts(const int32_t* __restrict keys, int64_t k, uint32_t first, uint32_t span,
+                                       uint32_t parts, uint16_t* __restrict part_of) {
+  for (int64_t i = 0; i < k; ++i) {
+    const auto key = static_cast<uint32_t>(keys[i]);
+    part_of[i] = key - first < span ? static_cast<uint16_t>(KeyPart(key, parts)) : kNoPart;
+  }
+}
 
 // The keys in [lo, hi) are coalesced, the others skipped; with parts > 1, only the keys of part `part` (KeyPart),
 // the others skipped too, and the part's distinct rows numbered from 0 in their order of first occurrence. Open
@@ -471,22 +482,18 @@ inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coa
   int32_t* __restrict entry = out.entry.data();
   // With parts, the part's entries are listed first, without a branch (a key's part is as good as random: a branch
   // on it would miss half the time), and the per-row buffers and the table sized for them alone. Every key's part
-  // is computed first, in a loop of its own that the compiler vectorizes: hashed inside the listing's loop, the
-  // keys took a part 17 us to list of a batch of 8,192 Zipf keys, against 8 us so (one of two parts coalescing in
-  // 36 us instead of 44; the AVX2 clone, 2 cores of an AMD EPYC).
+  // is computed first, in a loop of its own built for each ISA (KeyParts): hashed inside the listing's loop, the
+  // keys took a part 17 us to list of a batch of 8,192 Zipf keys, against 8 us so on AVX2 (one of two parts,
+  // the whole of Coalesce, in 34 us instead of 44; 2 cores of an AMD EPYC).
   int64_t n = k;
   int32_t* __restrict picked = nullptr;
   if (parts > 1) {
     out.picked.resize(k);
     out.part_of.resize(k);
     picked = out.picked.data();
-    uint16_t* __restrict part_of = out.part_of.data();
-    const auto first = static_cast<uint32_t>(lo), span = static_cast<uint32_t>(hi - lo);
-    const auto count = static_cast<uint32_t>(parts);
-    for (int64_t i = 0; i < k; ++i) {
-      const auto key = static_cast<uint32_t>(keys[i]);
-      part_of[i] = key - first < span ? static_cast<uint16_t>(KeyPart(key, count)) : kNoPart;
-    }
+    const uint16_t* __restrict part_of = out.part_of.data();
+    KeyParts(keys, k, static_cast<uint32_t>(lo), static_cast<uint32_t>(hi - lo), static_cast<uint32_t>(parts),
+             out.part_of.data());
     std::fill(entry, entry + k, -1);
     const auto mine = static_cast<uint16_t>(part);
     n = 0;
@@ -652,9 +659,9 @@ inline int64_t CoalescingParts(int64_t k, int64_t threads) {
 // in [lo, hi) split by key over up to `threads` parts (KeyPart), each part coalescing its own keys on the thread
 // that takes it (Coalesce) and handing them to fn(c), their distinct rows [0, c.size). Every row is one part's, its
 // entries chained and summed in entry order, so the numbers are the one-thread coalescing's. A part computes every
-// key's part (in a pass the compiler vectorizes) but hashes only its own: of a Zipf batch of 8,192 keys on one
-// thread, 44 us for the whole batch, 36 for either of two parts, whose keys, spread over the batch, cost more each
-// (the AVX2 clone, 2 cores of an AMD EPYC; a fused Adam step at 1e6 x 64 takes about 500). A part's buffers hold
+// key's part (KeyParts, vectorized) but hashes only its own: of a Zipf batch of 8,192 keys on one thread, Coalesce
+// takes 44 us for the whole batch (one part) and 34 for either of two parts, whose keys, spread over the batch,
+// cost more each (AVX2, 2 cores of an AMD EPYC; a fused Adam step at 1e6 x 64 takes about 500). A part's buffers hold
 // 14 bytes an entry of the batch and 28 a key of its own, each thread's kept for its next call (CoalescedBuffers).
 // (Where rows must come out in the batch's order of first occurrence, CoalescedParts numbers the parts' rows in it.)
 template <typename F>
