@@ -22,9 +22,11 @@ over the last :func:`idle_cap` steps (rows idle fewer steps) or a table
 over the row's last step (rows idle longer, constant learning rate), so the
 elements pay a few multiply-adds each. Elements whose ``z`` is too large for
 ``_TERMS`` terms to reach float32 resolution replay step by step: on the CPU
-in the native kernels (the fused step's, or :func:`._ffi.catch_up_adam_steps`
-for rows replayed elsewhere), from the window's learning rates and a table of
-the bias corrections (:func:`_correction_table`); on the XLA path in a loop.
+in the native kernels (the fused step's; :func:`._ffi.catch_up_adam_replay`,
+which replays every row of a table for :func:`catch_up` and caught-up lookups;
+or :func:`._ffi.catch_up_adam_steps` for the rows of an XLA rule), from the
+window's learning rates and a table of the bias corrections
+(:func:`_correction_table`); on the XLA path in a loop.
 """
 
 from __future__ import annotations
@@ -374,6 +376,114 @@ class _SeriesPlan:
     table: np.ndarray | None
     rates: Rates
     corrections: np.ndarray | None = None
+
+
+def replay_table(
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    last: jax.Array,
+    done: jax.Array,
+    replayer: Replayer,
+    decay: Decay | None = None,
+    mark: jax.Array | None = None,
+    old_log: Any = 0.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`replay` on every row of a table, for :func:`catch_up`.
+
+    On the CPU, for float32 tables the closed form takes (:func:`_series_plan`) whose long-idle coefficients a table
+    or the state's record holds, each row is replayed in place by a native kernel (:func:`._ffi.catch_up_adam_replay`)
+    as the fused step replays a touched row (moments bitwise the XLA path's, the parameters within the fused step's
+    bounds), so that donated tables take no table-sized temporaries; the rows it flags (their idle steps or
+    coefficients not at hand: under a schedule, rows idle past the state's record) then take :func:`replay`, on the
+    kernel's results, in a conditional branch. Elsewhere :func:`replay` itself. With AdamW's ``decay`` (its
+    ``far_log`` from ``mark``), ``mark`` is the rows' decay marks and ``old_log`` the state's log of the decay.
+    """
+    kernel_decay = None if decay is None else Decay(decay.weight_decay, decay.log_gamma)
+    plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=kernel_decay)
+    marks = () if mark is None else (mark,)
+
+    def xla(p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, *_: jax.Array) -> Any:
+        return replay(p, m, v, last, done, replayer, decay)
+
+    record = None if plan is None else _record_read(plan, replayer)
+    if (
+        plan is None
+        or (plan.cap > 0 and plan.table is None and record is None)  # long-idle coefficients only by row
+        or last.dtype != jnp.int32
+        or last.shape != p.shape[:1]
+        or p.shape[0] == 0
+        or not _kernel_path.supports(p.shape, 1, p, m, v, *marks)
+    ):
+        return xla(p, m, v, last)
+
+    def native(p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, *mark: jax.Array) -> Any:
+        hp = replayer.hp
+        weights = None if kernel_decay is None else _DecayWeights(kernel_decay, replayer.lr, None, done, plan.cap)
+        far = None if record is None else record.coefficients
+        ops = _kernel_operands(plan, replayer, done, kernel_decay, weights, far, (old_log, old_log))
+        wd = 0.0 if decay is None else decay.weight_decay
+        hps = jnp.stack([jnp.asarray(x, jnp.float32) for x in (hp.b1, hp.b2, hp.eps, wd)])
+        new_p, new_m, new_v, flags = _ffi.catch_up_adam_replay(
+            p,
+            m,
+            v,
+            last,
+            mark[0] if mark else None,
+            hps,
+            ops,
+            done,
+            None if record is None else record.last_steps,
+            cap=plan.cap,
+            torch_eps=hp.eps_placement == "torch",
+            decay=kernel_decay is not None,
+            far_offset=0 if record is None else (replayer.variant or 0) * record.last_steps.shape[0],
+            decay_from_marks=kernel_decay is not None and kernel_decay.scheduled,
+        )
+        if not _may_flag(plan, replayer, kernel_decay):
+            return new_p, new_m, new_v
+        return _replay_flagged(new_p, new_m, new_v, last, flags > 0, done, replayer, decay)
+
+    return _kernel_path.select(native, xla, p, m, v, last, *marks)
+
+
+_FLAGGED_CHUNK = 4096  # rows: the flagged rows of a table are replayed this many at a time
+
+
+def _replay_flagged(
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    last: jax.Array,
+    flagged: jax.Array,
+    done: jax.Array,
+    replayer: Replayer,
+    decay: Decay | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The rows ``flagged`` (per row) of a table replayed by :func:`replay`, the others left as they are: gathered
+    :data:`_FLAGGED_CHUNK` at a time in a loop (none: no iteration), so that its temporaries are that many rows,
+    not the table's."""
+    rows = p.shape[0]
+    chunk = min(rows, _FLAGGED_CHUNK)
+
+    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+    def body(carry: Carry) -> Carry:
+        p, m, v, left = carry
+        (idx,) = jnp.nonzero(left, size=chunk, fill_value=rows)  # past the last flagged row: out of range
+
+        def take(x: jax.Array) -> jax.Array:
+            return x.at[idx].get(mode="fill", fill_value=0)
+
+        chunk_decay = decay
+        if decay is not None and decay.far_log is not None:
+            chunk_decay = dataclasses.replace(decay, far_log=take(decay.far_log))
+        out = replay(take(p), take(m), take(v), take(last), done, replayer, chunk_decay)
+        p, m, v = (x.at[idx].set(r, mode="drop") for x, r in zip((p, m, v), out, strict=True))
+        return p, m, v, left.at[idx].set(False, mode="drop")
+
+    p, m, v, _ = jax.lax.while_loop(lambda carry: jnp.any(carry[3]), body, (p, m, v, flagged))
+    return p, m, v
 
 
 def _concrete(x: Any) -> float | None:
@@ -1329,7 +1439,7 @@ def catch_up_adam(
 
     def replay_rows(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, state: Any, info: Any) -> Any:
         m, v = moments
-        p, m, v = replay(p, m, v, last, state.count, replayer.reading(state.idle_record))
+        p, m, v = replay_table(p, m, v, last, state.count, replayer.reading(state.idle_record))
         return p, (m, v)
 
     rows = RowReplay(CatchUpAdamState, ("mu", "nu"), replay_rows)
@@ -1425,8 +1535,12 @@ def catch_up(
     so that the parameters and moments are those of dense :func:`optax.adam`
     fed the same gradients (zeros elsewhere): call it before evaluating on
     rows the training did not touch lately, exporting, or a final checkpoint.
-    It costs O(table) per parameter, with a few table-sized temporaries: call
-    it rarely. Training can go on from the state it returns.
+    It costs O(table) per parameter: call it rarely. On the CPU's native
+    kernels, Adam's and AdamW's float32 tables are replayed in place (donated,
+    they take no table-sized temporary; under a schedule, the rows the kernel
+    leaves to the XLA path take it a few thousand rows at a time); elsewhere
+    (the XLA path, a GPU's or TPU's, and the other optimizers) it builds a few
+    table-sized temporaries. Training can go on from the state it returns.
 
     Args:
       tx: An optimizer built with ``catch_up=True``: :func:`sparse_adam`,
@@ -1645,7 +1759,7 @@ def catch_up_adamw(
         m, v, mark = moments
         decay = adamw.of(flag, state.log_decay[0] - mark)
         reading = replayer.reading(state.idle_record, adamw.variant(flag))
-        p, m, v = replay(p, m, v, last, state.count, reading, decay)
+        p, m, v = replay_table(p, m, v, last, state.count, reading, decay, mark, state.log_decay[0])
         return p, (m, v, jnp.full_like(mark, state.log_decay[0]))
 
     def update_fn(

@@ -565,6 +565,52 @@ def catch_up_adam_steps(
     return new_p.reshape(p.shape), flags
 
 
+def catch_up_adam_replay(
+    p: jax.Array,
+    m: jax.Array,
+    v: jax.Array,
+    last_step: jax.Array,
+    decay_mark: jax.Array | None,
+    hp: jax.Array,
+    ops: CatchUpOperands,
+    done: jax.Array,
+    far_steps: jax.Array | None = None,
+    *,
+    cap: int,
+    torch_eps: bool,
+    decay: bool = False,
+    far_offset: int = 0,
+    decay_from_marks: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Every row of a table brought up to step ``done``, in place: ``(p, m, v, flags)``, as
+    :func:`catch_up_adam_apply` replays a touched row before its step (the same ``ops``, ``far`` by the rows' last
+    steps or the state's record, not by key), without the step. ``hp`` is ``(b1, b2, eps, weight_decay)`` (the
+    decay read with ``decay`` only). ``last_step`` and ``decay_mark`` are read, not written. Rows whose idle steps
+    or coefficients are not at hand are left as they are, flagged (per row)."""
+    flags = dict(cap=cap, torch_eps=torch_eps, decay=decay, far_offset=far_offset, decay_from_marks=decay_from_marks)
+    attrs = _attrs(p.shape[0], **flags)
+
+    def fn(row_begin: jax.Array, *args: jax.Array):
+        table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
+        flags = jax.ShapeDtypeStruct(args[0].shape[:1], jnp.int32)
+        return _ffi_call(
+            PREFIX + "catch_up_adam_replay",
+            (table, table, table, flags),
+            input_output_aliases={0: 0, 1: 1, 2: 2},
+            vmap_method="sequential",
+        )(*args, row_begin, **attrs)
+
+    mark = "n" if decay_mark is not None else "z"
+    marks = decay_mark if decay_mark is not None else jnp.zeros((0,), jnp.float32)
+    far_steps = far_steps if far_steps is not None else jnp.zeros((0,), jnp.int32)
+    far = "f j" if ops.far.ndim == 2 else "v f j"
+    rule = f"n w, n w, n w, n, {mark}, y, a j, {far}, g, q x, h, l, r, t b, o -> n w, n w, n w, n"
+    counts = jnp.stack([jnp.asarray(done, jnp.int32)] * 2)
+    args = (_rows2d(p), _rows2d(m), _rows2d(v), last_step, marks, hp, ops.window, ops.far, far_steps, ops.powers)
+    new_p, new_m, new_v, flags = _by_row_shards(fn, rule)(*args, ops.through, *ops[4:], counts)
+    return new_p.reshape(p.shape), new_m.reshape(m.shape), new_v.reshape(v.shape), flags
+
+
 def _write_rows(target: str, table: jax.Array, keys: jax.Array, values: jax.Array, **extra: int) -> jax.Array:
     """A kernel that writes ``values[i]`` into row ``keys[i]`` of ``table``, in place, on each row shard."""
     attrs = _attrs(table.shape[0], **extra)

@@ -70,6 +70,7 @@ _SYMBOLS = {
     "catch_up_amsgrad_rows": "OptaxSparseAdamCatchUpAmsgradRows",
     "catch_up_adam_apply": "OptaxSparseAdamCatchUpApply",
     "catch_up_adam_steps": "OptaxSparseAdamCatchUpSteps",
+    "catch_up_adam_replay": "OptaxSparseAdamCatchUpReplay",
     "catch_up_adam_rows": "OptaxSparseAdamCatchUpRows",
     "scatter_add": "OptaxSparseAdamScatterAdd",
     "add_rows_half": "OptaxSparseAdamAddRowsHalf",

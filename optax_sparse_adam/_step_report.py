@@ -97,6 +97,8 @@ class StepReport:
                 "(optax.apply_if_finite: use osa.apply_if_finite, outermost; stages after the optimizer): see "
                 "'One pass through optax wrappers' in docs/guides/optax_pipelines.md"
             )
+        elif any(name.endswith("_replay") for name in self.kernels):
+            lines.append("catch_up: every row of each table brought up to date in one native pass")
         elif self.kernel_path == "native-cpu":
             lines.append(
                 "no native kernel for the optimizer: its rows run the XLA path (an optimizer or dtype the kernels "

@@ -57,23 +57,37 @@ def non_finite_values(values: np.ndarray) -> np.ndarray:
     return values
 
 
-def assert_same_non_finite(actual: Any, desired: Any, *, rtol: float, ulps_of_largest: int = 0) -> None:
-    """Leaf by leaf: NaN at the same places, the same infinities, and the finite elements within ``rtol`` of
-    ``desired`` plus ``ulps_of_largest`` ulps of the leaf's largest finite magnitude (a sum whose terms cancel is
-    within the rounding of its terms, not of itself). The fine bounds are other tests' business; this one is about
-    where the numbers stop being numbers."""
+def non_finite_zeroed(actual: Any, desired: Any) -> tuple[Any, Any]:
+    """Trees ``actual`` and ``desired`` with their NaNs at the same places and the same infinities in each float
+    leaf, asserted, and those elements zeroed in both (for a test's own bounds on the rest)."""
+    out_a, out_d = [], []
     for (path, a), d in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(desired), strict=True):
         where = jax.tree_util.keystr(path) or "the root"
         a, d = np.asarray(a), np.asarray(d)
+        if a.dtype.kind == "f":
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(d), err_msg=f"{where}: NaNs")
+            np.testing.assert_array_equal(np.where(np.isinf(a), a, 0), np.where(np.isinf(d), d, 0), err_msg=where)
+            finite = np.isfinite(a) & np.isfinite(d)
+            a, d = np.where(finite, a, 0), np.where(finite, d, 0)
+        out_a.append(a)
+        out_d.append(d)
+    return jax.tree.unflatten(jax.tree.structure(actual), out_a), jax.tree.unflatten(jax.tree.structure(desired), out_d)
+
+
+def assert_same_non_finite(actual: Any, desired: Any, *, rtol: float, ulps_of_largest: int = 0) -> None:
+    """Leaf by leaf: NaN at the same places, the same infinities (:func:`non_finite_zeroed`), and the finite
+    elements within ``rtol`` of ``desired`` plus ``ulps_of_largest`` ulps of the leaf's largest finite magnitude (a
+    sum whose terms cancel is within the rounding of its terms, not of itself). The fine bounds are other tests'
+    business; this one is about where the numbers stop being numbers."""
+    zeroed_a, zeroed_d = non_finite_zeroed(actual, desired)
+    for (path, a), d in zip(jax.tree_util.tree_leaves_with_path(zeroed_a), jax.tree.leaves(zeroed_d), strict=True):
+        where = jax.tree_util.keystr(path) or "the root"
         if a.dtype.kind != "f":
             np.testing.assert_array_equal(a, d, err_msg=where)
             continue
-        np.testing.assert_array_equal(np.isnan(a), np.isnan(d), err_msg=f"{where}: NaNs")
-        np.testing.assert_array_equal(np.where(np.isinf(a), a, 0), np.where(np.isinf(d), d, 0), err_msg=where)
-        finite = np.isfinite(a) & np.isfinite(d)
-        largest = np.max(np.abs(d[finite]), initial=0).astype(d.dtype)
+        largest = np.max(np.abs(d), initial=0).astype(d.dtype)
         atol = ulps_of_largest * float(np.spacing(largest))
-        np.testing.assert_allclose(a[finite], d[finite], rtol=rtol, atol=atol, err_msg=where)
+        np.testing.assert_allclose(a, d, rtol=rtol, atol=atol, err_msg=where)
 
 
 def jit_once(fn: Callable[..., Any], *, jit: Callable[..., Any] = jax.jit, **jit_kwargs: Any) -> Callable[..., Any]:

@@ -17,7 +17,7 @@ import pytest
 import optax_sparse_adam as osa
 from optax_sparse_adam import _kernel_path
 from optax_sparse_adam._kernel_path import PREFIX
-from tests.helpers import assert_trees_equal, jit_once, needs_kernels, spread
+from tests.helpers import assert_trees_equal, jit_once, needs_kernels, non_finite_values, non_finite_zeroed, spread
 
 NUM_ROWS, WIDTH = 97, 5
 # The optimizers on the Adam kernels: plain lazy Adam, lazy AdamW (the decay of each touched row fused in) and
@@ -213,22 +213,6 @@ def test_native_equals_xla(kind, eps_placement, maximize, fused, adam):
         np.testing.assert_array_equal(_adam_state(native[1]).mu["table"], 0.0)
 
 
-def _non_finite_zeroed(a, b):
-    """Trees ``a`` and ``b`` with their NaNs at the same places and the same infinities, asserted, and those
-    elements zeroed in both (for the bounds of :func:`_assert_same` on the rest)."""
-    out_a, out_b = [], []
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.dtype.kind == "f":
-            np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
-            np.testing.assert_array_equal(np.where(np.isinf(x), x, 0), np.where(np.isinf(y), y, 0))
-            keep = np.isfinite(x) & np.isfinite(y)
-            x, y = np.where(keep, x, 0), np.where(keep, y, 0)
-        out_a.append(x)
-        out_b.append(y)
-    return jax.tree.unflatten(jax.tree.structure(a), out_a), jax.tree.unflatten(jax.tree.structure(b), out_b)
-
-
 @needs_kernels
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("adam", sorted(ADAMS))
@@ -237,11 +221,7 @@ def test_native_equals_xla_on_non_finite_and_extreme_values(adam, fused):
     subnormals and -0.0, among duplicates and padding, three steps: the kernels give NaN and infinity where the
     XLA path does (moments, parameters, the dense leaf), and elsewhere its numbers within test_native_equals_xla's
     bounds (the moments bitwise)."""
-    steps = _steps("dups", 24, n=3, seed=5)
-    for _, values in steps:
-        values[0, 0], values[1, 1], values[2, 2] = np.nan, np.inf, -np.inf
-        values[3], values[4, 3], values[5] = 3e38, -3e38, -0.0
-        values[6], values[7] = 1e-40, np.float32(1.4e-45)
+    steps = [(ids, non_finite_values(values)) for ids, values in _steps("dups", 24, n=3, seed=5)]
     tx = _adam(adam, 0.1)
     with osa.use_kernels(True):
         text = _run_step(tx, fused, False).lower(*_run_start(tx), *map(jnp.asarray, steps[0])).as_text()
@@ -249,7 +229,7 @@ def test_native_equals_xla_on_non_finite_and_extreme_values(adam, fused):
         native = _run(tx, steps, fused=fused)
     with osa.use_kernels(False):
         xla = _run(tx, steps, fused=False)
-    (pa, sa), (pb, sb) = _non_finite_zeroed(native[:2], xla[:2])
+    (pa, sa), (pb, sb) = non_finite_zeroed(native[:2], xla[:2])
     assert (
         np.isnan(np.asarray(native[0]["table"])).any()
         and np.isinf(np.asarray(_adam_state(native[1]).nu["table"])).any()

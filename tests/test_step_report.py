@@ -152,3 +152,15 @@ def test_the_report_says_whether_the_step_runs_fused(name, tx, fused, says):
         check = ("all_finite",) if name == "osa.apply_if_finite" else ()
         assert sorted(report.kernels) == sorted(("distinct", "gather", apply, *check)), report.kernels
     assert len(report.kernels) <= report.kernel_calls
+
+
+@pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
+@pytest.mark.parametrize("tx", [osa.sparse_adam(1e-2, catch_up=True), osa.sparse_adamw(1e-2, catch_up=True)])
+def test_the_report_of_catch_up_names_its_replay_and_finds_it_in_place(tx):
+    """``catch_up``'s program, donated: its one kernel, the whole-table replay, named as such (not as a step
+    without a kernel), and in place."""
+    report = osa.step_report(jax.jit(lambda p, s: osa.catch_up(tx, p, s), donate_argnums=(0, 1)), *_args(tx)[:2])
+    assert report.kernels == ("catch_up_adam_replay",), report.kernels
+    assert "catch_up: every row of each table brought up to date in one native pass" in str(report), str(report)
+    assert "no native kernel" not in str(report)
+    assert report.in_place, str(report)

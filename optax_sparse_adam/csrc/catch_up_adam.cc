@@ -493,6 +493,73 @@ void Run(ffi::ThreadPool& pool, const Scalars& s, const Options& o, const CatchU
   }
 }
 
+// What the catch-up kernels read of a step beyond the rows, checked (the fused step's handlers and the replay of
+// a whole table): `keys` the number of keys (far_by_key: far holds a row each), `decays` AdamW's decay, `marks`
+// whether the rows' decay marks are at hand; far_rows is set to far's rows of kTerms coefficients.
+ffi::Error CheckStepOperands(int64_t keys, int64_t cap, bool decays, bool marks, bool from_log, bool far_by_key,
+                             int64_t far_offset, const ffi::BufferR2<ffi::F32>& window, const ffi::Buffer<ffi::F32>& far,
+                             const ffi::BufferR1<ffi::S32>& far_steps, const ffi::BufferR2<ffi::F32>& powers,
+                             const ffi::BufferR1<ffi::F32>& through, const ffi::BufferR1<ffi::F32>& limits,
+                             const ffi::BufferR1<ffi::F32>& neg_rates, const ffi::BufferR2<ffi::F32>& corrections,
+                             const ffi::BufferR1<ffi::S32>& counts, int64_t& far_rows) {
+  if (from_log && (!decays || !marks))
+    return ffi::Error::InvalidArgument("decay_from_marks needs the decay and the rows' decay marks");
+  const int64_t tables = decays && !from_log ? 3 : 2;
+  if (powers.dimensions()[1] != 256 || powers.dimensions()[0] != 4 * tables)
+    return ffi::Error::InvalidArgument(
+        "powers must hold b1's and b2's tables (and with decay gamma's, but for decay_from_marks)");
+  if (decays && through.element_count() < 1)
+    return ffi::Error::InvalidArgument("through must hold the decay over the window's steps");
+  const auto window_dims = window.dimensions(), far_dims = far.dimensions();
+  // far: rows of kTerms coefficients, in as many dimensions as it comes (AdamW's record: (variants, steps, terms))
+  far_rows = far_dims.size() < 2 ? 0 : static_cast<int64_t>(far.element_count()) / kTerms;
+  if (window_dims[1] != kTerms || window_dims[0] < std::max<int64_t>(cap, 1))
+    return ffi::Error::InvalidArgument("window must hold 8 coefficients for each idle count up to cap");
+  if (far_dims.size() < 2 || far_dims.back() != kTerms || (far_by_key ? far_rows != keys : far_rows < 1))
+    return ffi::Error::InvalidArgument("far must hold 8 coefficients per last step (or per key with far_by_key)");
+  const auto record_steps = static_cast<int64_t>(far_steps.element_count());
+  if (record_steps != 0 && (far_by_key || far_offset < 0 || far_offset + record_steps > far_rows))
+    return ffi::Error::InvalidArgument("far must hold the record's entries from far_offset on (not by key)");
+  if (limits.element_count() != 6) return ffi::Error::InvalidArgument("limits must hold 6 values");
+  if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
+  return CheckSteps(cap, neg_rates, corrections);
+}
+
+// The CatchUp of a step's operands (checked by CheckStepOperands), its records and flags those given.
+CatchUp MakeCatchUp(const Scalars& s, int64_t cap, bool decays, bool from_log, bool far_by_key, int64_t far_offset,
+                    int64_t far_rows, const ffi::BufferR2<ffi::F32>& window, const ffi::Buffer<ffi::F32>& far,
+                    const ffi::BufferR1<ffi::S32>& far_steps, const ffi::BufferR2<ffi::F32>& powers,
+                    const ffi::BufferR1<ffi::F32>& through, const ffi::BufferR1<ffi::F32>& limits,
+                    const ffi::BufferR1<ffi::F32>& neg_rates, const ffi::BufferR2<ffi::F32>& corrections,
+                    const ffi::BufferR1<ffi::S32>& counts, int32_t* flags, int32_t* last_step, float* decay_mark) {
+  const float* limit = limits.typed_data();
+  const auto record_steps = static_cast<int64_t>(far_steps.element_count());
+  const IdleSteps steps{s.b1,   s.b2, s.eps, s.weight_decay, limit[2], limit[3] != 0.0f, neg_rates.typed_data(),
+                        cap, corrections.typed_data(), corrections.dimensions()[0],
+                        decays && !from_log ? powers.typed_data() + 2048 : nullptr};
+  return CatchUp{window.typed_data(),
+                 far.typed_data(),
+                 far_rows,
+                 far_by_key,
+                 record_steps != 0 ? far_steps.typed_data() : nullptr,
+                 record_steps,
+                 far_offset,
+                 from_log,
+                 limit[5],
+                 powers.typed_data(),
+                 through.typed_data(),
+                 static_cast<int64_t>(through.element_count()),
+                 counts.typed_data()[1],
+                 limit[0],
+                 limit[1],
+                 steps,
+                 flags,
+                 last_step,
+                 decay_mark,
+                 counts.typed_data()[0],
+                 limit[4]};
+}
+
 // Both handlers' step: the fused step into `q` (p's result), or with kRows (tx.update's rule) from the
 // stored p (`q`, read only) into the rows' updates (rows_out, keys_out).
 template <bool kRows>
@@ -530,32 +597,16 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   if (static_cast<int64_t>(scalars.element_count()) != num_scalars &&
       static_cast<int64_t>(scalars.element_count()) != num_scalars + kNumClipScalars)
     return ffi::Error::InvalidArgument("scalars must hold 10 values (11 with decay; 2 more to clip)");
-  // With decay, whether a long-idle row's decay comes from its mark (no table of gamma's powers).
-  const bool from_log = decay_from_marks != 0;
-  if (from_log && (decay == 0 || !marks))
-    return ffi::Error::InvalidArgument("decay_from_marks needs the decay and the rows' decay marks");
   if (static_cast<int64_t>(flags->element_count()) != k)
     return ffi::Error::InvalidArgument("flags must have one entry per key");
-  const int64_t tables = decay != 0 && !from_log ? 3 : 2;
-  if (powers.dimensions()[1] != 256 || powers.dimensions()[0] != 4 * tables)
-    return ffi::Error::InvalidArgument(
-        "powers must hold b1's and b2's tables (and with decay gamma's, but for decay_from_marks)");
-  if (decay != 0 && through.element_count() < 1)
-    return ffi::Error::InvalidArgument("through must hold the decay over the window's steps");
-  const auto window_dims = window.dimensions(), far_dims = far.dimensions();
-  // far: rows of kTerms coefficients, in as many dimensions as it comes (AdamW's record: (variants, steps, terms))
-  const int64_t far_rows = far_dims.size() < 2 ? 0 : static_cast<int64_t>(far.element_count()) / kTerms;
-  if (window_dims[1] != kTerms || window_dims[0] < std::max<int64_t>(cap, 1))
-    return ffi::Error::InvalidArgument("window must hold 8 coefficients for each idle count up to cap");
-  if (far_dims.size() < 2 || far_dims.back() != kTerms || (far_by_key != 0 ? far_rows != k : far_rows < 1))
-    return ffi::Error::InvalidArgument("far must hold 8 coefficients per last step (or per key with far_by_key)");
-  const auto record_steps = static_cast<int64_t>(far_steps.element_count());
-  if (record_steps != 0 && (far_by_key != 0 || far_offset < 0 || far_offset + record_steps > far_rows))
-    return ffi::Error::InvalidArgument("far must hold the record's entries from far_offset on (not by key)");
-  if (limits.element_count() != 6) return ffi::Error::InvalidArgument("limits must hold 6 values");
-  if (counts.element_count() != 2) return ffi::Error::InvalidArgument("counts must hold the step's count and done");
-  if (ffi::Error error = CheckSteps(cap, neg_rates, corrections); error.failure()) return error;
-  const auto table = corrections.dimensions();
+  // With decay, whether a long-idle row's decay comes from its mark (no table of gamma's powers).
+  const bool from_log = decay_from_marks != 0;
+  int64_t far_rows = 0;
+  if (ffi::Error error = CheckStepOperands(k, cap, decay != 0, marks, from_log, far_by_key != 0, far_offset, window,
+                                           far, far_steps, powers, through, limits, neg_rates, corrections, counts,
+                                           far_rows);
+      error.failure())
+    return error;
   float* m = mu_out->typed_data();
   float* v = nu_out->typed_data();
   CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
@@ -563,34 +614,13 @@ ffi::Error Handle(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& p, ffi::Buffer<f
   CopyIfNotAliased(last_step_out->typed_data(), last_step.typed_data(), last_step.element_count());
   CopyIfNotAliased(decay_mark_out->typed_data(), decay_mark.typed_data(), decay_mark.element_count());
   std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(k));
-  const float* limit = limits.typed_data();
   Scalars s = ReadScalars(scalars);
   if (decay != 0) s.weight_decay = scalars.typed_data()[kNumScalars];
   s.clip = ReadClip(scalars, num_scalars);
-  const IdleSteps steps{s.b1,   s.b2, s.eps, s.weight_decay, limit[2], limit[3] != 0.0f, neg_rates.typed_data(),
-                        cap, corrections.typed_data(), table[0],
-                        decay != 0 && !from_log ? powers.typed_data() + 2048 : nullptr};
-  const CatchUp cu{window.typed_data(),
-                   far.typed_data(),
-                   far_rows,
-                   far_by_key != 0,
-                   record_steps != 0 ? far_steps.typed_data() : nullptr,
-                   record_steps,
-                   far_offset,
-                   from_log,
-                   limit[5],
-                   powers.typed_data(),
-                   through.typed_data(),
-                   static_cast<int64_t>(through.element_count()),
-                   counts.typed_data()[1],
-                   limit[0],
-                   limit[1],
-                   steps,
-                   flags->typed_data(),
-                   last_step_out->typed_data(),
-                   marks ? decay_mark_out->typed_data() : nullptr,
-                   counts.typed_data()[0],
-                   limit[4]};
+  const CatchUp cu = MakeCatchUp(s, cap, decay != 0, from_log, far_by_key != 0, far_offset, far_rows, window, far,
+                                 far_steps, powers, through, limits, neg_rates, corrections, counts,
+                                 flags->typed_data(), last_step_out->typed_data(),
+                                 marks ? decay_mark_out->typed_data() : nullptr);
   const Options o{torch_eps != 0, maximize != 0, unique, threads};
   auto run = [&](auto torch_eps, auto maximize, auto decays) {
     Run<decltype(torch_eps)::value, decltype(maximize)::value, decltype(decays)::value, kRows>(
@@ -747,6 +777,96 @@ ffi::Error StepsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// catch_up's replay of every row of a table (_catch_up.catch_up on sparse_adam(catch_up=True)'s and
+// sparse_adamw(catch_up=True)'s tables), in place:
+//   optax_sparse_adam_v9_catch_up_adam_replay
+//     (p, mu, nu, last_step, decay_mark, hp, window, far, far_steps, powers, through, limits, neg_rates,
+//      corrections, counts, row_begin) -> (p, mu, nu, flags)
+// Each row with idle steps takes them as the fused step takes a touched row's (CatchUpRow: the closed form, and
+// the steps one by one for the elements the series does not take), without a step after them. The records are
+// read, not written (catch_up writes them). hp: b1, b2, eps and the weight decay (0 without `decay`); the other
+// operands and attributes are catch_up_adam_apply's (far by the rows' last steps or the state's record, not by
+// key; counts: done twice). A row whose idle steps or coefficients are not at hand is left as it is and flagged,
+// for the caller's XLA path.
+template <bool kTorch, bool kDecay>
+OSA_TARGET_CLONES void ReplayRange(const Scalars& s, const CatchUp& cu, float* p, float* m, float* v,
+                                   int32_t* flags, int64_t width, int64_t lo, int64_t hi) {
+  std::vector<float> work(5 * static_cast<size_t>(width) + kTerms);
+  for (int64_t r = lo; r < hi; ++r) {
+    const RowIdle ri = cu.Idle<kDecay>(r);
+    if (ri.idle > 0 &&
+        !CatchUpRow<kTorch, kDecay>(s, cu, r, ri, p + r * width, m + r * width, v + r * width, work.data(), width))
+      flags[r] = 1;
+  }
+}
+
+ffi::Error ReplayImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> mu,
+                      ffi::Buffer<ffi::F32> nu, ffi::BufferR1<ffi::S32> last_step, ffi::BufferR1<ffi::F32> decay_mark,
+                      ffi::BufferR1<ffi::F32> hp, ffi::BufferR2<ffi::F32> window, ffi::Buffer<ffi::F32> far,
+                      ffi::BufferR1<ffi::S32> far_steps, ffi::BufferR2<ffi::F32> powers,
+                      ffi::BufferR1<ffi::F32> through, ffi::BufferR1<ffi::F32> limits,
+                      ffi::BufferR1<ffi::F32> neg_rates, ffi::BufferR2<ffi::F32> corrections,
+                      ffi::BufferR1<ffi::S32> counts, ffi::BufferR0<ffi::S32> row_begin,
+                      ffi::ResultBuffer<ffi::F32> p_out, ffi::ResultBuffer<ffi::F32> mu_out,
+                      ffi::ResultBuffer<ffi::F32> nu_out, ffi::ResultBufferR1<ffi::S32> flags, int64_t num_rows,
+                      int64_t cap, int64_t torch_eps, int64_t decay, int64_t far_offset, int64_t decay_from_marks,
+                      int64_t threads) {
+  (void)row_begin;  // rows are independent
+  (void)num_rows;
+  const auto dims = p.dimensions();
+  if (dims.size() < 1) return ffi::Error::InvalidArgument("tables must have at least one dimension");
+  const int64_t rows = dims[0];
+  const int64_t width = RowWidth(dims);
+  if (mu.element_count() != p.element_count() || nu.element_count() != p.element_count() ||
+      p_out->element_count() != p.element_count())
+    return ffi::Error::InvalidArgument("mu, nu and p's result must have the parameter's shape");
+  const bool marks = decay_mark.element_count() != 0;
+  if (static_cast<int64_t>(last_step.element_count()) != rows ||
+      (marks && static_cast<int64_t>(decay_mark.element_count()) != rows) ||
+      static_cast<int64_t>(flags->element_count()) != rows)
+    return ffi::Error::InvalidArgument("last_step, flags (and decay_mark unless empty) must have one entry per row");
+  if (hp.element_count() != 4) return ffi::Error::InvalidArgument("hp must hold b1, b2, eps and the weight decay");
+  const bool from_log = decay_from_marks != 0;
+  int64_t far_rows = 0;
+  if (ffi::Error error = CheckStepOperands(0, cap, decay != 0, marks, from_log, false, far_offset, window, far,
+                                           far_steps, powers, through, limits, neg_rates, corrections, counts,
+                                           far_rows);
+      error.failure())
+    return error;
+  float* q = p_out->typed_data();
+  float* m = mu_out->typed_data();
+  float* v = nu_out->typed_data();
+  CopyIfNotAliased(q, p.typed_data(), p.element_count());
+  CopyIfNotAliased(m, mu.typed_data(), mu.element_count());
+  CopyIfNotAliased(v, nu.typed_data(), nu.element_count());
+  std::memset(flags->typed_data(), 0, sizeof(int32_t) * static_cast<size_t>(rows));
+  Scalars s{};
+  const float* h = hp.typed_data();
+  s.b1 = h[0];
+  s.b2 = h[1];
+  s.eps = h[2];
+  s.weight_decay = decay != 0 ? h[3] : 0.0f;
+  // The records, read only here (CatchUp writes them only when it records a stepped row).
+  const CatchUp cu = MakeCatchUp(s, cap, decay != 0, from_log, false, far_offset, far_rows, window, far, far_steps,
+                                 powers, through, limits, neg_rates, corrections, counts, flags->typed_data(),
+                                 const_cast<int32_t*>(last_step.typed_data()),
+                                 marks ? const_cast<float*>(decay_mark.typed_data()) : nullptr);
+  int32_t* flag = flags->typed_data();
+  auto run = [&](auto torch, auto decays) {
+    ParallelFor(pool, rows, std::min<int64_t>(threads, rows / 32 + 1), [&](int64_t lo, int64_t hi) {
+      ReplayRange<decltype(torch)::value, decltype(decays)::value>(s, cu, q, m, v, flag, width, lo, hi);
+    });
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (torch_eps != 0) {
+    decay != 0 ? run(T{}, T{}) : run(T{}, F{});
+  } else {
+    decay != 0 ? run(F{}, T{}) : run(F{}, F{});
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace optax_sparse_adam
 
@@ -836,4 +956,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpSteps, optax_sparse_adam::St
                                   .Attr<int64_t>("cap")
                                   .Attr<int64_t>("torch_eps")
                                   .Attr<int64_t>("decay")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptaxSparseAdamCatchUpReplay, optax_sparse_adam::ReplayImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // mu
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // last_step: per row, read only
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // decay_mark: per row (AdamW), or empty
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // hp: b1, b2, eps, weight decay
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // window: coefficients by idle count
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // far: of long-idle rows, by last step
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // far_steps: the record's last steps, or empty
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // powers: b1's, b2's[, gamma's] tables
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // through: the window's decay (AdamW)
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // limits: catch_up_adam_apply's
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // neg_rates: the window's -lr, by offset
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // corrections: (c1, c2) by the step's count
+                                  .Arg<ffi::BufferR1<ffi::S32>>()  // counts: (2,), done twice
+                                  .Arg<ffi::BufferR0<ffi::S32>>()   // row_begin (unused: rows are independent)
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // p
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // mu
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // nu
+                                  .Ret<ffi::BufferR1<ffi::S32>>()  // flags: per row
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("cap")
+                                  .Attr<int64_t>("torch_eps")
+                                  .Attr<int64_t>("decay")
+                                  .Attr<int64_t>("far_offset")
+                                  .Attr<int64_t>("decay_from_marks")
                                   .Attr<int64_t>("threads"));

@@ -491,9 +491,9 @@ inline void Coalesce(const int32_t* keys, int64_t k, int64_t hi, int64_t lo, Coa
     out.picked.resize(k);
     out.part_of.resize(k);
     picked = out.picked.data();
-    const uint16_t* __restrict part_of = out.part_of.data();
     KeyParts(keys, k, static_cast<uint32_t>(lo), static_cast<uint32_t>(hi - lo), static_cast<uint32_t>(parts),
              out.part_of.data());
+    const uint16_t* __restrict part_of = out.part_of.data();  // read only from here on (restrict's rule)
     std::fill(entry, entry + k, -1);
     const auto mine = static_cast<uint16_t>(part);
     n = 0;
