@@ -395,9 +395,12 @@ def replay_table(
     or the state's record holds, each row is replayed in place by a native kernel (:func:`._ffi.catch_up_adam_replay`)
     as the fused step replays a touched row (moments bitwise the XLA path's, the parameters within the fused step's
     bounds), so that donated tables take no table-sized temporaries; the rows it flags (their idle steps or
-    coefficients not at hand: under a schedule, rows idle past the state's record) then take :func:`replay`, on the
-    kernel's results, in a conditional branch. Elsewhere :func:`replay` itself. With AdamW's ``decay`` (its
-    ``far_log`` from ``mark``), ``mark`` is the rows' decay marks and ``old_log`` the state's log of the decay.
+    coefficients not at hand: under a schedule, rows idle past the state's record; with no table of the bias
+    corrections, or AdamW's rate or decay given as arrays, rows that need their idle steps one by one past the
+    window) then take :func:`replay`, on the kernel's results, a chunk of rows at a time (:func:`_replay_flagged`).
+    Elsewhere (no closed form, or long-idle coefficients only per row: a learning rate given as an array)
+    :func:`replay` itself. With AdamW's ``decay`` (its ``far_log`` from ``mark``), ``mark`` is the rows' decay
+    marks and ``old_log`` the state's log of the decay.
     """
     kernel_decay = None if decay is None else Decay(decay.weight_decay, decay.log_gamma)
     plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=kernel_decay)
@@ -410,6 +413,7 @@ def replay_table(
     if (
         plan is None
         or (plan.cap > 0 and plan.table is None and record is None)  # long-idle coefficients only by row
+        or (kernel_decay is not None and kernel_decay.scheduled and mark is None)  # the decay's log per row
         or last.dtype != jnp.int32
         or last.shape != p.shape[:1]
         or p.shape[0] == 0
@@ -460,17 +464,22 @@ def _replay_flagged(
     replayer: Replayer,
     decay: Decay | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The rows ``flagged`` (per row) of a table replayed by :func:`replay`, the others left as they are: gathered
-    :data:`_FLAGGED_CHUNK` at a time in a loop (none: no iteration), so that its temporaries are that many rows,
-    not the table's."""
+    """The rows ``flagged`` (per row) of a table replayed by :func:`replay`, the others left as they are: the
+    flagged rows' indices listed once, then gathered :data:`_FLAGGED_CHUNK` at a time in a loop (none flagged: no
+    iteration), so that its temporaries are that many rows (and an index a row), not the table's. Under ``vmap``
+    the loop runs as long as the batch element with the most flagged rows needs, every element's tables selected
+    in each iteration."""
     rows = p.shape[0]
     chunk = min(rows, _FLAGGED_CHUNK)
-
+    chunks = -(-rows // chunk)
+    # The flagged rows' indices, then `rows` (out of range: gathered as zeros, dropped when written back).
+    (order,) = jnp.nonzero(flagged, size=chunks * chunk, fill_value=rows)
+    count = jnp.count_nonzero(flagged)
     Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
     def body(carry: Carry) -> Carry:
-        p, m, v, left = carry
-        (idx,) = jnp.nonzero(left, size=chunk, fill_value=rows)  # past the last flagged row: out of range
+        i, p, m, v = carry
+        idx = jax.lax.dynamic_slice_in_dim(order, i * chunk, chunk)
 
         def take(x: jax.Array) -> jax.Array:
             return x.at[idx].get(mode="fill", fill_value=0)
@@ -480,9 +489,9 @@ def _replay_flagged(
             chunk_decay = dataclasses.replace(decay, far_log=take(decay.far_log))
         out = replay(take(p), take(m), take(v), take(last), done, replayer, chunk_decay)
         p, m, v = (x.at[idx].set(r, mode="drop") for x, r in zip((p, m, v), out, strict=True))
-        return p, m, v, left.at[idx].set(False, mode="drop")
+        return i + 1, p, m, v
 
-    p, m, v, _ = jax.lax.while_loop(lambda carry: jnp.any(carry[3]), body, (p, m, v, flagged))
+    _, p, m, v = jax.lax.while_loop(lambda c: c[0] * chunk < count, body, (jnp.int32(0), p, m, v))
     return p, m, v
 
 
@@ -1537,10 +1546,12 @@ def catch_up(
     rows the training did not touch lately, exporting, or a final checkpoint.
     It costs O(table) per parameter: call it rarely. On the CPU's native
     kernels, Adam's and AdamW's float32 tables are replayed in place (donated,
-    they take no table-sized temporary; under a schedule, the rows the kernel
-    leaves to the XLA path take it a few thousand rows at a time); elsewhere
-    (the XLA path, a GPU's or TPU's, and the other optimizers) it builds a few
-    table-sized temporaries. Training can go on from the state it returns.
+    they take no table-sized temporary, only a few integers a row; the rows
+    the kernel leaves to the XLA path, under a schedule those idle past the
+    state's record, take it a few thousand rows at a time); elsewhere (the XLA
+    path, a GPU's or TPU's, the other optimizers, and a learning rate given as
+    an array) it builds a few table-sized temporaries. Training can go on from
+    the state it returns.
 
     Args:
       tx: An optimizer built with ``catch_up=True``: :func:`sparse_adam`,

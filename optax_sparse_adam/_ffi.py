@@ -587,15 +587,15 @@ def catch_up_adam_replay(
     steps or the state's record, not by key), without the step. ``hp`` is ``(b1, b2, eps, weight_decay)`` (the
     decay read with ``decay`` only). ``last_step`` and ``decay_mark`` are read, not written. Rows whose idle steps
     or coefficients are not at hand are left as they are, flagged (per row)."""
-    flags = dict(cap=cap, torch_eps=torch_eps, decay=decay, far_offset=far_offset, decay_from_marks=decay_from_marks)
-    attrs = _attrs(p.shape[0], **flags)
+    options = dict(cap=cap, torch_eps=torch_eps, decay=decay, far_offset=far_offset, decay_from_marks=decay_from_marks)
+    attrs = _attrs(p.shape[0], **options)
 
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
-        flags = jax.ShapeDtypeStruct(args[0].shape[:1], jnp.int32)
+        per_row = jax.ShapeDtypeStruct(args[0].shape[:1], jnp.int32)
         return _ffi_call(
             PREFIX + "catch_up_adam_replay",
-            (table, table, table, flags),
+            (table, table, table, per_row),
             input_output_aliases={0: 0, 1: 1, 2: 2},
             vmap_method="sequential",
         )(*args, row_begin, **attrs)

@@ -98,7 +98,7 @@ class StepReport:
                 "'One pass through optax wrappers' in docs/guides/optax_pipelines.md"
             )
         elif any(name.endswith("_replay") for name in self.kernels):
-            lines.append("catch_up: every row of each table brought up to date in one native pass")
+            lines.append("catch-up replay: rows brought up to date in one native pass (catch_up, caught-up lookups)")
         elif self.kernel_path == "native-cpu":
             lines.append(
                 "no native kernel for the optimizer: its rows run the XLA path (an optimizer or dtype the kernels "

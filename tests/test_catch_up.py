@@ -923,7 +923,7 @@ def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_
     the test's check can fail), at a constant rate and under a schedule, whose flagged rows take the XLA path in a
     loop over chunks of rows. With chunks of 5 rows (the rows of ``_idle_start``'s state idle past the window,
     which its record does not hold, all flagged: several chunks) the result is the XLA path's: moments and records
-    bitwise, the parameters within the replay's bound."""
+    bitwise, the parameters within the replay's bound; and so under vmap."""
     lr = optax.cosine_decay_schedule(1e-2, 1000) if case.endswith("schedule") else 1e-2
     make = functools.partial(osa.sparse_adamw, weight_decay=0.3) if case.startswith("adamw") else osa.sparse_adam
     tx = make(lr, catch_up=True)
@@ -932,16 +932,17 @@ def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_
         return osa.catch_up(tx, p, s)
 
     def temp(kernels: bool, rows: int) -> int:
-        p = jnp.zeros((rows, 16), jnp.float32)
+        p = jnp.zeros((rows, 64), jnp.float32)
         with osa.use_kernels(kernels):
             compiled = jax.jit(catch_up, donate_argnums=(0, 1)).lower(p, tx.init(p)).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
     # What the temporaries grow by from a table of 4,096 rows to one of 65,536 (the state's record and the flagged
-    # rows' chunks do not grow): on the kernel, less than a quarter of the table it grows by (per-row records).
-    table = (65536 - 4096) * 16 * 4
-    assert temp(True, 65536) - temp(True, 4096) <= table // 4
-    assert temp(False, 65536) - temp(False, 4096) >= 2 * table  # what the kernel's program leaves out
+    # rows' chunks do not grow): on the kernel, at most eight numbers a row (records, flags, the flagged rows'
+    # indices), nothing the width of the table.
+    grown = 65536 - 4096
+    assert temp(True, 65536) - temp(True, 4096) <= grown * 8 * 4
+    assert temp(False, 65536) - temp(False, 4096) >= 2 * grown * 64 * 4  # what the kernel's program leaves out
 
     flagged = _record_flags(monkeypatch, "catch_up_adam_replay")
     monkeypatch.setattr(_catch_up, "_FLAGGED_CHUNK", 5)
@@ -952,12 +953,22 @@ def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_
     bound = 2 * np.spacing(np.maximum(np.abs(px), np.abs(np.asarray(p))))
     assert np.all(np.abs(pc - px) <= bound), np.abs(pc - px).max()
     (flags,) = flagged
-    if case.endswith("schedule"):  # the rows idle past the window, none of which the state's record holds
-        long_idle = _IDLE_SHAPE[3] - last > int(idle_cap(0.9, 0.999))
-        np.testing.assert_array_equal(flags > 0, long_idle)
-        assert np.count_nonzero(long_idle) > 2 * 5
-    else:
+    if not case.endswith("schedule"):
         assert not flags.any()
+        return
+    # The rows idle past the window, none of which the state's record holds.
+    long_idle = _IDLE_SHAPE[3] - last > int(idle_cap(0.9, 0.999))
+    np.testing.assert_array_equal(flags > 0, long_idle)
+    assert np.count_nonzero(long_idle) > 2 * 5
+    # Under vmap (two states, the loop as long as the one with more flagged rows needs): as the XLA path.
+    other, other_state, _ = _idle_start(tx.init, np.random.default_rng(5))
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), (p, state), (other, other_state))
+    batched = jax.vmap(catch_up)
+    (pn, sn), (pbx, sbx) = jax.jit(batched)(*stacked), jax.jit(osa.use_kernels(False)(batched))(*stacked)
+    assert_trees_equal(sn, sbx)
+    p0, pn, pbx = np.asarray(stacked[0]), np.asarray(pn), np.asarray(pbx)
+    bound = 2 * np.spacing(np.maximum(np.abs(pbx), np.abs(p0)))
+    assert np.all(np.abs(pn - pbx) <= bound), np.abs(pn - pbx).max()
 
 
 @needs_kernels

@@ -161,6 +161,6 @@ def test_the_report_of_catch_up_names_its_replay_and_finds_it_in_place(tx):
     without a kernel), and in place."""
     report = osa.step_report(jax.jit(lambda p, s: osa.catch_up(tx, p, s), donate_argnums=(0, 1)), *_args(tx)[:2])
     assert report.kernels == ("catch_up_adam_replay",), report.kernels
-    assert "catch_up: every row of each table brought up to date in one native pass" in str(report), str(report)
+    assert "catch-up replay: rows brought up to date in one native pass" in str(report), str(report)
     assert "no native kernel" not in str(report)
     assert report.in_place, str(report)

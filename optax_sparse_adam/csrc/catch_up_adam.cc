@@ -125,7 +125,8 @@ struct IdleSteps {
     }
     const int64_t n = std::min<int64_t>(idle, cap);
     for (int64_t k = 1; k <= n; ++k) {
-      const int64_t at = std::min<int64_t>(static_cast<int64_t>(last) + k, corrections_len - 1);
+      // Clamped below too: a negative last step (a state no step wrote) must not read before the table.
+      const int64_t at = std::clamp<int64_t>(static_cast<int64_t>(last) + k, 0, corrections_len - 1);
       const float c1 = corrections[2 * at], c2 = corrections[2 * at + 1];
       const float neg_lr = idle <= cap ? neg_rates[idle - k] : long_neg_lr;
       const float scale = std::sqrt(c2) / c1;  // torch's placement
