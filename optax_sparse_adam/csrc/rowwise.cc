@@ -85,37 +85,42 @@ namespace {
 // not fused) over a block of 64 floats from zero, the blocks' lanes added
 // into running lanes, and the lanes folded in halves (lane l + lane l + h).
 // This is the order of XLA:CPU's reduction on AVX-512 for widths 31 to 448
-// (measured). Written with GCC/Clang vector types so that every clone keeps
-// the lanes in registers (one zmm, two ymm or four xmm).
-typedef float Lanes __attribute__((vector_size(64)));
+// (measured). Written with GCC/Clang vector types, the 16 lanes as two halves of 8 (lanes 0-7, 8-15), so that
+// every clone keeps them in registers (two ymm, or four xmm): as one 64-byte vector, the AVX2 clones, inlined
+// into the row loops, kept the lanes on the stack and moved them through general registers (two 16-byte stores
+// then a 32-byte load, a failed store forwarding every 16 floats of every row).
 typedef float Half __attribute__((vector_size(32)));
 typedef float Quarter __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 64;
 
 OSA_ROW_INLINE float RowSumOfSquares(const float* __restrict g, int64_t width) {
-  Lanes total = {};
+  Half total_lo = {}, total_hi = {};
   for (int64_t b = 0; b < width; b += kBlock) {
-    Lanes block = {};
+    Half lo = {}, hi = {};
     const int64_t end = std::min(width, b + kBlock);
     int64_t j = b;
     for (; j + kLanes <= end; j += kLanes) {
-      Lanes x;
+      Half x, y;
       std::memcpy(&x, g + j, sizeof(x));
-      block = block + x * x;
+      std::memcpy(&y, g + j + kLanes / 2, sizeof(y));
+      lo = lo + x * x;
+      hi = hi + y * y;
     }
     if (j < end) {  // the last lanes of a partial vector are zero
-      Lanes x = {};
-      std::memcpy(&x, g + j, sizeof(float) * static_cast<size_t>(end - j));
-      block = block + x * x;
+      float tail[kLanes] = {};
+      std::memcpy(tail, g + j, sizeof(float) * static_cast<size_t>(end - j));
+      Half x, y;
+      std::memcpy(&x, tail, sizeof(x));
+      std::memcpy(&y, tail + kLanes / 2, sizeof(y));
+      lo = lo + x * x;
+      hi = hi + y * y;
     }
-    total = total + block;
+    total_lo = total_lo + lo;
+    total_hi = total_hi + hi;
   }
   // Fold: lanes l + l + 8, then l + l + 4, l + l + 2, l + l + 1.
-  Half lo8, hi8;
-  std::memcpy(&lo8, &total, sizeof(Half));
-  std::memcpy(&hi8, reinterpret_cast<const char*>(&total) + sizeof(Half), sizeof(Half));
-  const Half t8 = lo8 + hi8;
+  const Half t8 = total_lo + total_hi;
   Quarter lo4, hi4;
   std::memcpy(&lo4, &t8, sizeof(Quarter));
   std::memcpy(&hi4, reinterpret_cast<const char*>(&t8) + sizeof(Quarter), sizeof(Quarter));
