@@ -923,7 +923,7 @@ def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_
     the test's check can fail), at a constant rate and under a schedule, whose flagged rows take the XLA path in a
     loop over chunks of rows. With chunks of 5 rows (the rows of ``_idle_start``'s state idle past the window,
     which its record does not hold, all flagged: several chunks) the result is the XLA path's: moments and records
-    bitwise, the parameters within the replay's bound; and so under vmap."""
+    bitwise, the parameters within the replay's bound; and so under vmap (AdamW's schedule)."""
     lr = optax.cosine_decay_schedule(1e-2, 1000) if case.endswith("schedule") else 1e-2
     make = functools.partial(osa.sparse_adamw, weight_decay=0.3) if case.startswith("adamw") else osa.sparse_adam
     tx = make(lr, catch_up=True)
@@ -942,7 +942,8 @@ def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_
     # indices), nothing the width of the table.
     grown = 65536 - 4096
     assert temp(True, 65536) - temp(True, 4096) <= grown * 8 * 4
-    assert temp(False, 65536) - temp(False, 4096) >= 2 * grown * 64 * 4  # what the kernel's program leaves out
+    if not case.endswith("schedule"):  # what the kernel's program leaves out (the schedule's compiles take long)
+        assert temp(False, 65536) - temp(False, 4096) >= 2 * grown * 64 * 4
 
     flagged = _record_flags(monkeypatch, "catch_up_adam_replay")
     monkeypatch.setattr(_catch_up, "_FLAGGED_CHUNK", 5)
@@ -960,6 +961,8 @@ def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_
     long_idle = _IDLE_SHAPE[3] - last > int(idle_cap(0.9, 0.999))
     np.testing.assert_array_equal(flags > 0, long_idle)
     assert np.count_nonzero(long_idle) > 2 * 5
+    if case != "adamw schedule":
+        return
     # Under vmap (two states, the loop as long as the one with more flagged rows needs): as the XLA path.
     other, other_state, _ = _idle_start(tx.init, np.random.default_rng(5))
     stacked = jax.tree.map(lambda *x: jnp.stack(x), (p, state), (other, other_state))
