@@ -62,14 +62,27 @@ _AXES = {"rows (zipf)": "rows", "rows (uniform)": "rows", "batch": "batch", "wid
 
 
 def _cpu_model() -> str:
+    """The CPU's model name, with its family, model and stepping and its widest vector instructions: a virtual
+    machine's name is often as bare as ``AMD EPYC``, and hosts behind one name can differ in their memory's
+    latency and bandwidth several times over (whose figures the pages put side by side)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, sep, value = line.partition(":")
+                if not sep:
+                    if fields:
+                        break  # the first processor's entry is enough
+                    continue
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    flags = set(fields.get("flags", "").split())
+    isa = next((i for f, i in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")) if f in flags), None)
+    ids = [f"{k.removeprefix('cpu ')} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields]
+    detail = "; ".join(x for x in (", ".join(ids), isa) if x)
+    return f"{name} ({detail})" if detail else name
 
 
 def _ram_bytes() -> int:

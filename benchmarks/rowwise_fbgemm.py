@@ -10,7 +10,8 @@ step (ranks spread over the table by a fixed bijective hash), and one of
 1e6 x 128 with 8,192 uniform ids. Each step applies one gradient row per id
 (duplicates summed) with row-wise Adagrad (``lr`` 1e-2, ``eps`` 1e-8, the
 accumulator starting at 0). The contenders, each on its own table, see the
-same sequence of fresh batches and take turns round by round in one process:
+same sequence of fresh batches and take turns in one process, ``--block``
+steps at a time (each block's first step left out of the medians):
 
 - ``library``: ``osa.update_and_apply(osa.sparse_rowwise_adagrad(lr, eps=eps),
   IndexedRows(ids, g, rows), state, table)``, jitted, the table and state
@@ -25,8 +26,14 @@ same sequence of fresh batches and take turns round by round in one process:
   distinct touched row of the table and of the accumulator once, the distinct
   ids computed on the host beforehand.
 
-Before timing, one step of the library and of FBGEMM from the same small
-table is checked to agree. FBGEMM and the library's kernels run on
+Blocks of 50 steps: each contender's steps after another's are slower while
+the caches and the TLB fill with its own table's rows again, over several
+steps (in blocks of 10 the library's and the floor's medians still held much
+of that refilling, the library's more than the floor's, and changed from run
+to run); a block of 50 times each contender mostly in its steady state, as
+``without FBGEMM`` runs the library and the floor without it. Before timing,
+one step of the library and of FBGEMM from the same small table is checked to
+agree. FBGEMM and the library's kernels run on
 ``--threads`` threads (``torch.set_num_threads``, ``osa.use_kernels``);
 ``OMP_WAIT_POLICY`` is ``PASSIVE`` unless set (PyTorch's OpenMP threads
 otherwise spin at their barriers, and collapse on a shared 2-core machine).
@@ -224,9 +231,9 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--block", type=int, default=50, help="consecutive steps of one contender")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small tables and a few steps")

@@ -441,7 +441,7 @@ def replay_table(
             cap=plan.cap,
             torch_eps=hp.eps_placement == "torch",
             decay=kernel_decay is not None,
-            far_offset=0 if record is None else (replayer.variant or 0) * record.last_steps.shape[0],
+            far_offset=_record_offset(record, replayer),
             decay_from_marks=kernel_decay is not None and kernel_decay.scheduled,
         )
         if not _may_flag(plan, replayer, kernel_decay):
@@ -1328,12 +1328,8 @@ def _by_key(
     long to reach 1). The kernels read the long-idle coefficients from the state's record themselves where it keeps
     one (:func:`_record_read`), and flag the rows whose entry it does not hold, which the XLA rule takes."""
     record = _record_read(plan, replayer)
-    if record is not None:
-        variant = replayer.variant or 0
-        offset = variant * record.last_steps.shape[0]
-        far_by_key = False
-    else:
-        offset, far_by_key = 0, plan.cap > 0 and plan.table is None
+    offset = _record_offset(record, replayer)
+    far_by_key = record is None and plan.cap > 0 and plan.table is None
     weights = None if decay is None else _DecayWeights(decay, replayer.lr, None, done, plan.cap)
     far = None
     if far_by_key:
@@ -1352,6 +1348,13 @@ def _record_read(plan: _SeriesPlan, replayer: Replayer) -> IdleRecord | None:
     and another of the entry and its tag: about 85 microseconds of a step at 8,192 Zipf ids."""
     record = replayer.record
     return record if plan.cap > 0 and plan.table is None and _kept(record) else None
+
+
+def _record_offset(record: IdleRecord | None, replayer: Replayer) -> int:
+    """The row where the replayer's variant of the record starts in the kernels' flat view of its coefficients
+    (:func:`_record_read`; AdamW's record holds its variants without and with the decay one after the other); 0
+    without a record."""
+    return 0 if record is None else (replayer.variant or 0) * record.last_steps.shape[0]
 
 
 def _may_flag(plan: _SeriesPlan, replayer: Replayer, decay: Decay | None) -> bool:
