@@ -11,7 +11,8 @@ step (ranks spread over the table by a fixed bijective hash), and one of
 (duplicates summed) with row-wise Adagrad (``lr`` 1e-2, ``eps`` 1e-8, the
 accumulator starting at 0). The contenders, each on its own table, see the
 same sequence of fresh batches and take turns in one process, ``--block``
-steps at a time (each block's first step left out of the medians):
+steps at a time (each block's first ``--settle`` steps left out of the
+medians):
 
 - ``library``: ``osa.update_and_apply(osa.sparse_rowwise_adagrad(lr, eps=eps),
   IndexedRows(ids, g, rows), state, table)``, jitted, the table and state
@@ -26,12 +27,11 @@ steps at a time (each block's first step left out of the medians):
   distinct touched row of the table and of the accumulator once, the distinct
   ids computed on the host beforehand.
 
-Blocks of 50 steps: each contender's steps after another's are slower while
-the caches and the TLB fill with its own table's rows again, over several
-steps (in blocks of 10 the library's and the floor's medians still held much
-of that refilling, the library's more than the floor's, and changed from run
-to run); a block of 50 times each contender mostly in its steady state, as
-``without FBGEMM`` runs the library and the floor without it. Before timing,
+Blocks of 50 steps, the first 20 left out: a contender's steps after
+another's block are slower while the caches fill with its own table's rows
+again, over some 10 to 20 steps of Zipf ids on a 2-core machine (the library's
+most after FBGEMM's); with only a block's first step left out, the medians
+held part of that refilling, and changed from run to run. Before timing,
 one step of the library and of FBGEMM from the same small table is checked to
 agree. FBGEMM and the library's kernels run on
 ``--threads`` threads (``torch.set_num_threads``, ``osa.use_kernels``);
@@ -178,26 +178,28 @@ def contenders(
     return out
 
 
-def _take_turns(runs: dict[str, Timed], steps: int, warmup: int, block: int) -> dict[str, float]:
+def _take_turns(runs: dict[str, Timed], steps: int, warmup: int, block: int, settle: int) -> dict[str, float]:
     """Medians (ms) of each contender's steps, the contenders taking turns in blocks of ``block`` steps (each
-    block's first left out), every contender seeing the same fresh batch at each step."""
+    block's first ``settle`` left out), every contender seeing the same fresh batch at each step."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for start in range(0, warmup + steps, block):
         for name, run in runs.items():
             for i in range(start, min(start + block, warmup + steps)):
                 seconds = run(i)
-                if i >= warmup and i > start:
+                if i >= warmup and i >= start + settle:
                     times[name].append(seconds)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
-def measure(cfg: Config, steps: int, warmup: int, block: int, threads: int, seed: int) -> dict[str, Any]:
+def measure(cfg: Config, steps: int, warmup: int, block: int, settle: int, threads: int, seed: int) -> dict[str, Any]:
     """The contenders taking turns; before that, the library and the floor taking turns without FBGEMM in the
     process (its table not yet made): next to FBGEMM's steps the others' steps are slower on this machine."""
     batches = make_batches(cfg, warmup + steps, seed)
-    alone = _take_turns(contenders(cfg, batches.ids, batches.values, threads, fbgemm=False), steps, warmup, block)
+    alone = _take_turns(
+        contenders(cfg, batches.ids, batches.values, threads, fbgemm=False), steps, warmup, block, settle
+    )
     release()
-    med = _take_turns(contenders(cfg, batches.ids, batches.values, threads), steps, warmup, block)
+    med = _take_turns(contenders(cfg, batches.ids, batches.values, threads), steps, warmup, block, settle)
     release()
     return {
         "config": {"rows": cfg.rows, "width": cfg.width, "batch": cfg.batch, "dist": cfg.dist, "label": cfg.label},
@@ -234,6 +236,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--block", type=int, default=50, help="consecutive steps of one contender")
+    parser.add_argument("--settle", type=int, default=20, help="steps of each block left out of the medians")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small tables and a few steps")
@@ -242,19 +245,19 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.warmup = 6, 3
+        args.steps, args.warmup, args.settle = 6, 3, 1
     torch.set_num_threads(args.threads)
     machine = machine_info(threads=args.threads) | {"omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
     why = fbgemm_unavailable()
     doc: dict[str, Any] = {
         "machine": machine,
-        "settings": {k: getattr(args, k) for k in ("steps", "warmup", "block", "threads", "seed")},
+        "settings": {k: getattr(args, k) for k in ("steps", "warmup", "block", "settle", "threads", "seed")},
         "fbgemm": why or "fbgemm-gpu-cpu",
         "agreement_max_abs_diff": None if why else agreement(args.seed),
         "runs": [],
     }
     for cfg in QUICK if args.quick else CONFIGS:
-        doc["runs"].append(measure(cfg, args.steps, args.warmup, args.block, args.threads, args.seed))
+        doc["runs"].append(measure(cfg, args.steps, args.warmup, args.block, args.settle, args.threads, args.seed))
     doc["machine"]["load_average_end"] = list(os.getloadavg())
     if doc["agreement_max_abs_diff"] is not None:
         print(f"one step from the same table: library and FBGEMM within {doc['agreement_max_abs_diff']:.1e}")

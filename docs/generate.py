@@ -574,13 +574,14 @@ def rowwise_fbgemm_page(rowwise_fbgemm: Any, doc: dict[str, Any]) -> str:
             "`EXACT_ROWWISE_ADAGRAD` (its `backward` of the same gradient rows timed alone, after an untimed "
             "forward: FBGEMM groups the ids, sums the duplicates and updates the rows in it), and a floor (each "
             "distinct touched row of the table and of the accumulator read and written once). The contenders take "
-            f"turns in blocks of {s['block']} steps in one process ({s['steps']} timed steps after {s['warmup']}, "
-            "medians). Next to FBGEMM's steps the others' steps are slower on this machine, so the library and the "
-            "floor are also timed before FBGEMM's table is made (last column). FBGEMM's CPU backward updates the "
-            "rows one after another on one thread, prefetching one row ahead, so its time follows "
-            "how long the memory takes to answer a random read more than how much it moves: the hosts behind one "
-            "CPU name (the machine line below gives the CPU's family and model) differ in that several times over, "
-            "and the ratio to FBGEMM with them.",
+            f"turns in blocks of {s['block']} steps in one process, the first {s.get('settle', 1)} of each block "
+            "left out while the caches fill with the contender's rows again (medians of the steps after "
+            f"{s['warmup']}). Next to FBGEMM's steps the others' steps are slower on this machine, so the library "
+            "and the floor are also timed before FBGEMM's table is made (last column). FBGEMM's CPU backward updates "
+            "the rows one after another on one thread, prefetching one row ahead, so its time follows how long the "
+            "memory takes to answer a random read more than how much it moves: the hosts behind one CPU name (the "
+            "machine line below gives the CPU's family and model) differ in that several times over, and the ratio "
+            "to FBGEMM with them.",
             "",
             f"Measured at commit `{_commit(m)}` on {m['cores']} cores ({m['cpu']}), jax {m['jax']}, torch "
             f"{m['torch']} on {s['threads']} threads (`OMP_WAIT_POLICY={m['omp_wait_policy']}`), {m['date_utc']}, "
