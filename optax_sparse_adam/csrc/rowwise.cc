@@ -179,7 +179,7 @@ struct AdagradRule {
       float step = g[0] / (std::sqrt(an) + eps);
       if constexpr (kApply) {
         if constexpr (kDecay == kDecoupled) step = step + wd * P(dst[0]);
-        dst[0] = params.Store(P(dst[0]) + neg_lr * step, seed, 0);
+        dst[0] = params.Store(P(dst[0]) + neg_lr * step, seed);
       } else {
         if constexpr (kDecay == kDecoupled) step = step + wd * P(p[r]);
         dst[0] = neg_lr * step;
@@ -191,11 +191,12 @@ struct AdagradRule {
     *a = an;
     const float rcp = 1.0f / (std::sqrt(an) + eps);
     const T* __restrict pr = kDecay == kDecoupled && !kApply ? p + r * width : nullptr;  // rows: decay's p
-    for (int64_t j = 0; j < width; ++j) {
+    uint32_t draw = seed;
+    for (int64_t j = 0; j < width; ++j, draw += kDrawStep) {
       float step = g[j] * rcp;
       if constexpr (kApply) {
         if constexpr (kDecay == kDecoupled) step = std::fma(wd, P(dst[j]), step);
-        dst[j] = params.Store(P(dst[j]) + neg_lr * step, seed, j);
+        dst[j] = params.Store(P(dst[j]) + neg_lr * step, draw);
       } else {
         if constexpr (kDecay == kDecoupled) step = std::fma(wd, P(pr[j]), step);
         dst[j] = neg_lr * step;
@@ -266,7 +267,7 @@ struct AdamRule {
       mr[0] = mn;
       const float step = kPerRow ? mn / (bc1 * denom) : (mn * (1.0f / bc1)) / denom;
       if constexpr (kApply) {
-        dst[0] = params.Store(Params::Load(dst[0]) + neg_lr * step, seed, 0);
+        dst[0] = params.Store(Params::Load(dst[0]) + neg_lr * step, seed);
       } else {
         dst[0] = neg_lr * step;
       }
@@ -274,12 +275,13 @@ struct AdamRule {
     }
     const float inv_bc1 = 1.0f / bc1;
     const float rcp = 1.0f / denom;
-    for (int64_t j = 0; j < width; ++j) {
+    uint32_t draw = seed;
+    for (int64_t j = 0; j < width; ++j, draw += kDrawStep) {
       const float mn = std::fma(one_minus_b1, g[j], b1 * mr[j]);
       mr[j] = mn;
       const float step = (mn * inv_bc1) * rcp;
       if constexpr (kApply) {
-        dst[j] = params.Store(Params::Load(dst[j]) + neg_lr * step, seed, j);
+        dst[j] = params.Store(Params::Load(dst[j]) + neg_lr * step, draw);
       } else {
         dst[j] = neg_lr * step;
       }

@@ -93,7 +93,8 @@ OSA_ROW_INLINE void AddDistinctStochastic(const Params& params, const int32_t* k
     const uint32_t seed = params.RowSeed(r);
     uint16_t* __restrict row = table + r * width;
     const float* __restrict u = values + i * width;
-    for (int64_t j = 0; j < width; ++j) row[j] = params.Store(Params::Load(row[j]) + u[j], seed, j);
+    uint32_t draw = seed;
+    for (int64_t j = 0; j < width; ++j, draw += kDrawStep) row[j] = params.Store(Params::Load(row[j]) + u[j], draw);
   }
 }
 
