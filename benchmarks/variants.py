@@ -2,7 +2,9 @@
 
 Each variant runs a jitted step with parameters and state donated on a float32
 table of ``--rows x --width`` (bfloat16 for the variants that say so, rounded
-stochastically, with a new key each step, for those that say that) with a fresh batch of ``--batch`` Zipf(1.2) ids
+stochastically, with a new key each step, for those that say that: ``keys[i]`` of keys split once before the run,
+or ``jax.random.fold_in(key, i)`` for the variant that says so, whose threefry XLA:CPU runs as a loop in the step)
+with a fresh batch of ``--batch`` Zipf(1.2) ids
 every step, through both doors: the two calls (``tx.update`` then
 ``apply_updates``) and ``update_and_apply``, the two taking turns on the same
 table and state, each door with batches of its own (a door given the batch
@@ -106,11 +108,17 @@ VARIANTS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sparse_rowwise_adam, bfloat16 table, stochastic rounding": lambda: osa.sparse_rowwise_adam(
         LR, mu_dtype=jnp.float32
     ),
+    "sparse_rowwise_adam, bfloat16 table, stochastic rounding, key from fold_in": lambda: osa.sparse_rowwise_adam(
+        LR, mu_dtype=jnp.float32
+    ),
 }
 # The variants on bfloat16 tables (the rest are float32), and those whose doors round them stochastically: the two
 # calls with apply_updates_stochastic, update_and_apply with a key (a new one each step).
 BFLOAT16 = {name for name in VARIANTS if "bfloat16" in name}
 STOCHASTIC = {name for name in VARIANTS if "stochastic rounding" in name}
+# The stochastic variants' step i takes keys[i % STEP_KEYS] of keys split once, but for those that fold i in.
+FOLD_IN = {name for name in VARIANTS if "fold_in" in name}
+STEP_KEYS = 4096
 DOORS = ("two calls", "update_and_apply")
 # update_and_apply given the floor's input: each batch's distinct ids (padded with -1, zero rows there), promised
 # distinct (unique_indices), so that its ratio to the floor compares the same work's inputs.
@@ -149,14 +157,23 @@ def make_floor(widths: tuple[int, ...], rows: int) -> tuple[dict[str, Callable[.
 
 
 def make_steppers(
-    tx: optax.GradientTransformation, rows: int, width: int, dtype: Any = jnp.float32, stochastic: bool = False
+    tx: optax.GradientTransformation,
+    rows: int,
+    width: int,
+    dtype: Any = jnp.float32,
+    stochastic: bool = False,
+    fold_in: bool = False,
 ) -> tuple[dict[str, Callable[..., Any]], list[Any]]:
-    """A jitted, donated step through each door, and the table and state they take turns on."""
+    """A jitted, donated step through each door, and the table and state they take turns on. With ``stochastic``,
+    step ``i`` rounds with ``keys[i]`` of keys split once, or with ``fold_in``, with ``fold_in(key, i)``."""
     params = jnp.zeros((rows, width), dtype)
     state = tx.init(params)
+    keys = jax.random.split(jax.random.key(0), STEP_KEYS)
 
     def key(i: jax.Array) -> jax.Array | None:
-        return jax.random.fold_in(jax.random.key(0), i) if stochastic else None
+        if not stochastic:
+            return None
+        return jax.random.fold_in(jax.random.key(0), i) if fold_in else keys[i % STEP_KEYS]
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def two_calls(params: jax.Array, state: Any, ids: jax.Array, values: jax.Array, i: Any) -> tuple[jax.Array, Any]:
@@ -209,7 +226,12 @@ def main() -> None:
     zero_padding = jax.jit(lambda ids, values: jnp.where((ids >= 0)[:, None], values, 0.0))
     steppers = {
         name: make_steppers(
-            make(), args.rows, args.width, jnp.bfloat16 if name in BFLOAT16 else jnp.float32, name in STOCHASTIC
+            make(),
+            args.rows,
+            args.width,
+            jnp.bfloat16 if name in BFLOAT16 else jnp.float32,
+            name in STOCHASTIC,
+            name in FOLD_IN,
         )
         for name, make in VARIANTS.items()
         if args.only is None or name == "sparse_adam (plain)" or re.search(args.only, name)

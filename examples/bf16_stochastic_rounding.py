@@ -56,11 +56,12 @@ def train(dtype: Any, stochastic: bool, steps: int) -> np.ndarray:
     tx = osa.sparse_rowwise_adam(LR, mu_dtype=jnp.float32)
     state = tx.init(params)
     grad_fn = osa.value_and_row_grad(loss_fn, lambda p: (p["users"], p["items"]))
+    keys = jax.random.split(jax.random.key(0), steps)  # a new key every step, split once
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params: Any, state: Any, users: Any, items: Any, y: Any, i: Any) -> Any:
         loss, grads = grad_fn(params, (users, items), y)
-        key = jax.random.fold_in(jax.random.key(0), i) if stochastic else None  # a new key every step
+        key = keys[i] if stochastic else None
         params, state = osa.update_and_apply(tx, grads, state, params, key=key)
         return params, state, loss
 

@@ -102,8 +102,8 @@ def update_and_apply(
     and rounded once to the table's dtype, to nearest as :func:`apply_updates`
     rounds it. With ``key``, bfloat16 and float16 parameters are rounded
     stochastically: the step equals ``tx.update`` then
-    :func:`apply_updates_stochastic` with that key (pass a new one every step,
-    ``jax.random.fold_in(key, step)``), fused for those two optimizers (the
+    :func:`apply_updates_stochastic` with that key (pass a new one every step:
+    ``keys[step]`` of keys split once, see :func:`apply_updates_stochastic`), fused for those two optimizers (the
     kernel draws as :func:`apply_updates_stochastic` draws, from the key it
     folds in for the leaf); other optimizers, and wrapped ones, run the two
     calls with a key. Float32 parameters are added as without it. The 16-bit

@@ -141,7 +141,9 @@ def apply_updates_stochastic(params: optax.Params, updates: optax.Updates, key: 
     an integer hash of the key's data, ``i``, the row's id and the element's
     position in the row, so the result does not depend on the order of the
     ids, on duplicates or padding, or on the platform's order of summing them;
-    pass a new key every step (``jax.random.fold_in(key, step)``). The
+    pass a new key every step: ``keys[step]`` of ``keys = jax.random.split(key,
+    num_steps)`` made once (``jax.random.fold_in(key, step)`` in a jitted step
+    runs threefry as a loop on the CPU, which costs more than the rounding). The
     duplicates of a sparse update are summed first, also those of one that
     breaks its ``unique_indices`` promise.
 
