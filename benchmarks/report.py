@@ -81,8 +81,7 @@ def _cpu_model() -> str:
     flags = set(fields.get("flags", "").split())
     isa = next((i for f, i in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")) if f in flags), None)
     ids = [f"{k.removeprefix('cpu ')} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields]
-    detail = "; ".join(x for x in (", ".join(ids), isa) if x)
-    return f"{name} ({detail})" if detail else name
+    return ", ".join([name, *ids, *([isa] if isa else [])])
 
 
 def _ram_bytes() -> int:

@@ -246,6 +246,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.settle = 6, 3, 1
+    if not 0 <= args.settle < args.block:
+        parser.error(f"--settle ({args.settle}) must be at least 0 and less than --block ({args.block})")
     torch.set_num_threads(args.threads)
     machine = machine_info(threads=args.threads) | {"omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
     why = fbgemm_unavailable()
