@@ -193,7 +193,7 @@ def _take_turns(runs: dict[str, Timed], steps: int, warmup: int, block: int, set
 
 def measure(cfg: Config, steps: int, warmup: int, block: int, settle: int, threads: int, seed: int) -> dict[str, Any]:
     """The contenders taking turns; before that, the library and the floor taking turns without FBGEMM in the
-    process (its table not yet made): next to FBGEMM's steps the others' steps are slower on this machine."""
+    process (its table not yet made), to show what FBGEMM's steps in between cost them."""
     batches = make_batches(cfg, warmup + steps, seed)
     alone = _take_turns(
         contenders(cfg, batches.ids, batches.values, threads, fbgemm=False), steps, warmup, block, settle
