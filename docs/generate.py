@@ -577,7 +577,7 @@ def rowwise_fbgemm_page(rowwise_fbgemm: Any, doc: dict[str, Any]) -> str:
             "`EXACT_ROWWISE_ADAGRAD` (its `backward` of the same gradient rows timed alone, after an untimed "
             "forward: FBGEMM groups the ids, sums the duplicates and updates the rows in it), and a floor (each "
             "distinct touched row of the table and of the accumulator read and written once). The contenders take "
-            f"turns in blocks of {s['block']} steps in one process, the first {s.get('settle', 1)} of each block "
+            f"turns in blocks of {s['block']} steps in one process, the first {s['settle']} of each block "
             "left out while the caches fill with the contender's rows again (medians of the steps after "
             f"{s['warmup']}). The library and the floor are also timed before FBGEMM's table is made (last column): "
             "the difference is what FBGEMM's steps in between cost them. FBGEMM's CPU backward updates "

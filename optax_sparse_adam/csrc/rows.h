@@ -214,7 +214,7 @@ OSA_ROW_INLINE uint16_t F16::Stochastic(float x, uint32_t bits) {
 // Stochastic rounding's draws, as _draws makes them: a row's elements draw its seed (Params::RowSeed) plus their
 // position times the golden ratio, which the row loops add element by element (a row's draws are
 // `for (j = 0, draw = seed; j < width; ++j, draw += kDrawStep)`): GCC's AVX2 clones computed the product from the
-// loop's 64-bit counter, with a third of the instructions of row-wise Adam's bfloat16 row loop.
+// loop's 64-bit counter, 19 of the 115 instructions of each 16 elements of row-wise Adam's bfloat16 row loop.
 constexpr uint32_t kDrawStep = 0x9E3779B9u;
 
 // float32 parameters: read and written as they are.
