@@ -398,16 +398,23 @@ def replay_table(
     coefficients not at hand: under a schedule, rows idle past the state's record; with no table of the bias
     corrections, or AdamW's rate or decay given as arrays, rows that need their idle steps one by one past the
     window) then take :func:`replay`, on the kernel's results, a chunk of rows at a time (:func:`_replay_flagged`).
-    Elsewhere (no closed form, or long-idle coefficients only per row: a learning rate given as an array)
-    :func:`replay` itself. With AdamW's ``decay`` (its ``far_log`` from ``mark``), ``mark`` is the rows' decay
-    marks and ``old_log`` the state's log of the decay.
+    Elsewhere (the XLA path; no closed form, or long-idle coefficients only per row: a learning rate given as an
+    array) :func:`replay` itself, a block of rows at a time (:func:`in_row_blocks`). With AdamW's ``decay`` (its
+    ``far_log`` from ``mark``), ``mark`` is the rows' decay marks and ``old_log`` the state's log of the decay.
     """
     kernel_decay = None if decay is None else Decay(decay.weight_decay, decay.log_gamma)
     plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=kernel_decay)
     marks = () if mark is None else (mark,)
 
     def xla(p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, *_: jax.Array) -> Any:
-        return replay(p, m, v, last, done, replayer, decay)
+        far = () if decay is None or decay.far_log is None else (decay.far_log,)
+
+        def block(p: jax.Array, m: jax.Array, v: jax.Array, last: jax.Array, *far: jax.Array) -> Any:
+            # A schedule's decay over each row's idle steps (per row, from the marks): the block's rows of it.
+            rows_decay = decay if decay is None or not far else dataclasses.replace(decay, far_log=far[0])
+            return replay(p, m, v, last, done, replayer, rows_decay)
+
+        return in_row_blocks(block, (p, m, v), (last, *far))
 
     record = None if plan is None else _record_read(plan, replayer)
     if (
@@ -452,6 +459,66 @@ def replay_table(
 
 
 _FLAGGED_CHUNK = 4096  # rows: the flagged rows of a table are replayed this many at a time
+_BLOCK_BYTES = 16 << 20  # in_row_blocks: the bytes of the rows of its operands in a block
+
+
+def in_row_blocks(
+    fn: Callable[..., tuple[jax.Array, ...]], updated: tuple[jax.Array, ...], read: tuple[jax.Array, ...] = ()
+) -> tuple[jax.Array, ...]:
+    """``fn(*updated, *read)``, the new values of ``updated``, computed a block of rows at a time.
+
+    Every operand has the table's rows as its leading axis, and ``fn`` treats each row on its own (a replay). A
+    table whose operands' rows hold more than :data:`_BLOCK_BYTES` is taken in blocks of about that many bytes, in
+    a loop that writes each block's results into ``updated`` in place, so that the temporaries of ``fn``'s
+    arithmetic are a block's, not the table's: on the XLA path, the one a GPU or TPU runs, a table's replay would
+    otherwise build several table-sized temporaries. A smaller table is one call of ``fn``. Each row's arithmetic
+    is the same either way.
+
+    The rows are cut into ``groups`` runs of equal length (the largest power of two that divides the rows, up to a
+    block's rows), and a block takes as many rows of each run, at the same place in each: a table split over
+    devices by rows, in a number of parts that divides ``groups``, is taken in blocks within each device's rows
+    (the runs are the loop arrays' leading axis, the split one). Split in another number of parts (not a power of
+    two, or one that does not divide the rows), each block is gathered from every device; inside ``shard_map``
+    the operands are one device's rows, and nothing is gathered.
+    """
+    rows = updated[0].shape[0]
+    operands = (*updated, *read)
+    assert all(x.shape[:1] == (rows,) for x in operands), [x.shape for x in operands]
+    row_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in operands)
+    block = max(1, _BLOCK_BYTES // max(row_bytes, 1))
+    if rows <= block:
+        return tuple(fn(*operands))
+    groups = min(rows & -rows, 1 << (block.bit_length() - 1))
+    run, per = rows // groups, block // groups  # each run's rows, and how many of them a block takes
+    runs = [x.reshape(groups, run, *x.shape[1:]) for x in read]
+
+    def body(i: jax.Array, new: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        # The last block ends at the runs' end and overlaps the one before it: its rows already written keep the
+        # values read (computed again, not written again).
+        start = jnp.minimum(i * per, run - per)
+
+        # The block's rows of `updated` are read from the arrays being written (not yet written there), so that
+        # no copy of the table is kept beside them, and in a conditional branch (always taken), so that XLA cannot
+        # fuse the reads into the writes: where one array's write reads another array written in place, XLA
+        # copies whole tables (an optimization_barrier does not stop it; the conditional's results are buffers of
+        # their own, a block's).
+        def take() -> tuple[jax.Array, ...]:
+            return tuple(jax.lax.dynamic_slice_in_dim(x, start, per, axis=1) for x in (*new, *runs))
+
+        taken = [x.reshape(groups * per, *x.shape[2:]) for x in jax.lax.cond(start >= 0, take, lambda: zeros(take))]
+        fresh = jnp.tile(start + jnp.arange(per) >= i * per, groups)
+        out = [jnp.where(broadcast_rows(fresh, y.ndim), y, x) for x, y in zip(taken, fn(*taken), strict=False)]
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(x, y.reshape(x.shape[0], per, *x.shape[2:]), start, axis=1)
+            for x, y in zip(new, out, strict=True)
+        )
+
+    def zeros(take: Callable[[], tuple[jax.Array, ...]]) -> tuple[jax.Array, ...]:
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(take))
+
+    start = tuple(x.reshape(groups, run, *x.shape[1:]) for x in updated)
+    new = jax.lax.fori_loop(0, -(-run // per), body, start)
+    return tuple(x.reshape(rows, *x.shape[2:]) for x in new)
 
 
 def _replay_flagged(
@@ -1552,9 +1619,15 @@ def catch_up(
     they take no table-sized temporary, only a few integers a row; the rows
     the kernel leaves to the XLA path, under a schedule those idle past the
     state's record, take it a few thousand rows at a time); elsewhere (the XLA
-    path, a GPU's or TPU's, the other optimizers, and a learning rate given as
-    an array) it builds a few table-sized temporaries. Training can go on from
-    the state it returns.
+    path, a GPU's or TPU's, and a learning rate given as an array) it replays
+    them a block of rows at a time (about 16 MiB of the rows of the table and
+    its state), each block written in place, so that its temporaries are a few
+    blocks' size, not the table's. A table split over devices by rows is taken
+    within each device's rows where the number of parts is a power of two that
+    divides the rows; split otherwise, each block is gathered from every
+    device: call ``catch_up`` inside ``shard_map`` on each device's rows.
+    AMSGrad's and momentum SGD's tables are replayed whole, with a temporary
+    of about a table's size. Training can go on from the state it returns.
 
     Args:
       tx: An optimizer built with ``catch_up=True``: :func:`sparse_adam`,

@@ -9,6 +9,7 @@ drift, where lazy Adam is off by O(1).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import flax.serialization
@@ -919,11 +920,11 @@ def test_the_catch_up_replay_kernel_on_threads_and_under_vmap(adamw: bool) -> No
 def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_at_a_time(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Donated, ``catch_up`` on the kernel holds no table-sized temporary (the XLA path's program holds several:
-    the test's check can fail), at a constant rate and under a schedule, whose flagged rows take the XLA path in a
-    loop over chunks of rows. With chunks of 5 rows (the rows of ``_idle_start``'s state idle past the window,
-    which its record does not hold, all flagged: several chunks) the result is the XLA path's: moments and records
-    bitwise, the parameters within the replay's bound; and so under vmap (AdamW's schedule)."""
+    """Donated, ``catch_up`` on the kernel holds no table-sized temporary (the XLA path's replay of the whole table
+    in one block holds several: the test's check can fail), at a constant rate and under a schedule, whose flagged
+    rows take the XLA path in a loop over chunks of rows. With chunks of 5 rows (the rows of ``_idle_start``'s state
+    idle past the window, which its record does not hold, all flagged: several chunks) the result is the XLA path's:
+    moments and records bitwise, the parameters within the replay's bound; and so under vmap (AdamW's schedule)."""
     lr = optax.cosine_decay_schedule(1e-2, 1000) if case.endswith("schedule") else 1e-2
     make = functools.partial(osa.sparse_adamw, weight_decay=0.3) if case.startswith("adamw") else osa.sparse_adam
     tx = make(lr, catch_up=True)
@@ -943,7 +944,9 @@ def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_
     grown = 65536 - 4096
     assert temp(True, 65536) - temp(True, 4096) <= grown * 8 * 4
     if not case.endswith("schedule"):  # what the kernel's program leaves out (the schedule's compiles take long)
-        assert temp(False, 65536) - temp(False, 4096) >= 2 * grown * 64 * 4
+        with monkeypatch.context() as patch:
+            patch.setattr(_catch_up, "_BLOCK_BYTES", 1 << 40)  # the XLA path's replay of the table in one block
+            assert temp(False, 65536) - temp(False, 4096) >= 2 * grown * 64 * 4
 
     flagged = _record_flags(monkeypatch, "catch_up_adam_replay")
     monkeypatch.setattr(_catch_up, "_FLAGGED_CHUNK", 5)
@@ -972,6 +975,88 @@ def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_
     p0, pn, pbx = np.asarray(stacked[0]), np.asarray(pn), np.asarray(pbx)
     bound = 2 * np.spacing(np.maximum(np.abs(pbx), np.abs(p0)))
     assert np.all(np.abs(pn - pbx) <= bound), np.abs(pn - pbx).max()
+
+
+_BLOCKED = {  # the replays that differ in what a block slices: AdamW's schedule, its rows' decay marks too
+    "adam": lambda: osa.sparse_adam(1e-2, catch_up=True),
+    "adamw schedule": lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), 0.3, catch_up=True),
+}
+
+
+@pytest.mark.parametrize("name", list(_BLOCKED))
+def test_catch_up_on_the_xla_path_takes_a_large_table_a_block_of_rows_at_a_time(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the XLA path (a GPU's or TPU's; on the CPU, tables the kernel does not take) ``catch_up`` of Adam and AdamW
+    replays a table larger than ``_catch_up._BLOCK_BYTES`` a block of rows at a time, in place.
+
+    Donated, its temporaries do not grow with the table, but for a few numbers a row (Adam's, with one block for the
+    whole table, grow by more than a table: the check can fail). The results are one call's on the whole table,
+    bitwise, with blocks that take 3 rows of each of 8 runs of 25 (a table of 200 rows) and a last block that
+    overlaps the one before it (its rows already written are left as they are). The loop is the same for both:
+    Adam's is also checked under vmap over two states, on a table split by rows over 8 devices, which
+    stays split, and no part of it is gathered, and inside shard_map."""
+    tx = _BLOCKED[name]()
+    rows, width = 200, 8
+    rng = np.random.default_rng(11)
+    p = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
+    state = tx.init(p)
+    with osa.use_kernels(False):
+        step = jax.jit(lambda g, s, p: osa.update_and_apply(tx, g, s, p))
+        for _ in range(30):  # rows last moved at different steps, some never
+            g = osa.IndexedRows(jnp.asarray(rng.integers(0, 150, 40), jnp.int32), jnp.ones((40, width)), rows)
+            p, state = step(g, state, p)
+
+    def run(block_rows: int, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` jitted afresh on the XLA path, blocks of ``block_rows`` rows' bytes (a traced program
+        reads the constant when it is traced)."""
+        leaves = [p, *(x for x in jax.tree.leaves(state) if x.shape[:1] == (rows,))]
+        row_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in leaves)
+        monkeypatch.setattr(_catch_up, "_BLOCK_BYTES", block_rows * row_bytes)
+        with osa.use_kernels(False):
+            return jax.jit(lambda *a: fn(*a))(*args)
+
+    def catch_up(p: jax.Array, s: Any) -> Any:
+        return osa.catch_up(tx, p, s)
+
+    whole = run(1 << 20, catch_up, p, state)
+    assert not np.array_equal(whole[0], p)
+    assert_trees_equal(run(30, catch_up, p, state), whole)
+
+    def temp(table_rows: int, block_rows: int) -> int:
+        """The temporaries of the donated catch_up of a table of 64 float32 a row, blocks of about ``block_rows``
+        rows (a kilobyte a row)."""
+        q = jnp.zeros((table_rows, 64), jnp.float32)
+        with osa.use_kernels(False):
+            monkeypatch.setattr(_catch_up, "_BLOCK_BYTES", block_rows * 64 * 4 * 4)
+            compiled = jax.jit(lambda p, s: osa.catch_up(tx, p, s), donate_argnums=(0, 1)).lower(q, tx.init(q))
+        return compiled.compile().memory_analysis().temp_size_in_bytes
+
+    grown = 16384 - 4096
+    assert temp(16384, 1024) - temp(4096, 1024) <= grown * 8 * 4
+    if name != "adam":  # what follows is the loop's, the same for both
+        return
+    assert temp(16384, 1 << 20) - temp(4096, 1 << 20) >= grown * 64 * 4  # one block: the table's temporaries
+
+    other = jax.tree.map(lambda x: x[::-1] if x.shape[:1] == (rows,) else x, (p, state))
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), (p, state), other)
+    batched = run(30, jax.vmap(catch_up), *stacked)
+    for i, start in enumerate([(p, state), other]):
+        assert_trees_equal(jax.tree.map(lambda x, i=i: x[i], batched), run(1 << 20, catch_up, *start))
+
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
+    by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    placed = jax.tree.map(lambda x: jax.device_put(x, by_rows) if x.shape[:1] == (rows,) else x, (p, state))
+    sharded = run(30, catch_up, *placed)
+    assert sharded[0].sharding.is_equivalent_to(by_rows, 2)
+    assert_trees_equal(sharded, whole)
+    with osa.use_kernels(False):  # the program run just above (blocks of 30 rows), from the compilation cache
+        text = jax.jit(catch_up).lower(*placed).compile().as_text()
+    assert "all-gather" not in text and "all-to-all" not in text and "collective-permute" not in text
+    # Inside shard_map, as the docs advise for a table split otherwise: each device's rows, as one device's.
+    split, whole_leaf = jax.sharding.PartitionSpec("rows"), jax.sharding.PartitionSpec()
+    specs = jax.tree.map(lambda x: split if x.shape[:1] == (rows,) else whole_leaf, placed)
+    assert_trees_equal(run(30, jax.shard_map(catch_up, mesh=mesh, in_specs=specs, out_specs=specs), *placed), whole)
 
 
 @needs_kernels
