@@ -481,8 +481,10 @@ def in_row_blocks(
     two, or one that does not divide the rows), each block is gathered from every device; inside ``shard_map``
     the operands are one device's rows, and nothing is gathered.
     """
-    rows = updated[0].shape[0]
     operands = (*updated, *read)
+    if updated[0].ndim == 0:  # a scalar parameter: one row
+        return tuple(fn(*operands))
+    rows = updated[0].shape[0]
     assert all(x.shape[:1] == (rows,) for x in operands), [x.shape for x in operands]
     row_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in operands)
     block = max(1, _BLOCK_BYTES // max(row_bytes, 1))
@@ -505,16 +507,15 @@ def in_row_blocks(
         def take() -> tuple[jax.Array, ...]:
             return tuple(jax.lax.dynamic_slice_in_dim(x, start, per, axis=1) for x in (*new, *runs))
 
-        taken = [x.reshape(groups * per, *x.shape[2:]) for x in jax.lax.cond(start >= 0, take, lambda: zeros(take))]
+        # (The other branch's zeros are like the block's, their sharding too, on an Explicit mesh.)
+        blocks = jax.lax.cond(start >= 0, take, lambda: tuple(jnp.zeros_like(x) for x in take()))
+        taken = [x.reshape(groups * per, *x.shape[2:]) for x in blocks]
         fresh = jnp.tile(start + jnp.arange(per) >= i * per, groups)
         out = [jnp.where(broadcast_rows(fresh, y.ndim), y, x) for x, y in zip(taken, fn(*taken), strict=False)]
         return tuple(
             jax.lax.dynamic_update_slice_in_dim(x, y.reshape(x.shape[0], per, *x.shape[2:]), start, axis=1)
             for x, y in zip(new, out, strict=True)
         )
-
-    def zeros(take: Callable[[], tuple[jax.Array, ...]]) -> tuple[jax.Array, ...]:
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(take))
 
     start = tuple(x.reshape(groups, run, *x.shape[1:]) for x in updated)
     new = jax.lax.fori_loop(0, -(-run // per), body, start)
@@ -1624,10 +1625,11 @@ def catch_up(
     its state), each block written in place, so that its temporaries are a few
     blocks' size, not the table's. A table split over devices by rows is taken
     within each device's rows where the number of parts is a power of two that
-    divides the rows; split otherwise, each block is gathered from every
+    divides the rows (and is at most a block's rows); split otherwise, each block is gathered from every
     device: call ``catch_up`` inside ``shard_map`` on each device's rows.
-    AMSGrad's and momentum SGD's tables are replayed whole, with a temporary
-    of about a table's size. Training can go on from the state it returns.
+    AMSGrad's and momentum SGD's tables are replayed whole, with temporaries
+    of one or two tables' size (on the XLA path, several). Training can go on
+    from the state it returns.
 
     Args:
       tx: An optimizer built with ``catch_up=True``: :func:`sparse_adam`,

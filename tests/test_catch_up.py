@@ -1022,6 +1022,9 @@ def test_catch_up_on_the_xla_path_takes_a_large_table_a_block_of_rows_at_a_time(
     whole = run(1 << 20, catch_up, p, state)
     assert not np.array_equal(whole[0], p)
     assert_trees_equal(run(30, catch_up, p, state), whole)
+    # 199 rows (odd: one run, blocks of 30 rows, the last overlapping).
+    odd = jax.tree.map(lambda x: x[:199] if x.shape[:1] == (rows,) else x, (p, state))
+    assert_trees_equal(run(30, catch_up, *odd), run(1 << 20, catch_up, *odd))
 
     def temp(table_rows: int, block_rows: int) -> int:
         """The temporaries of the donated catch_up of a table of 64 float32 a row, blocks of about ``block_rows``
@@ -1050,13 +1053,17 @@ def test_catch_up_on_the_xla_path_takes_a_large_table_a_block_of_rows_at_a_time(
     sharded = run(30, catch_up, *placed)
     assert sharded[0].sharding.is_equivalent_to(by_rows, 2)
     assert_trees_equal(sharded, whole)
-    with osa.use_kernels(False):  # the program run just above (blocks of 30 rows), from the compilation cache
+    with osa.use_kernels(False):  # the program run just above (blocks of 30 rows)
         text = jax.jit(catch_up).lower(*placed).compile().as_text()
     assert "all-gather" not in text and "all-to-all" not in text and "collective-permute" not in text
     # Inside shard_map, as the docs advise for a table split otherwise: each device's rows, as one device's.
     split, whole_leaf = jax.sharding.PartitionSpec("rows"), jax.sharding.PartitionSpec()
     specs = jax.tree.map(lambda x: split if x.shape[:1] == (rows,) else whole_leaf, placed)
     assert_trees_equal(run(30, jax.shard_map(catch_up, mesh=mesh, in_specs=specs, out_specs=specs), *placed), whole)
+    # A scalar parameter (one row, no blocks) of a dtype the closed form does not take: replayed by the steps.
+    scalar = jnp.asarray(0.5, jnp.bfloat16)
+    moved = run(30, lambda p, s: osa.update_and_apply(tx, jnp.ones((), jnp.bfloat16), s, p), scalar, tx.init(scalar))
+    assert_trees_equal(run(30, catch_up, *moved), moved)  # a dense leaf is up to date: nothing to replay
 
 
 @needs_kernels
