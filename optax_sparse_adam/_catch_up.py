@@ -59,6 +59,7 @@ from optax_sparse_adam._coalesce import coalesce, distinct_ids
 from optax_sparse_adam._fusion import Clipped, FusableUpdate
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_engine import Kernel, Rule, _run_rows, apply_rule, map_rule, row_full, stamp
+from optax_sparse_adam._row_ops import explicit_sharding
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
 
@@ -1623,9 +1624,11 @@ def catch_up(
     path, a GPU's or TPU's, and a learning rate given as an array) it replays
     them a block of rows at a time (about 16 MiB of the rows of the table and
     its state), each block written in place, so that its temporaries are a few
-    blocks' size, not the table's. A table split over devices by rows is taken
-    within each device's rows where the number of parts is a power of two that
-    divides the rows (and is at most a block's rows); split otherwise, each block is gathered from every
+    blocks' size, not the table's. A table split over devices by rows on an
+    ``Explicit`` mesh is replayed on each device's rows (inside
+    ``shard_map``). On an ``Auto`` mesh each device takes its own rows where
+    the number of parts is a power of two that divides the rows (and is at
+    most a block's rows); split otherwise, each block is gathered from every
     device: call ``catch_up`` inside ``shard_map`` on each device's rows.
     AMSGrad's and momentum SGD's tables are replayed whole, with temporaries
     of one or two tables' size (on the XLA path, several). Training can go on
@@ -1669,7 +1672,7 @@ def catch_up(
             raise param_error(
                 ValueError, "catch_up", path, f"shape {jnp.shape(p)} but its {names[0]} has {jnp.shape(moments[0])}"
             )
-        p, moments = rows.replay(jnp.asarray(p), moments, last, state, info)
+        p, moments = _replay_on_each_device(rows, jnp.asarray(p), moments, last, state, info)
         return p, jnp.where((last > 0) | rows.fresh_rows_move, state.count, last), *moments
 
     flat = [state_leaves(getattr(state, name)) for name in ("last_step", *names)]
@@ -1678,6 +1681,33 @@ def catch_up(
     new_params, last, *moments = (structure.unflatten([o[i] for o in outs]) for i in range(2 + len(names)))
     new = state._replace(last_step=last, **dict(zip(names, moments, strict=True)))
     return new_params, _replace(opt_state, new)
+
+
+def _replay_on_each_device(
+    rows: RowReplay, p: jax.Array, moments: tuple[Any, ...], last: jax.Array, state: Any, info: Any
+) -> tuple[jax.Array, tuple[Any, ...]]:
+    """``rows.replay`` of a table; where it is split over an ``Explicit`` mesh's axis by rows, on each device's rows
+    inside ``shard_map`` (a row's replay reads only its own row and the state's counters and records, which every
+    device holds): the replay's reads of tables of coefficients by row would otherwise need their result's
+    sharding spelled out, gather by gather."""
+    sharding = explicit_sharding(p)
+    specs = [jax.typeof(x).sharding.spec for x in (p, *moments, last)] if sharding is not None else []
+    if sharding is None or p.ndim == 0 or any(spec[:1] != specs[0][:1] for spec in specs):
+        return rows.replay(p, moments, last, state, info)
+    # The state without its tables (a replay reads its count and records), whole on every device.
+    shared = state._replace(last_step=None, **dict.fromkeys(rows.moments))
+    whole = jax.sharding.PartitionSpec()
+
+    def replay(p: jax.Array, moments: tuple[Any, ...], last: jax.Array, shared: Any) -> Any:
+        return rows.replay(p, moments, last, shared, info)
+
+    p_spec, *moment_specs, last_spec = specs
+    return jax.shard_map(
+        replay,
+        mesh=sharding.mesh,
+        in_specs=(p_spec, tuple(moment_specs), last_spec, jax.tree.map(lambda _: whole, shared)),
+        out_specs=(p_spec, tuple(moment_specs)),
+    )(p, moments, last, shared)
 
 
 class CatchUpAdamWState(NamedTuple):

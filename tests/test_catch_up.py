@@ -977,6 +977,20 @@ def test_catch_up_replays_a_donated_table_in_place_and_its_flagged_rows_a_chunk_
     assert np.all(np.abs(pn - pbx) <= bound), np.abs(pn - pbx).max()
 
 
+def _trained(tx: optax.GradientTransformation, rows: int, width: int = 8) -> tuple[jax.Array, Any]:
+    """A table and ``tx``'s state after 30 steps on the XLA path, its rows last moved at different steps (the last
+    quarter never)."""
+    rng = np.random.default_rng(11)
+    p = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
+    state = tx.init(p)
+    with osa.use_kernels(False):
+        step = jax.jit(lambda g, s, p: osa.update_and_apply(tx, g, s, p))
+        for _ in range(30):
+            ids = jnp.asarray(rng.integers(0, rows * 3 // 4, 40), jnp.int32)
+            p, state = step(osa.IndexedRows(ids, jnp.ones((40, width)), rows), state, p)
+    return p, state
+
+
 _BLOCKED = {  # the replays that differ in what a block slices: AdamW's schedule, its rows' decay marks too
     "adam": lambda: osa.sparse_adam(1e-2, catch_up=True),
     "adamw schedule": lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), 0.3, catch_up=True),
@@ -997,15 +1011,8 @@ def test_catch_up_on_the_xla_path_takes_a_large_table_a_block_of_rows_at_a_time(
     Adam's is also checked under vmap over two states, on a table split by rows over 8 devices, which
     stays split, and no part of it is gathered, and inside shard_map."""
     tx = _BLOCKED[name]()
-    rows, width = 200, 8
-    rng = np.random.default_rng(11)
-    p = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
-    state = tx.init(p)
-    with osa.use_kernels(False):
-        step = jax.jit(lambda g, s, p: osa.update_and_apply(tx, g, s, p))
-        for _ in range(30):  # rows last moved at different steps, some never
-            g = osa.IndexedRows(jnp.asarray(rng.integers(0, 150, 40), jnp.int32), jnp.ones((40, width)), rows)
-            p, state = step(g, state, p)
+    rows = 200
+    p, state = _trained(tx, rows)
 
     def run(block_rows: int, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` jitted afresh on the XLA path, blocks of ``block_rows`` rows' bytes (a traced program
@@ -1064,6 +1071,35 @@ def test_catch_up_on_the_xla_path_takes_a_large_table_a_block_of_rows_at_a_time(
     scalar = jnp.asarray(0.5, jnp.bfloat16)
     moved = run(30, lambda p, s: osa.update_and_apply(tx, jnp.ones((), jnp.bfloat16), s, p), scalar, tx.init(scalar))
     assert_trees_equal(run(30, catch_up, *moved), moved)  # a dense leaf is up to date: nothing to replay
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: osa.sparse_adam(1e-2, catch_up=True),
+        lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), 0.3, catch_up=True),
+        lambda: osa.sparse_amsgrad(1e-2, catch_up=True),
+        lambda: osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True),
+    ],
+    ids=["adam", "adamw schedule", "amsgrad", "sgd"],
+)
+def test_catch_up_of_a_table_split_by_rows_over_an_explicit_mesh_replays_each_devices_rows(
+    make: Any, kernel_path: str
+) -> None:
+    """On an ``Explicit`` mesh, a table and its state split by rows over 8 devices are caught up on each device's
+    rows (inside shard_map): the one-device results, bitwise, the table still split. (Without that, the replay's
+    reads of its tables of coefficients by row needed their sharding spelled out, and ``catch_up`` raised.)"""
+    tx = make()
+    rows = 200
+    p, state = _trained(tx, rows)
+    want = jax.jit(lambda p, s: osa.catch_up(tx, p, s))(p, state)
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(jax.sharding.AxisType.Explicit,))
+    by_rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    with jax.set_mesh(mesh):
+        placed = jax.tree.map(lambda x: jax.device_put(x, by_rows) if x.shape[:1] == (rows,) else x, (p, state))
+        got = jax.jit(lambda p, s: osa.catch_up(tx, p, s))(*placed)
+    assert got[0].sharding.is_equivalent_to(by_rows, 2)
+    assert_trees_equal(got, want)
 
 
 @needs_kernels
