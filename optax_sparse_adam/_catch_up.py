@@ -1692,7 +1692,9 @@ def _replay_on_each_device(
     sharding spelled out, gather by gather."""
     sharding = explicit_sharding(p)
     specs = [jax.typeof(x).sharding.spec for x in (p, *moments, last)] if sharding is not None else []
-    if sharding is None or p.ndim == 0 or any(spec[:1] != specs[0][:1] for spec in specs):
+    # The moments split as the table is (padded to its rank), the rows' last steps as its rows.
+    padded = [(*spec, *[None] * (p.ndim - len(spec))) for spec in specs[:-1]]
+    if sharding is None or p.ndim == 0 or padded.count(padded[0]) != len(padded) or specs[-1][:1] != specs[0][:1]:
         return rows.replay(p, moments, last, state, info)
     # The state without its tables (a replay reads its count and records), whole on every device.
     shared = state._replace(last_step=None, **dict.fromkeys(rows.moments))
