@@ -336,6 +336,9 @@ def _catch_up_amsgrad(
         p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array, record: IdleRecord
     ) -> Any:
         """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (mu, nu, nu_max))``."""
+        if jnp.ndim(p) == 0:  # a scalar parameter: a table of one row
+            p, moments = replay_rows(p[None], tuple(x[None] for x in moments), last[None], done, record)
+            return p[0], tuple(x[0] for x in moments)
         m, v, v_max = moments
         idle, coefficients = idle_coefficients(last, done, record)
         coefficient, decay1, decay2 = (broadcast_rows(coefficients[:, j], p.ndim) for j in range(3))

@@ -403,6 +403,12 @@ def replay_table(
     array) :func:`replay` itself, a block of rows at a time (:func:`in_row_blocks`). With AdamW's ``decay`` (its
     ``far_log`` from ``mark``), ``mark`` is the rows' decay marks and ``old_log`` the state's log of the decay.
     """
+    if p.ndim == 0:  # a scalar parameter: a table of one row
+        if decay is not None and decay.far_log is not None:
+            decay = dataclasses.replace(decay, far_log=decay.far_log[None])
+        row_mark = None if mark is None else mark[None]
+        out = replay_table(p[None], m[None], v[None], last[None], done, replayer, decay, row_mark, old_log)
+        return out[0][0], out[1][0], out[2][0]
     kernel_decay = None if decay is None else Decay(decay.weight_decay, decay.log_gamma)
     plan = _series_plan(replayer, p.dtype, m.dtype, v.dtype, decay=kernel_decay)
     marks = () if mark is None else (mark,)

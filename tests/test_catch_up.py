@@ -993,7 +993,7 @@ def _trained(tx: optax.GradientTransformation, rows: int, width: int = 8) -> tup
 
 _BLOCKED = {  # the replays that differ in what a block slices: AdamW's schedule, its rows' decay marks too
     "adam": lambda: osa.sparse_adam(1e-2, catch_up=True),
-    "adamw schedule": lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), 0.3, catch_up=True),
+    "adamw schedule": lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3, catch_up=True),
 }
 
 
@@ -1067,17 +1067,50 @@ def test_catch_up_on_the_xla_path_takes_a_large_table_a_block_of_rows_at_a_time(
     split, whole_leaf = jax.sharding.PartitionSpec("rows"), jax.sharding.PartitionSpec()
     specs = jax.tree.map(lambda x: split if x.shape[:1] == (rows,) else whole_leaf, placed)
     assert_trees_equal(run(30, jax.shard_map(catch_up, mesh=mesh, in_specs=specs, out_specs=specs), *placed), whole)
-    # A scalar parameter (one row, no blocks) of a dtype the closed form does not take: replayed by the steps.
-    scalar = jnp.asarray(0.5, jnp.bfloat16)
-    moved = run(30, lambda p, s: osa.update_and_apply(tx, jnp.ones((), jnp.bfloat16), s, p), scalar, tx.init(scalar))
-    assert_trees_equal(run(30, catch_up, *moved), moved)  # a dense leaf is up to date: nothing to replay
+
+
+_SCALAR_CASES = {  # the catch-up optimizer and the dense optax one whose steps it takes on a dense leaf
+    "adam": (lambda: osa.sparse_adam(1e-2, catch_up=True), lambda: optax.adam(1e-2)),
+    "adamw schedule": (
+        lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3, catch_up=True),
+        lambda: optax.adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3),
+    ),
+    "amsgrad": (lambda: osa.sparse_amsgrad(1e-2, catch_up=True), lambda: optax.amsgrad(1e-2)),
+    "sgd": (lambda: osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True), lambda: optax.sgd(1e-2, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("name", list(_SCALAR_CASES))
+def test_a_scalar_parameter_steps_as_optax_and_catch_up_leaves_it(name: str, kernel_path: str) -> None:
+    """A scalar parameter beside a table (a dense leaf: every step touches it) takes the dense optimizer's steps,
+    and ``catch_up`` leaves it and its state as they are (it is up to date), float32 and bfloat16 alike: float32
+    scalars raised an IndexError in ``catch_up`` (Adam's and AdamW's replay indexed the table's rows), and in
+    AMSGrad's step too."""
+    make, dense = _SCALAR_CASES[name]
+    tx, reference = make(), dense()
+    for dtype in (jnp.float32, jnp.bfloat16):
+        params = {"t": jnp.asarray(0.5, dtype), "e": jnp.zeros((4, 2), dtype)}
+        state, want = tx.init(params), (params["t"], reference.init(params["t"]))
+        step = jax.jit(lambda g, s, p: osa.update_and_apply(tx, g, s, p))
+        for i in range(3):
+            g = {
+                "t": jnp.asarray(0.1 * (i + 1), dtype),
+                "e": osa.IndexedRows(jnp.array([i]), jnp.ones((1, 2), dtype), 4),
+            }
+            params, state = step(g, state, params)
+            updates, opt = reference.update(g["t"], want[1], want[0])
+            want = (optax.apply_updates(want[0], updates), opt)
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(params["t"], want[0], rtol=1e-6)
+        caught = jax.jit(lambda p, s: osa.catch_up(tx, p, s))(params, state)
+        assert_trees_equal(caught[0]["t"], params["t"])
 
 
 @pytest.mark.parametrize(
     "make",
     [
         lambda: osa.sparse_adam(1e-2, catch_up=True),
-        lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), 0.3, catch_up=True),
+        lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3, catch_up=True),
         lambda: osa.sparse_amsgrad(1e-2, catch_up=True),
         lambda: osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True),
     ],
