@@ -489,8 +489,6 @@ def in_row_blocks(
     the operands are one device's rows, and nothing is gathered.
     """
     operands = (*updated, *read)
-    if updated[0].ndim == 0:  # a scalar parameter: one row
-        return tuple(fn(*operands))
     rows = updated[0].shape[0]
     assert all(x.shape[:1] == (rows,) for x in operands), [x.shape for x in operands]
     row_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in operands)
@@ -499,7 +497,11 @@ def in_row_blocks(
         return tuple(fn(*operands))
     groups = min(rows & -rows, 1 << (block.bit_length() - 1))
     run, per = rows // groups, block // groups  # each run's rows, and how many of them a block takes
-    runs = [x.reshape(groups, run, *x.shape[1:]) for x in read]
+
+    def by_runs(x: jax.Array) -> jax.Array:
+        return x.reshape(groups, run, *x.shape[1:])
+
+    runs = [by_runs(x) for x in read]
 
     def body(i: jax.Array, new: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         # The last block ends at the runs' end and overlaps the one before it: its rows already written keep the
@@ -524,8 +526,7 @@ def in_row_blocks(
             for x, y in zip(new, out, strict=True)
         )
 
-    start = tuple(x.reshape(groups, run, *x.shape[1:]) for x in updated)
-    new = jax.lax.fori_loop(0, -(-run // per), body, start)
+    new = jax.lax.fori_loop(0, -(-run // per), body, tuple(by_runs(x) for x in updated))
     return tuple(x.reshape(rows, *x.shape[2:]) for x in new)
 
 
