@@ -991,13 +991,20 @@ def _trained(tx: optax.GradientTransformation, rows: int, width: int = 8) -> tup
     return p, state
 
 
-_BLOCKED = {  # the replays that differ in what a block slices: AdamW's schedule, its rows' decay marks too
-    "adam": lambda: osa.sparse_adam(1e-2, catch_up=True),
-    "adamw schedule": lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3, catch_up=True),
+# The catch-up optimizers, each with the dense optax one whose steps it takes on a dense leaf.
+_CATCH_UP = {
+    "adam": (lambda: osa.sparse_adam(1e-2, catch_up=True), lambda: optax.adam(1e-2)),
+    "adamw schedule": (
+        lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3, catch_up=True),
+        lambda: optax.adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3),
+    ),
+    "amsgrad": (lambda: osa.sparse_amsgrad(1e-2, catch_up=True), lambda: optax.amsgrad(1e-2)),
+    "sgd": (lambda: osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True), lambda: optax.sgd(1e-2, momentum=0.9)),
 }
 
 
-@pytest.mark.parametrize("name", list(_BLOCKED))
+# The replays that differ in what a block slices: AdamW's schedule, its rows' decay marks too.
+@pytest.mark.parametrize("name", ["adam", "adamw schedule"])
 def test_catch_up_on_the_xla_path_takes_a_large_table_a_block_of_rows_at_a_time(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1010,7 +1017,7 @@ def test_catch_up_on_the_xla_path_takes_a_large_table_a_block_of_rows_at_a_time(
     overlaps the one before it (its rows already written are left as they are). The loop is the same for both:
     Adam's is also checked under vmap over two states, on a table split by rows over 8 devices, which
     stays split, and no part of it is gathered, and inside shard_map."""
-    tx = _BLOCKED[name]()
+    tx = _CATCH_UP[name][0]()
     rows = 200
     p, state = _trained(tx, rows)
 
@@ -1069,24 +1076,13 @@ def test_catch_up_on_the_xla_path_takes_a_large_table_a_block_of_rows_at_a_time(
     assert_trees_equal(run(30, jax.shard_map(catch_up, mesh=mesh, in_specs=specs, out_specs=specs), *placed), whole)
 
 
-_SCALAR_CASES = {  # the catch-up optimizer and the dense optax one whose steps it takes on a dense leaf
-    "adam": (lambda: osa.sparse_adam(1e-2, catch_up=True), lambda: optax.adam(1e-2)),
-    "adamw schedule": (
-        lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3, catch_up=True),
-        lambda: optax.adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3),
-    ),
-    "amsgrad": (lambda: osa.sparse_amsgrad(1e-2, catch_up=True), lambda: optax.amsgrad(1e-2)),
-    "sgd": (lambda: osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True), lambda: optax.sgd(1e-2, momentum=0.9)),
-}
-
-
-@pytest.mark.parametrize("name", list(_SCALAR_CASES))
+@pytest.mark.parametrize("name", list(_CATCH_UP))
 def test_a_scalar_parameter_steps_as_optax_and_catch_up_leaves_it(name: str, kernel_path: str) -> None:
     """A scalar parameter beside a table (a dense leaf: every step touches it) takes the dense optimizer's steps,
-    and ``catch_up`` leaves it and its state as they are (it is up to date), float32 and bfloat16 alike: float32
+    and ``catch_up`` leaves it as it is (it is up to date), float32 and bfloat16 alike: float32
     scalars raised an IndexError in ``catch_up`` (Adam's and AdamW's replay indexed the table's rows), and in
     AMSGrad's step too."""
-    make, dense = _SCALAR_CASES[name]
+    make, dense = _CATCH_UP[name]
     tx, reference = make(), dense()
     for dtype in (jnp.float32, jnp.bfloat16):
         params = {"t": jnp.asarray(0.5, dtype), "e": jnp.zeros((4, 2), dtype)}
@@ -1106,23 +1102,14 @@ def test_a_scalar_parameter_steps_as_optax_and_catch_up_leaves_it(name: str, ker
         assert_trees_equal(caught[0]["t"], params["t"])
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: osa.sparse_adam(1e-2, catch_up=True),
-        lambda: osa.sparse_adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3, catch_up=True),
-        lambda: osa.sparse_amsgrad(1e-2, catch_up=True),
-        lambda: osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True),
-    ],
-    ids=["adam", "adamw schedule", "amsgrad", "sgd"],
-)
+@pytest.mark.parametrize("name", list(_CATCH_UP))
 def test_catch_up_of_a_table_split_by_rows_over_an_explicit_mesh_replays_each_devices_rows(
-    make: Any, kernel_path: str
+    name: str, kernel_path: str
 ) -> None:
     """On an ``Explicit`` mesh, a table and its state split by rows over 8 devices are caught up on each device's
     rows (inside shard_map): the one-device results, bitwise, the table still split. (Without that, the replay's
     reads of its tables of coefficients by row needed their sharding spelled out, and ``catch_up`` raised.)"""
-    tx = make()
+    tx = _CATCH_UP[name][0]()
     rows = 200
     p, state = _trained(tx, rows)
     want = jax.jit(lambda p, s: osa.catch_up(tx, p, s))(p, state)
