@@ -746,7 +746,10 @@ def _window(
     forward; ``gathered``: whether rows' reads gather from it in XLA (rather than a kernel reading it as an
     operand)."""
     tau = done - jnp.arange(plan.cap, dtype=jnp.int32)
-    h = jnp.where((tau >= 1)[:, None], plan.rates(tau, lr(jnp.maximum(tau, 1) - 1), jnp), 0.0)
+    # The steps before the first (tau < 1) are masked out, and their rates taken at tau = 1: at tau = 0 the bias
+    # correction 1 - b1**0 is 0, and its infinite quotient made reverse-mode derivatives NaN (0 times inf).
+    safe = jnp.maximum(tau, 1)
+    h = jnp.where((tau >= 1)[:, None], plan.rates(safe, lr(safe - 1), jnp), 0.0)
     if weights is not None:
         h = h * weights.after[:, None]
 

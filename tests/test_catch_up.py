@@ -1106,6 +1106,62 @@ def test_a_scalar_parameter_steps_as_optax_and_catch_up_leaves_it(name: str, ker
         assert_trees_equal(caught[0]["t"], params["t"])
 
 
+# Each catch-up optimizer and its dense optax reference at a learning rate that may be traced.
+_BY_RATE = {
+    "adam": (lambda lr: osa.sparse_adam(lr, catch_up=True), optax.adam),
+    "adamw": (
+        lambda lr: osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True),
+        lambda lr: optax.adamw(lr, weight_decay=0.3),
+    ),
+    "amsgrad": (lambda lr: osa.sparse_amsgrad(lr, catch_up=True), optax.amsgrad),
+    "sgd": (lambda lr: osa.sparse_sgd(lr, momentum=0.9, catch_up=True), lambda lr: optax.sgd(lr, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("name", list(_BY_RATE))
+def test_derivatives_through_catch_up_steps_are_the_dense_optimizers(name: str) -> None:
+    """Differentiated with respect to the initial table and the learning rate, six steps of a catch-up optimizer
+    (gradients that depend on the table, ids that leave rows idle for a few steps) and a
+    ``catch_up`` give the dense optax optimizer's derivatives: in forward mode for all four, in reverse mode for
+    AMSGrad and momentum SGD. Adam's and AdamW's replays loop over a number of idle steps read from the data,
+    which JAX does not differentiate in reverse mode: ``jax.grad`` raises. (AMSGrad's reverse-mode derivative with
+    respect to the learning rate was NaN: the window of its idle steps' coefficients divided by ``1 - b1**tau`` at
+    ``tau = 0`` where it was masked out.) Differentiated, the XLA path runs, kernels or not."""
+    sparse, dense = _BY_RATE[name]
+    rng = np.random.default_rng(5)
+    p0 = jnp.asarray(rng.normal(size=(20, 4)).astype(np.float32))
+    # The first step touches every row (dense optax's forward derivative is NaN on a row whose nu is still 0:
+    # sqrt's derivative at 0 times a zero tangent), the others a few, leaving rows idle for up to five steps.
+    ids = [jnp.arange(20), *(jnp.array([t, 2 * t + 1, 7, 7]) for t in range(1, 6))]
+    values = [jnp.asarray(rng.normal(size=(i.size, 4)).astype(np.float32)) for i in ids]
+
+    def loss(p0: jax.Array, lr: jax.Array, is_sparse: bool) -> jax.Array:
+        tx = sparse(lr) if is_sparse else dense(lr)
+        p, state = p0, tx.init(p0)
+        for t in range(6):
+            grads = osa.IndexedRows(ids[t], values[t] * jnp.sum(jnp.sin(p0)), 20)
+            if not is_sparse:
+                grads = jnp.zeros_like(p0).at[grads.indices].add(grads.values)
+            updates, state = tx.update(grads, state, p)
+            p = osa.apply_updates(p, updates)
+        if is_sparse:
+            p, state = osa.catch_up(tx, p, state)
+        return jnp.sum(jnp.sin(3.0 * p))
+
+    lr, tangents = jnp.float32(0.05), (jnp.asarray(rng.normal(size=(20, 4)).astype(np.float32)), jnp.float32(1.0))
+    forward = jax.jit(lambda x, y, s: jax.jvp(lambda a, b: loss(a, b, s), (x, y), tangents), static_argnums=2)
+    reverse = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    want_fwd, want_rev = forward(p0, lr, False), reverse(p0, lr, False)
+    np.testing.assert_allclose(forward(p0, lr, True), want_fwd, rtol=2e-5)
+    if name in ("adam", "adamw"):
+        with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):
+            reverse(p0, lr, True)
+        return
+    got = reverse(p0, lr, True)
+    np.testing.assert_allclose(got[0], want_rev[0], rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want_rev[0]))))
+    np.testing.assert_allclose(got[1], want_rev[1], rtol=2e-5)
+
+
 @pytest.mark.parametrize("name", list(_CATCH_UP))
 def test_catch_up_of_a_table_split_by_rows_over_an_explicit_mesh_replays_each_devices_rows(
     name: str, kernel_path: str
