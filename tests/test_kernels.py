@@ -832,6 +832,43 @@ def test_gradients_equal_the_xla_paths(case):
     assert_trees_equal(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_reverse_mode_takes_a_step_of_fewer_than_1024_ids_forward_mode_any(fused):
+    """A step's learning-rate derivative, against its closed form: Adam's first step from a zeroed state moves each
+    touched row by ``-lr u`` with ``u`` free of ``lr``, so ``d/dlr sum(p**2) = -2 sum(p (p0 - p)) / lr``. Reverse
+    mode takes a leaf of 1,023 ids; a leaf of 2,048 the XLA path processes in chunks as far as it holds rows, a loop
+    whose trip count is read from the data, which JAX differentiates in forward mode only (the docs say so)."""
+    rng = np.random.default_rng(3)
+    p0 = jnp.asarray(rng.normal(size=(4096, 4)).astype(np.float32))
+    lr = jnp.float32(0.1)
+
+    def loss(lr: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+        tx = osa.sparse_adam(lr)
+        grads = osa.IndexedRows(ids, values, 4096)
+        if fused:
+            p, _ = osa.update_and_apply(tx, grads, tx.init(p0), p0)
+        else:
+            updates, _ = tx.update(grads, tx.init(p0), p0)
+            p = osa.apply_updates(p0, updates)
+        return jnp.sum(p**2)
+
+    for k in (1023, 2048):
+        ids = jnp.asarray(rng.integers(0, 4096, k).astype(np.int32))
+        values = jnp.asarray(rng.normal(size=(k, 4)).astype(np.float32))
+        with osa.use_kernels(False):
+            tx = osa.sparse_adam(lr)
+            p = osa.update_and_apply(tx, osa.IndexedRows(ids, values, 4096), tx.init(p0), p0)[0]
+        want = float(-2 * jnp.sum(p * (p0 - p)) / lr)
+        forward = jax.jit(lambda lr, i, v: jax.jvp(lambda x: loss(x, i, v), (lr,), (jnp.float32(1.0),))[1])
+        np.testing.assert_allclose(forward(lr, ids, values), want, rtol=1e-4)
+        reverse = jax.jit(jax.grad(loss))
+        if k < 1024:
+            np.testing.assert_allclose(reverse(lr, ids, values), want, rtol=1e-4)
+        else:
+            with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):
+                reverse(lr, ids, values)
+
+
 # --- jax.export: an exported step takes the XLA path, so the artifact runs without this library. ---
 
 
