@@ -231,12 +231,16 @@ def select(native: Callable[..., Any], xla: Callable[..., Any], *operands: Any) 
     would inside ``use_kernels(False)``. (A kernel may pack a sparse result's
     rows in another order, and a tangent must sit in its primal's slot.)
     Without kernels (or inside ``use_kernels(False)``) only ``xla`` is traced,
-    and called as it is.
+    and called as it is. ``xla`` itself is traced without kernels: wherever its
+    branch runs (another platform, an export, a derivative) every selection
+    inside it runs its own XLA path too, so a selection nested in it traces
+    that alone (tracing the kernel's branch there as well made a step's trace
+    grow with each level of nesting).
     """
     if not enabled():
         return xla(*operands)
     n_jaxpr, n_consts, out_tree = _to_jaxpr(native, operands)
-    x_jaxpr, x_consts, x_tree = _to_jaxpr(xla, operands)
+    x_jaxpr, x_consts, x_tree = _to_jaxpr(_without_kernels(xla), operands)
     if out_tree != x_tree or [_aval_key(a) for a in n_jaxpr.out_avals] != [_aval_key(a) for a in x_jaxpr.out_avals]:
         raise TypeError(f"select: the kernel returns {n_jaxpr.out_avals}, the XLA path {x_jaxpr.out_avals}")
     flat = jax.tree.leaves(operands)
@@ -245,6 +249,16 @@ def select(native: Callable[..., Any], xla: Callable[..., Any], *operands: Any) 
     native_all = _retrace(n_jaxpr, args, skip=(len(n_consts), len(n_consts) + len(x_consts)))
     xla_all = _retrace(x_jaxpr, args, skip=(0, len(n_consts)))
     return jax.tree.unflatten(out_tree, _choose(native_all, xla_all, *args))
+
+
+def _without_kernels(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` traced inside ``use_kernels(False)``."""
+
+    def traced(*args: Any) -> Any:
+        with use_kernels(False):
+            return fn(*args)
+
+    return traced
 
 
 def _aval_key(aval: Any) -> tuple[Any, ...]:
