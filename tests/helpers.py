@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from optax_sparse_adam import _kernel_path
 
@@ -106,6 +107,17 @@ def jit_once(fn: Callable[..., Any], *, jit: Callable[..., Any] = jax.jit, **jit
         return fn(*args, **kwargs)
 
     return jit(counted, **jit_kwargs)
+
+
+def all_eqns(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` at every depth: those of its sub-jaxprs (jit, while, cond branches,
+    custom_jvp/vjp, the branches of a kernel's selection) follow the equation that holds them."""
+    for eqn in (jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr).eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, ClosedJaxpr | Jaxpr):
+                    yield from all_eqns(sub)
 
 
 # Why a test of the native kernels skips: they were not built (no C++ compiler at install time), or

@@ -16,10 +16,10 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import Jaxpr
 
 import optax_sparse_adam as osa
-from tests.helpers import assert_trees_equal, jit_once
+from tests.helpers import all_eqns, assert_trees_equal, jit_once
 
 pytestmark = pytest.mark.slow
 
@@ -49,16 +49,7 @@ def make_batches(n: int, seed: int = 0) -> list[tuple[jax.Array, jax.Array, jax.
 
 def all_shapes(jaxpr: Jaxpr) -> list[tuple[int, ...]]:
     """Shapes of every intermediate in ``jaxpr``, sub-jaxprs (jit, while, cond, custom_vjp) included."""
-    shapes = []
-    for eqn in jaxpr.eqns:
-        shapes += [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, tuple | list) else (p,):
-                if isinstance(sub, ClosedJaxpr):
-                    shapes += all_shapes(sub.jaxpr)
-                elif isinstance(sub, Jaxpr):
-                    shapes += all_shapes(sub)
-    return shapes
+    return [tuple(getattr(v.aval, "shape", ())) for eqn in all_eqns(jaxpr) for v in eqn.outvars]
 
 
 def table_sized(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

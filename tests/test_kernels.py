@@ -17,7 +17,15 @@ import pytest
 import optax_sparse_adam as osa
 from optax_sparse_adam import _kernel_path
 from optax_sparse_adam._kernel_path import PREFIX
-from tests.helpers import assert_trees_equal, jit_once, needs_kernels, non_finite_values, non_finite_zeroed, spread
+from tests.helpers import (
+    all_eqns,
+    assert_trees_equal,
+    jit_once,
+    needs_kernels,
+    non_finite_values,
+    non_finite_zeroed,
+    spread,
+)
 
 NUM_ROWS, WIDTH = 97, 5
 # The optimizers on the Adam kernels: plain lazy Adam, lazy AdamW (the decay of each touched row fused in) and
@@ -697,17 +705,9 @@ def test_lowers_for_gpu_and_tpu_without_the_cpu_kernel(fused, platform):
     assert "scatter" in text  # the XLA path
 
 
-def _selections(closed) -> list:
+def _selections(jaxpr) -> list:
     """The selections (``_kernel_path.select_p``) of a jaxpr, at every depth (inside jit, cond, loops, ...)."""
-    found = []
-    for eqn in closed.jaxpr.eqns if isinstance(closed, jax.extend.core.ClosedJaxpr) else closed.eqns:
-        if eqn.primitive is _kernel_path.select_p:
-            found.append(eqn)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
-                    found += _selections(sub)
-    return found
+    return [eqn for eqn in all_eqns(jaxpr) if eqn.primitive is _kernel_path.select_p]
 
 
 @needs_kernels
