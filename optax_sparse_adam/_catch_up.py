@@ -974,12 +974,15 @@ _LAST_STEPS = 64  # distinct last steps a chunk of the long-idle coefficients' l
 
 # Idle steps a trip of the per-row loops over a window's steps. A GPU runs each trip of a loop as kernel launches of
 # its own and a copy of the condition to the host (221 trips at optax's betas took 4 ms of AdamW's step under a
-# schedule on an H200): 16 a trip there. On the CPU and TPUs, 4 (measured on the CPU: the fastest of 1 to 16 for the
-# long-idle coefficients of 8,192 entries under a schedule, 1.5 ms against 2.0 at 16 and 1.7 at 1), and each step's
-# copy of the body (the schedule's too) is compiled: at 16, AdamW's catch-up step under a schedule took 5 s to
-# compile on the CPU, 1.7 s at 4. The same operations in the same order either way; XLA may contract multiply-adds
-# its own way in a body copied more times, so the parameters may differ by rounding.
-_UNROLL = 4
+# schedule on an H200): 16 a trip there. Elsewhere, 1: each step's copy of the body (the schedule's too) is compiled,
+# and on the CPU a single copy compiles faster and runs no slower. AdamW's catch-up step under a schedule, 1 against
+# 4 (Intel Xeon, 2 cores): 26 tables of 10,000 x 16 compiled in 9.3 to 9.6 s against 11.5 to 14.3 s (12.7 to 13.4
+# against 15.9 to 19.4 on the XLA path); at 1e6 x 64 with 8,192 Zipf ids the XLA path's step took 2.5 to 2.6 ms
+# against 2.9 to 3.1, and the kernel's the same within the noise (its XLA fallback runs for the rows it flags). At 16,
+# the step took 5 s to compile. (TPUs take 1 as well, unmeasured.) The same operations in the same order either
+# way; XLA may contract multiply-adds its own way in a body copied more times, so the parameters may differ by
+# rounding.
+_UNROLL = 1
 _UNROLL_GPU = 16
 
 
