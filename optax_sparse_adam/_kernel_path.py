@@ -39,6 +39,7 @@ from XLA's intra-op pool. The numbers do not depend on it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import functools
 import importlib.machinery
@@ -129,6 +130,8 @@ def _load() -> ctypes.CDLL | None:
 
 
 _LIB = _load()  # registration happens here, once per process
+# Whether a kernel's branch of a selection is being traced (see select).
+_IN_NATIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("optax_sparse_adam_in_native", default=False)
 # Part of jit's cache key: a function traced with the kernels is traced again without them.
 _CONFIG = jax.make_user_context(
     default_value=(os.environ.get("OPTAX_SPARSE_ADAM_KERNELS", "1") != "0", _threads_from_env())
@@ -235,11 +238,16 @@ def select(native: Callable[..., Any], xla: Callable[..., Any], *operands: Any) 
     branch runs (another platform, an export, a derivative) every selection
     inside it runs its own XLA path too, so a selection nested in it traces
     that alone (tracing the kernel's branch there as well made a step's trace
-    grow with each level of nesting).
+    grow with each level of nesting). Likewise a selection nested in the
+    kernel's branch traces its kernel alone: that branch is lowered only for
+    the CPU alone, and never differentiated, so the XLA path of a selection
+    inside it would never run.
     """
     if not enabled():
         return xla(*operands)
-    n_jaxpr, n_consts, out_tree = _to_jaxpr(native, operands)
+    if _IN_NATIVE.get():
+        return native(*operands)
+    n_jaxpr, n_consts, out_tree = _to_jaxpr(_as_native(native), operands)
     x_jaxpr, x_consts, x_tree = _to_jaxpr(_without_kernels(xla), operands)
     if out_tree != x_tree or [_aval_key(a) for a in n_jaxpr.out_avals] != [_aval_key(a) for a in x_jaxpr.out_avals]:
         raise TypeError(f"select: the kernel returns {n_jaxpr.out_avals}, the XLA path {x_jaxpr.out_avals}")
@@ -249,6 +257,19 @@ def select(native: Callable[..., Any], xla: Callable[..., Any], *operands: Any) 
     native_all = _retrace(n_jaxpr, args, skip=(len(n_consts), len(n_consts) + len(x_consts)))
     xla_all = _retrace(x_jaxpr, args, skip=(0, len(n_consts)))
     return jax.tree.unflatten(out_tree, _choose(native_all, xla_all, *args))
+
+
+def _as_native(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` traced as a kernel's branch: selections inside it trace their kernel alone."""
+
+    def traced(*args: Any) -> Any:
+        token = _IN_NATIVE.set(True)
+        try:
+            return fn(*args)
+        finally:
+            _IN_NATIVE.reset(token)
+
+    return traced
 
 
 def _without_kernels(fn: Callable[..., Any]) -> Callable[..., Any]:
