@@ -712,11 +712,13 @@ def _selections(jaxpr) -> list:
 
 @needs_kernels
 @pytest.mark.parametrize("fused", [False, True])
-def test_the_xla_branch_of_a_selection_holds_no_kernel(fused):
+def test_the_branches_of_a_selection_hold_no_selection(fused):
     """Wherever a selection's XLA branch runs (another platform, an export, a derivative), so do those of the
     selections inside it: the branch is traced without kernels, and a step traces each rule once on each path
     (with the kernel's branch traced inside every XLA branch as well, a catch-up AdamW step under a schedule on 26
-    tables took 41 s to trace rather than 19). The kernel's branch still holds the kernel."""
+    tables took 41 s to trace rather than 19). The kernel's branch runs only where the CPU alone is lowered for, and
+    is never differentiated: a selection inside it traces its kernel alone (its XLA branch could never run). The
+    kernel's branch holds the kernel, and the fused step's fallback for the rows it flags the steps kernel."""
     tx = osa.sparse_adamw(optax.linear_schedule(0.1, 0.01, 10), weight_decay=0.3, catch_up=True)
     table = jnp.zeros((NUM_ROWS, WIDTH), jnp.float32)
     args = (table, tx.init(table), jnp.zeros((8,), jnp.int32), jnp.ones((8, WIDTH), jnp.float32))
@@ -724,8 +726,11 @@ def test_the_xla_branch_of_a_selection_holds_no_kernel(fused):
     assert outer
     for eqn in outer:
         assert not _selections(eqn.params["xla"])
+        assert not _selections(eqn.params["native"])
     kernel = PREFIX + _kernel_of("adamw catch_up", fused)
     assert any(kernel in str(eqn.params["native"]) for eqn in outer)
+    if fused:
+        assert any(PREFIX + "catch_up_adam_steps" in str(eqn.params["native"]) for eqn in outer)
 
 
 @needs_kernels
