@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -129,17 +130,41 @@ def rate_at(learning_rate: optax.ScalarOrSchedule, done: jax.Array) -> jax.Array
         return jnp.asarray(learning_rate)
     try:
         vmapped = _vmapped(learning_rate)
-    except TypeError:  # an unhashable schedule
+    except TypeError:  # a schedule that cannot be weakly referenced
         vmapped = jax.vmap(learning_rate)
     return vmapped(done.reshape(-1)).reshape(done.shape)
 
 
-@functools.lru_cache(maxsize=64)
+# id(schedule) -> (a weak reference to it, its vmapped jit); an entry goes with its schedule.
+_VMAPPED: dict[int, tuple[weakref.ref[Any], Callable[[jax.Array], jax.Array]]] = {}
+
+
 def _vmapped(schedule: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
     """``schedule`` vmapped, under a ``jit`` of its own: a step evaluates the schedule at many places (the windows
-    and loops of each table), and the jit traces it once for each shape of counts (eight tables' catch-up AdamW
-    step under a schedule traced it 240 times, an eighth of the step's trace)."""
-    return jax.jit(jax.vmap(schedule))
+    and loops of each table), and the jit traces it once for each shape of counts and setting of the kernels (eight
+    tables' catch-up AdamW step under a schedule traced it 240 times, an eighth of the step's trace). Kept as long
+    as the schedule lives, by identity (a schedule built inside a traced function, closing over its tracers, goes
+    with its optimizer, and so do its traces); the jit holds the schedule weakly. As for any jitted function, what a
+    schedule reads besides its argument is read when it is traced."""
+    key = id(schedule)
+    entry = _VMAPPED.get(key)
+    if entry is not None and entry[0]() is schedule:
+        return entry[1]
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        if _VMAPPED.get(key, (None,))[0] is ref:
+            del _VMAPPED[key]
+
+    ref = weakref.ref(schedule, forget)  # TypeError where it cannot be weakly referenced
+
+    def call(counts: jax.Array) -> jax.Array:
+        fn = ref()
+        assert fn is not None  # traced only when called for the schedule, which is then alive
+        return jax.vmap(fn)(counts)
+
+    vmapped = jax.jit(call)
+    _VMAPPED[key] = (ref, vmapped)
+    return vmapped
 
 
 def caught_up_update(p0: jax.Array, p: jax.Array, step: jax.Array, moved: jax.Array) -> jax.Array:
@@ -990,10 +1015,10 @@ _LAST_STEPS = 64  # distinct last steps a chunk of the long-idle coefficients' l
 # and on the CPU a single copy compiles faster and runs no slower. AdamW's catch-up step under a schedule, 1 against
 # 4 (Intel Xeon, 2 cores): 26 tables of 10,000 x 16 compiled in 9.3 to 9.6 s against 11.5 to 14.3 s (12.7 to 13.4
 # against 15.9 to 19.4 on the XLA path); at 1e6 x 64 with 8,192 Zipf ids the XLA path's step took 2.5 to 2.6 ms
-# against 2.9 to 3.1, and the kernel's the same within the noise (its XLA fallback runs for the rows it flags). At 16,
-# the step took 5 s to compile. (TPUs take 1 as well, unmeasured.) The same operations in the same order either
-# way; XLA may contract multiply-adds its own way in a body copied more times, so the parameters may differ by
-# rounding.
+# against 2.9 to 3.1, and the kernel's the same within the noise (its XLA fallback runs for the rows it flags). An
+# earlier measurement, of another configuration: 5.1 s to compile at 16, 1.7 s at 4. TPUs take 1 as well,
+# unmeasured. The same operations in the same order either way; XLA may contract multiply-adds its own way in a body
+# copied more times, so the parameters may differ by rounding.
 _UNROLL = 1
 _UNROLL_GPU = 16
 

@@ -299,12 +299,14 @@ def catch_up_amsgrad(
     name = "catch_up_amsgrad_rows" if rows else "catch_up_amsgrad_apply"
     attrs = _attrs(p.shape[0], cap=ops.cap, far_by_key=ops.far_by_key, decay2=ops.decay2 is not None, unique=unique)
 
+    key_shape = keys.shape  # the shape alone: fn, kept in the step's jaxpr, holds no tracer
+
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
         record = jax.ShapeDtypeStruct(args[4].shape, args[4].dtype)
         out: tuple[jax.ShapeDtypeStruct, ...]
         if rows:
-            packed = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(args[6].shape, args[6].dtype))
+            packed = (jax.ShapeDtypeStruct(key_shape, jnp.int32), jax.ShapeDtypeStruct(args[6].shape, args[6].dtype))
             out, aliases = (table, table, table, record, *packed), {1: 0, 2: 1, 3: 2, 4: 3}
         else:
             out, aliases = (table, table, table, table, record), {i: i for i in range(5)}
@@ -493,13 +495,15 @@ def _catch_up_adam(
     p, m, v, last_step, decay_mark = tables
     attrs = _attrs(p.shape[0], **flags)
 
+    key_shape = keys.shape  # the shape alone: fn, kept in the step's jaxpr, holds no tracer
+
     def fn(row_begin: jax.Array, *args: jax.Array):
         table = jax.ShapeDtypeStruct(args[0].shape, args[0].dtype)
         records = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[3:5])
-        flags = jax.ShapeDtypeStruct(keys.shape, jnp.int32)
+        flags = jax.ShapeDtypeStruct(key_shape, jnp.int32)
         out: tuple[jax.ShapeDtypeStruct, ...]
         if rows:
-            packed = (jax.ShapeDtypeStruct(keys.shape, jnp.int32), jax.ShapeDtypeStruct(args[6].shape, args[6].dtype))
+            packed = (jax.ShapeDtypeStruct(key_shape, jnp.int32), jax.ShapeDtypeStruct(args[6].shape, args[6].dtype))
             out, aliases = (table, table, *records, *packed, flags), {1: 0, 2: 1, 3: 2, 4: 3}
         else:
             out, aliases = (table, table, table, *records, flags), {i: i for i in range(5)}
@@ -1003,8 +1007,10 @@ def catch_up_momentum(
     rows (``rows``) NaN, and ``flags`` is 1 in each of its keys (0 elsewhere)."""
     attrs = _attrs(p.shape[0], cap=cap, per_key=per_key is not None, nesterov=nesterov, unique=unique)
 
+    key_shape = keys.shape  # the shape alone: fn, kept in the step's jaxpr, holds no tracer
+
     def fn(row_begin: jax.Array, p: jax.Array, t: jax.Array, last: jax.Array, *rest: jax.Array):
-        flags = jax.ShapeDtypeStruct(keys.shape, jnp.int32)
+        flags = jax.ShapeDtypeStruct(key_shape, jnp.int32)
         if rows:
             keys_in, values_in = rest[0], rest[1]
             out = (

@@ -39,7 +39,6 @@ from XLA's intra-op pool. The numbers do not depend on it.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import ctypes
 import functools
 import importlib.machinery
@@ -130,11 +129,11 @@ def _load() -> ctypes.CDLL | None:
 
 
 _LIB = _load()  # registration happens here, once per process
-# Whether a kernel's branch of a selection is being traced (see select).
-_IN_NATIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("optax_sparse_adam_in_native", default=False)
-# Part of jit's cache key: a function traced with the kernels is traced again without them.
+# (kernels enabled, threads, tracing a kernel's branch of a selection: see select). Part of the key of jit's caches
+# and of JAX's other trace caches (cond's, loops'): a function traced with the kernels is traced again without them,
+# and one traced inside a kernel's branch again outside it.
 _CONFIG = jax.make_user_context(
-    default_value=(os.environ.get("OPTAX_SPARSE_ADAM_KERNELS", "1") != "0", _threads_from_env())
+    default_value=(os.environ.get("OPTAX_SPARSE_ADAM_KERNELS", "1") != "0", _threads_from_env(), False)
 )
 
 
@@ -211,7 +210,7 @@ def use_kernels(enabled: bool = True, *, threads: int | None = None) -> Iterator
         threads = current_threads
     elif isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"use_kernels: threads={threads!r}; it must be an integer from 1 to {MAX_THREADS}")
-    with _CONFIG((bool(enabled), threads)):
+    with _CONFIG((bool(enabled), threads, _CONFIG.value[2])):
         yield
 
 
@@ -245,7 +244,7 @@ def select(native: Callable[..., Any], xla: Callable[..., Any], *operands: Any) 
     """
     if not enabled():
         return xla(*operands)
-    if _IN_NATIVE.get():
+    if _CONFIG.value[2]:
         return native(*operands)
     n_jaxpr, n_consts, out_tree = _to_jaxpr(_as_native(native), operands)
     x_jaxpr, x_consts, x_tree = _to_jaxpr(_without_kernels(xla), operands)
@@ -263,11 +262,8 @@ def _as_native(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` traced as a kernel's branch: selections inside it trace their kernel alone."""
 
     def traced(*args: Any) -> Any:
-        token = _IN_NATIVE.set(True)
-        try:
+        with _CONFIG((*_CONFIG.value[:2], True)):
             return fn(*args)
-        finally:
-            _IN_NATIVE.reset(token)
 
     return traced
 

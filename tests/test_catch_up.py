@@ -1594,3 +1594,32 @@ def test_powers_of_a_rate_are_within_a_few_ulps_for_any_count(b: float) -> None:
     ulp = np.spacing(want[normal].astype(np.float32)).astype(np.float64)
     assert np.all(np.abs(got[normal] - want[normal]) <= 3.5 * ulp), np.max(np.abs(got[normal] - want[normal]) / ulp)
     assert np.all((got[~normal] == 0) | (got[~normal] <= 2 * tiny))
+
+
+def test_a_schedule_is_traced_once_and_goes_with_its_optimizer(
+    monkeypatch: pytest.MonkeyPatch, kernel_path: str
+) -> None:
+    """A step evaluates its schedule under a jit of its own, kept while the schedule lives: a schedule built inside
+    a jitted function from a traced learning rate (a sweep) leaks no tracer (``jax.checking_leaks``; neither does a
+    kernel's call, which keeps no traced operand in the step's jaxpr) and leaves no entry behind, and the steps'
+    numbers are those of the schedule vmapped at each place (the cache turned off)."""
+
+    def run(peak: jax.Array) -> tuple[jax.Array, jax.Array]:
+        tx = osa.sparse_adamw(optax.linear_schedule(peak, 1e-3, 20), 0.3, catch_up=True)
+        p = jnp.ones((30, 4), jnp.float32)
+        state = tx.init(p)
+        for t in range(6):
+            g = osa.IndexedRows(jnp.array([t, 2 * t + 1, 7], jnp.int32), jnp.full((3, 4), 0.5 + t, jnp.float32), 30)
+            p, state = osa.update_and_apply(tx, g, state, p)
+        return p, osa.catch_up(tx, p, state)[0]
+
+    entries = len(_catch_up._VMAPPED)
+    with jax.checking_leaks():
+        cached = jax.jit(run)(jnp.float32(0.05))
+    assert len(_catch_up._VMAPPED) == entries
+
+    def uncached(schedule: Any) -> Any:
+        raise TypeError("not cached")
+
+    monkeypatch.setattr(_catch_up, "_vmapped", uncached)
+    assert_trees_equal(cached, jax.jit(run)(jnp.float32(0.05)))
