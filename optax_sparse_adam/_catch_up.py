@@ -153,7 +153,7 @@ def _vmapped(schedule: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array]
 
     def forget(ref: weakref.ref[Any]) -> None:
         if _VMAPPED.get(key, (None,))[0] is ref:
-            del _VMAPPED[key]
+            _VMAPPED.pop(key, None)
 
     ref = weakref.ref(schedule, forget)  # TypeError where it cannot be weakly referenced
 
@@ -162,6 +162,7 @@ def _vmapped(schedule: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array]
         assert fn is not None  # traced only when called for the schedule, which is then alive
         return jax.vmap(fn)(counts)
 
+    call.__name__ = call.__qualname__ = str(getattr(schedule, "__name__", "schedule"))  # the jit's name in a jaxpr
     vmapped = jax.jit(call)
     _VMAPPED[key] = (ref, vmapped)
     return vmapped
