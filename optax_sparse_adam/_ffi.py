@@ -92,6 +92,31 @@ def _row_blocks(sharding: Any, shape: tuple[int, ...]) -> np.ndarray:
     return np.array(blocks, dtype=object)
 
 
+def _check_holds_no_tracer(fn: Callable[..., Any]) -> None:
+    """Raise if ``fn``, or a function it closes over, closes over a tracer (which would outlive its trace)."""
+    seen: set[int] = set()
+    todo = [fn]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        code = getattr(f, "__code__", None)
+        for name, cell in zip(code.co_freevars if code else (), getattr(f, "__closure__", None) or (), strict=True):
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
+            for leaf in jax.tree_util.tree_leaves(contents):
+                if isinstance(leaf, jax.core.Tracer):
+                    raise TypeError(
+                        f"{f.__qualname__} closes over the tracer {name!r}; a row-shard kernel's function outlives "
+                        "its trace: pass the value as an operand, or close over its shape"
+                    )
+                if callable(getattr(leaf, "__code__", None)):
+                    todo.append(leaf)
+
+
 def _by_row_shards(fn: Callable[..., tuple[jax.Array, ...]], rule: str, summed: tuple[int, ...] = ()) -> Any:
     """``fn(row_begin, *tables, *rest)`` made to run on each row shard of its tables under SPMD partitioning.
 
@@ -104,7 +129,12 @@ def _by_row_shards(fn: Callable[..., tuple[jax.Array, ...]], rule: str, summed: 
     are summed over the shards (each shard writes zeros where it holds no
     row), the others come out alike on every shard. On one device, or inside
     ``shard_map``, ``fn`` runs as it is with ``row_begin = 0``.
+
+    ``fn`` lives as long as the step's jaxpr (its partitioning rule keeps it),
+    so it must hold no tracer: pass traced values as operands, and close over
+    their shapes and dtypes only (checked here).
     """
+    _check_holds_no_tracer(fn)
 
     @custom_partitioning
     def call(*args: jax.Array) -> tuple[jax.Array, ...]:

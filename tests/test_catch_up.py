@@ -1153,10 +1153,11 @@ def test_derivatives_through_catch_up_steps_are_the_dense_optimizers(name: str) 
 
     @functools.partial(jax.jit, static_argnums=1)
     def forward(p0: jax.Array, is_sparse: bool) -> jax.Array:
-        # The derivative along a direction of the table, and the one with respect to the learning rate, apart.
-        along_p = jax.jvp(lambda a: loss(a, lr, is_sparse), (p0,), (direction,))[1]
-        along_lr = jax.jvp(lambda b: loss(p0, b, is_sparse), (lr,), (jnp.float32(1.0),))[1]
-        return jnp.stack([along_p, along_lr])
+        # The derivative along a direction of the table, and the one with respect to the learning rate, apart: two
+        # tangents of one linearization (one trace of the steps).
+        tangents = (jnp.stack([direction, jnp.zeros_like(direction)]), jnp.array([0.0, 1.0], jnp.float32))
+        along = jax.linearize(lambda a, b: loss(a, b, is_sparse), p0, lr)[1]
+        return jax.vmap(along)(*tangents)
 
     reverse = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
     # The closed forms against dense steps: at most 3e-6 apart here, relative.
@@ -1623,7 +1624,7 @@ def test_a_schedule_is_traced_once_and_goes_with_its_optimizer(
         tx = optimizers[name](schedule)
         p = jnp.ones((30, 4), jnp.float32)
         state = tx.init(p)
-        for t in range(6):
+        for t in range(4):
             g = osa.IndexedRows(jnp.array([t, 2 * t + 1, 7], jnp.int32), jnp.full((3, 4), 0.5 + t, jnp.float32), 30)
             if t % 2:  # the fused step and the two calls
                 p, state = osa.update_and_apply(tx, g, state, p)

@@ -409,6 +409,36 @@ def test_a_kernels_results_vary_over_the_axes_its_operands_vary_over():
     np.testing.assert_allclose(jax.jit(psum)(*args), values.sum(axis=0), rtol=1e-5, atol=1e-4)  # 512 unit normals
 
 
+def test_a_row_shard_kernels_function_may_hold_no_tracer():
+    """The function a kernel's partitioning rule keeps lives as long as the step's jaxpr: one that closes over a
+    tracer, directly or through a function it closes over, is refused at trace time with the variable's name; one
+    that closes over the traced value's shape alone runs."""
+
+    def step(table: jax.Array, direct: bool) -> jax.Array:
+        def add(rows: jax.Array) -> jax.Array:
+            return rows + table[:1]
+
+        def fn(row_begin: jax.Array, rows: jax.Array) -> tuple[jax.Array]:
+            return ((rows + table[:1]) if direct else add(rows),)
+
+        return _ffi._by_row_shards(fn, "n w -> n w")(table)[0]
+
+    table = jnp.arange(8.0, dtype=jnp.float32).reshape(4, 2)
+    for direct in (True, False):
+        with pytest.raises(TypeError, match="closes over the tracer 'table'"):
+            jax.jit(step, static_argnums=1)(table, direct)
+
+    def shape_only(table: jax.Array) -> jax.Array:
+        shape = table.shape
+
+        def fn(row_begin: jax.Array, rows: jax.Array) -> tuple[jax.Array]:
+            return (rows + jnp.ones(shape, rows.dtype),)
+
+        return _ffi._by_row_shards(fn, "n w -> n w")(table)[0]
+
+    np.testing.assert_array_equal(jax.jit(shape_only)(table), table + 1)
+
+
 @pytest.mark.parametrize(("capacity", "route"), [(4, "second round"), (2, "all-gather")])
 def test_overflow_count_is_exact_and_no_id_is_dropped(capacity, route):
     """Device 0 looks up 6 distinct rows of device 1's block (and one duplicate): capacity 4 leaves 2 over, which
