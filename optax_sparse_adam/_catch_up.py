@@ -135,8 +135,11 @@ def rate_at(learning_rate: optax.ScalarOrSchedule, done: jax.Array) -> jax.Array
     return vmapped(done.reshape(-1)).reshape(done.shape)
 
 
-# id(schedule) -> (a weak reference to it, its vmapped jit); an entry goes with its schedule.
+# id(schedule) -> (a weak reference to it, its vmapped jit); an entry goes with its schedule, or, past
+# _MAX_SCHEDULES entries, the oldest goes (a schedule whose own traced program refers back to it, such as a
+# jax.custom_jvp whose rule closes over it, is kept alive by its entry's jit).
 _VMAPPED: dict[int, tuple[weakref.ref[Any], Callable[[jax.Array], jax.Array]]] = {}
+_MAX_SCHEDULES = 256
 
 
 def _vmapped(schedule: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
@@ -164,6 +167,9 @@ def _vmapped(schedule: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array]
 
     call.__name__ = call.__qualname__ = str(getattr(schedule, "__name__", "schedule"))  # the jit's name in a jaxpr
     vmapped = jax.jit(call)
+    _VMAPPED.pop(key, None)  # a dead schedule's entry whose callback has not run yet
+    while len(_VMAPPED) >= _MAX_SCHEDULES:
+        _VMAPPED.pop(next(iter(_VMAPPED)))  # the oldest: traced again if its schedule comes back
     _VMAPPED[key] = (ref, vmapped)
     return vmapped
 

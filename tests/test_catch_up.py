@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.serialization
@@ -1646,3 +1647,33 @@ def test_a_schedule_is_traced_once_and_goes_with_its_optimizer(
     monkeypatch.setattr(_catch_up, "_vmapped", uncached)
     assert_trees_equal(cached, jax.jit(lambda peak: run(peak))(jnp.float32(0.05)))
     assert 0 < cached_traces < traces[0]
+
+
+def test_schedules_that_keep_themselves_alive_are_kept_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schedule whose traced program refers back to it (a ``jax.custom_jvp`` whose rule closes over it) is kept
+    alive by its own entry; past ``_MAX_SCHEDULES`` entries the oldest goes, and a schedule whose entry went is
+    traced again, its rates unchanged."""
+
+    def make(scale: float) -> Callable[[jax.Array], jax.Array]:
+        @jax.custom_jvp
+        def schedule(count: jax.Array) -> jax.Array:
+            return scale / (1.0 + count.astype(jnp.float32))
+
+        @schedule.defjvp
+        def _(primals: Any, tangents: Any) -> Any:
+            return schedule(*primals), jnp.zeros((), jnp.float32)  # closes over the schedule itself
+
+        return schedule
+
+    monkeypatch.setattr(_catch_up, "_VMAPPED", {})
+    monkeypatch.setattr(_catch_up, "_MAX_SCHEDULES", 4)
+    counts = jnp.array([[0, 1], [3, 7]], jnp.int32)
+    schedules = [make(float(i + 1)) for i in range(10)]
+    for i, schedule in enumerate(schedules):
+        np.testing.assert_array_equal(_catch_up.rate_at(schedule, counts), (i + 1.0) / (1.0 + counts))
+        assert len(_catch_up._VMAPPED) <= 4
+    del schedules[4:]
+    gc.collect()
+    assert len(_catch_up._VMAPPED) == 4  # the last four, alive through their own jits
+    np.testing.assert_array_equal(_catch_up.rate_at(schedules[0], counts), 1.0 / (1.0 + counts))
+    assert _catch_up._VMAPPED[id(schedules[0])][0]() is schedules[0]
