@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi
-from optax_sparse_adam._checks import check_hparam, check_params, check_state
+from optax_sparse_adam._checks import check_hparam, check_learning_rate, check_params, check_state
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import apply_rule, elementwise_kernel, map_rule, scaled_rule, step_factor
 
@@ -164,7 +164,7 @@ def sparse_adagrad(
       Array([[0.9047, 0.9047],
              [1.    , 1.    ]], dtype=float32)
     """
-    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    check_learning_rate(learning_rate)
     inner = scale_by_sparse_adagrad(initial_accumulator_value=initial_accumulator_value, eps=eps)
     # update_and_apply may fuse this chain into one pass per row: what it needs travels with tx.update.
     return with_learning_rate(inner, learning_rate, AdagradFusion(learning_rate, eps))

@@ -26,6 +26,7 @@ from optax_sparse_adam._checks import (
     check_dense_gradient,
     check_dtype,
     check_hparam,
+    check_learning_rate,
     check_mask,
     check_params,
     check_state,
@@ -548,7 +549,7 @@ def sparse_adam(
       <https://arxiv.org/abs/1412.6980>`_, 2014; PyTorch's
       ``torch.optim.SparseAdam`` and ``torch.optim.Adam``.
     """
-    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    check_learning_rate(learning_rate)
     if check_bool("catch_up", catch_up):
         from optax_sparse_adam import _catch_up  # it builds on this module's rule
 

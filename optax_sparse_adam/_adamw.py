@@ -15,7 +15,15 @@ from optax_sparse_adam._adam import (
     _hyperparams,
     scale_by_sparse_adam,
 )
-from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state, mask_tree
+from optax_sparse_adam._checks import (
+    check_bool,
+    check_dtype,
+    check_hparam,
+    check_learning_rate,
+    check_params,
+    check_state,
+    mask_tree,
+)
 from optax_sparse_adam._learning_rate import with_learning_rate
 from optax_sparse_adam._row_engine import apply_rule, at_count, map_rule, row_full, stamp
 from optax_sparse_adam._tree import broadcast_rows
@@ -88,7 +96,7 @@ def lazy_decoupled_weight_decay(
       >>> osa.apply_updates(p, u)[:, 0].round(4)  # ... and catches up: 0.95 ** 4
       Array([0.8574, 0.8145], dtype=float32)
     """
-    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    check_learning_rate(learning_rate)
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
 
     def init_fn(params: optax.Params) -> LazyWeightDecayState:
@@ -210,7 +218,7 @@ def sparse_adamw(
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
-    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    check_learning_rate(learning_rate)
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
     if check_bool("catch_up", catch_up):
         if callable(weight_decay):

@@ -24,7 +24,14 @@ import optax
 from optax_sparse_adam import _catch_up, _ffi, _kernel_path
 from optax_sparse_adam._adam import _hyperparams, kernel_scalars
 from optax_sparse_adam._catch_up import IdleRecord
-from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
+from optax_sparse_adam._checks import (
+    check_bool,
+    check_dtype,
+    check_hparam,
+    check_learning_rate,
+    check_params,
+    check_state,
+)
 from optax_sparse_adam._fusion import Clipped
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
@@ -261,7 +268,7 @@ def sparse_amsgrad(
       >>> osa.apply_updates(p, u)[:, 0].round(3)
       Array([0.9, 1. , 1. ], dtype=float32)
     """
-    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    check_learning_rate(learning_rate)
     if check_bool("catch_up", catch_up):
         return _catch_up_amsgrad(learning_rate, b1, b2, eps, eps_root, mu_dtype)
     inner = scale_by_sparse_amsgrad(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype)

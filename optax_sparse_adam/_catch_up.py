@@ -136,7 +136,7 @@ def rate_at(learning_rate: optax.ScalarOrSchedule, done: jax.Array) -> jax.Array
 
 
 # id(schedule) -> (a weak reference to it, its vmapped jit); an entry goes with its schedule, or, past
-# _MAX_SCHEDULES entries, the oldest goes (a schedule whose own traced program refers back to it, such as a
+# _MAX_SCHEDULES entries, the least recently used goes (a schedule whose own traced program refers back to it, such as a
 # jax.custom_jvp whose rule closes over it, is kept alive by its entry's jit).
 _VMAPPED: dict[int, tuple[weakref.ref[Any], Callable[[jax.Array], jax.Array]]] = {}
 _MAX_SCHEDULES = 256
@@ -146,12 +146,14 @@ def _vmapped(schedule: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array]
     """``schedule`` vmapped, under a ``jit`` of its own: a step evaluates the schedule at many places (the windows
     and loops of each table), and the jit traces it once for each shape of counts and setting of the kernels (eight
     tables' catch-up AdamW step under a schedule traced it 240 times, an eighth of the step's trace). Kept as long
-    as the schedule lives, by identity (a schedule built inside a traced function, closing over its tracers, goes
-    with its optimizer, and so do its traces); the jit holds the schedule weakly. As for any jitted function, what a
-    schedule reads besides its argument is read when it is traced."""
+    as the schedule lives (the least recently used of more than ``_MAX_SCHEDULES`` going first), by identity (a
+    schedule built inside a traced function, closing over its tracers, goes with its optimizer, and so do its
+    traces); the jit holds the schedule weakly. As for any jitted function, what a schedule reads besides its
+    argument is read when it is traced."""
     key = id(schedule)
     entry = _VMAPPED.get(key)
     if entry is not None and entry[0]() is schedule:
+        _VMAPPED[key] = _VMAPPED.pop(key)  # the most recently used goes last: the bound drops the least recent
         return entry[1]
 
     def forget(ref: weakref.ref[Any]) -> None:
@@ -169,7 +171,7 @@ def _vmapped(schedule: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array]
     vmapped = jax.jit(call)
     _VMAPPED.pop(key, None)  # a dead schedule's entry whose callback has not run yet
     while len(_VMAPPED) >= _MAX_SCHEDULES:
-        _VMAPPED.pop(next(iter(_VMAPPED)))  # the oldest: traced again if its schedule comes back
+        _VMAPPED.pop(next(iter(_VMAPPED)), None)  # the least recently used: traced again if its schedule comes back
     _VMAPPED[key] = (ref, vmapped)
     return vmapped
 
@@ -187,7 +189,10 @@ def caught_up_update(p0: jax.Array, p: jax.Array, step: jax.Array, moved: jax.Ar
     rounded = (p + step).astype(p0.dtype)
     if narrow:
         rounded = jax.lax.optimization_barrier(rounded)
-    caught = rounded.astype(step.dtype) - p0.astype(step.dtype)
+    # Where p0 is an infinity, the replayed row itself (inf - inf is NaN; p0 + row is the row where the replay kept
+    # the infinity, as the dense optimizer's steps leave it): the kernels' CaughtUpUpdate.
+    start = p0.astype(step.dtype)
+    caught = rounded.astype(step.dtype) - jnp.where(jnp.isinf(start), 0, start)
     return jnp.where(moved, caught, step)
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "check_dense_gradient",
     "check_dtype",
     "check_hparam",
+    "check_learning_rate",
     "check_mask",
     "check_params",
     "check_state",
@@ -53,6 +54,14 @@ def check_hparam(name: str, value: Any, *, lower: float, lower_open: bool, upper
         lo = f"> {lower:g}" if lower_open else f">= {lower:g}"
         rule = f"in [{lower:g}, {upper:g})" if math.isfinite(upper) else f"finite and {lo}"
         raise ValueError(f"Invalid {name}: {value!r}; it must be {rule}")
+
+
+def check_learning_rate(value: Any) -> None:
+    """Checks a concrete learning rate: a number > 0 (as ``torch.optim.SparseAdam`` has it), or a concrete jax
+    array >= 0, as ``optax.inject_hyperparams`` passes a schedule's value when it builds the optimizer outside a
+    trace (at ``init``, and at each eager step): a warmup from 0 reaches the optimizer as ``Array(0.)``, a step that
+    moves no parameter, as optax takes it."""
+    check_hparam("learning_rate", value, lower=0.0, lower_open=not isinstance(value, jax.Array))
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -9,6 +9,8 @@ row-sharded table runs the kernel on each device's block
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -93,27 +95,36 @@ def _row_blocks(sharding: Any, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _check_holds_no_tracer(fn: Callable[..., Any]) -> None:
-    """Raise if ``fn``, or a function it closes over, closes over a tracer (which would outlive its trace)."""
+    """Raise if ``fn``, or a function it closes over or is bound to (closures, default arguments, a partial's
+    arguments, a method's instance), holds a tracer, which would outlive its trace."""
     seen: set[int] = set()
-    todo = [fn]
+    todo: list[Any] = [fn]
     while todo:
         f = todo.pop()
         if id(f) in seen:
             continue
         seen.add(id(f))
-        code = getattr(f, "__code__", None)
-        for name, cell in zip(code.co_freevars if code else (), getattr(f, "__closure__", None) or (), strict=True):
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # a cell not yet filled
-                continue
-            for leaf in jax.tree_util.tree_leaves(contents):
+        held: list[tuple[str, Any]] = []
+        if isinstance(f, functools.partial):
+            held += [("a partial's argument", a) for a in (*f.args, *f.keywords.values())]
+            held.append(("a partial's function", f.func))
+        elif inspect.ismethod(f):
+            held += [("the method's instance", f.__self__), ("the method's function", f.__func__)]
+        elif inspect.isfunction(f):
+            for name, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True):
+                try:
+                    held.append((repr(name), cell.cell_contents))
+                except ValueError:  # a cell not yet filled
+                    continue
+            held += [("a default argument", d) for d in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())]
+        for name, value in held:
+            for leaf in jax.tree_util.tree_leaves(value):
                 if isinstance(leaf, jax.core.Tracer):
                     raise TypeError(
-                        f"{f.__qualname__} closes over the tracer {name!r}; a row-shard kernel's function outlives "
-                        "its trace: pass the value as an operand, or close over its shape"
+                        f"{getattr(f, '__qualname__', f)!r} holds a tracer ({name}); a row-shard kernel's function "
+                        "outlives its trace: pass the value as an operand, or close over its shape"
                     )
-                if callable(getattr(leaf, "__code__", None)):
+                if inspect.isfunction(leaf) or inspect.ismethod(leaf) or isinstance(leaf, functools.partial):
                     todo.append(leaf)
 
 
@@ -317,7 +328,8 @@ def catch_up_amsgrad(
     place as ``max(last_step, count)``. With ``rows``, the leaf rule for ``tx.update`` (``catch_up_amsgrad_rows``):
     ``(m, v, v_max, last_step, keys, updates)``, ``p`` read only, each touched row replayed in a scratch copy and its
     update, packed as :func:`sparse_amsgrad_rows` packs its step rows, the step (``scalars``' ``neg_lr`` times
-    AMSGrad's), or where the row sat out a step, ``(replayed + step) - p``, as the XLA rule computes it.
+    AMSGrad's), or where the row sat out a step, ``(replayed + step) - p`` (``replayed + step`` where ``p`` is
+    infinite), as the XLA rule computes it.
 
     The kernels read each touched row's idle steps from its record, ``idle = done - last`` (0 where ``last ==
     0``), and as ``_amsgrad``'s ``idle_coefficients`` computes them per row: ``C`` (the sum over the idle steps of
@@ -425,7 +437,8 @@ def catch_up_adam_rows(
     Each touched row is replayed and stepped as :func:`catch_up_adam_apply` takes it (the same operands) in a
     scratch copy; its update, packed as :func:`sparse_adam_rows` packs its step rows, is the step (``scalars``'
     ``neg_lr`` times Adam's, with ``decay`` times ``u + wd p`` on the replayed row), or where the replay moved the
-    row (with ``decay``: where it sat out a step), ``(replayed + step) - p``, as the XLA rules compute it.
+    row (with ``decay``: where it sat out a step), ``(replayed + step) - p`` (``replayed + step`` where ``p`` is
+    infinite), as the XLA rules compute it.
     ``flags`` marks the keys of rows whose idle steps were not at hand: their updates NaN, their moments and
     records as they were, for the caller to take by the XLA rule."""
     attrs = dict(cap=cap, torch_eps=torch_eps, maximize=maximize, decay=decay, unique=unique, far_by_key=far_by_key)

@@ -545,8 +545,9 @@ def _if_finite(
 
     def reject() -> tuple[Any, Any]:
         # optax's rejecting branch returns zeros shaped like the inner updates, which the two calls add. Added to
-        # a dense leaf here as there; a sparse leaf's zeros (all at row 0) would make XLA copy the table to keep
-        # both branches in place, and leave it as it is but for a -0.0 there turning 0.0: it is left as it is.
+        # a dense leaf here too, where XLA folds the constant zeros away (a -0.0 stays, which the two calls' zeros,
+        # out of their cond, turn into 0.0); a sparse leaf's zeros (all at row 0) would make XLA copy the table to
+        # keep both branches in place, and leave it as it is but for a -0.0 there turning 0.0: it is left as it is.
         shapes = jax.eval_shape(lambda: fusion.inner.update(grads, state.inner_state, params)[0])
         zeros = jax.tree.map(lambda s: None if is_sparse(s) else jnp.zeros(s.shape, s.dtype), shapes, is_leaf=is_sparse)
         return apply_updates(params, zeros), state.inner_state
@@ -593,6 +594,10 @@ def _wrapped(
             continue
         fusable = _fusable(call.fusion)
         if fusable is None:
+            continue
+        if not any(_ids(u) in position for u in jax.tree.leaves(call.updates, is_leaf=is_leaf) if is_sparse(u)):
+            # None of its updates reaches tx's: a wrapper changed them, or ran the call inside a trace of its own
+            # (lax.cond's branch in optax.apply_if_finite), whose values are out of reach here (identities only).
             continue
         fused = _fusable_leaves(fusable, call.grads, call.state, call.params)
         if not fused:

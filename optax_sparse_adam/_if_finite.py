@@ -48,7 +48,13 @@ def apply_if_finite(
     optax's, inside ``lax.cond``, and takes the two calls. A skipped
     step leaves the tables bitwise as they were; the two calls add optax's
     zero update to them, which lands on row 0 and turns a ``-0.0`` there
-    into ``0.0`` (dense leaves get the zeros added either way).
+    into ``0.0``. Dense leaves (and a whole dense table) are stepped by the
+    inner transformation's XLA arithmetic in the accepting branch, where XLA
+    contracts the parameter's add into the step's multiply-adds as it cannot
+    across the two calls' ``lax.cond``: they may differ from the two calls'
+    by an ulp; and a skipped step leaves their ``-0.0`` as it is (XLA folds
+    the zeros added in the rejecting branch), where the two calls' added zeros
+    turn it into ``0.0``.
 
     Args:
       inner: The transformation to guard, e.g. :func:`sparse_adam`.

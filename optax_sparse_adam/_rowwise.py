@@ -25,7 +25,15 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
-from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state, literal_zero
+from optax_sparse_adam._checks import (
+    check_bool,
+    check_dtype,
+    check_hparam,
+    check_learning_rate,
+    check_params,
+    check_state,
+    literal_zero,
+)
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
     Arrays,
@@ -335,7 +343,7 @@ def sparse_rowwise_adam(
       Array([[0.9, 0.9],
              [1. , 1. ]], dtype=float32)
     """
-    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    check_learning_rate(learning_rate)
     inner = scale_by_rowwise_adam(
         b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, per_row_bias_correction=per_row_bias_correction
     )
@@ -572,7 +580,7 @@ def sparse_rowwise_adagrad(
       Array([[0.9, 0.9],
              [1. , 1. ]], dtype=float32)
     """
-    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    check_learning_rate(learning_rate)
     if weight_decay_mode not in ("l2", "decoupled"):
         raise ValueError(f"Invalid weight_decay_mode: {weight_decay_mode!r}; it must be 'l2' or 'decoupled'")
     if weight_decay_mode == "l2":

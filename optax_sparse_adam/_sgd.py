@@ -44,7 +44,14 @@ from optax_sparse_adam._catch_up import (
     rate_at,
     record_step,
 )
-from optax_sparse_adam._checks import check_bool, check_dtype, check_hparam, check_params, check_state
+from optax_sparse_adam._checks import (
+    check_bool,
+    check_dtype,
+    check_hparam,
+    check_learning_rate,
+    check_params,
+    check_state,
+)
 from optax_sparse_adam._fusion import Clipped
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
@@ -632,7 +639,7 @@ def sparse_sgd(
       deep learning <http://proceedings.mlr.press/v28/sutskever13.pdf>`_,
       2013; :func:`optax.sgd`.
     """
-    check_hparam("learning_rate", learning_rate, lower=0.0, lower_open=True)
+    check_learning_rate(learning_rate)
     nesterov = check_bool("nesterov", nesterov)
     catch_up = check_bool("catch_up", catch_up)
     accumulator_dtype = check_dtype(accumulator_dtype, "accumulator_dtype")

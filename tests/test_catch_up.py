@@ -26,7 +26,7 @@ import optax_sparse_adam as osa
 from optax_sparse_adam import _adam, _catch_up, _coalesce, _kernel_path
 from optax_sparse_adam._catch_up import idle_cap
 from optax_sparse_adam._kernel_path import PREFIX
-from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, needs_kernels
+from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, needs_kernels, non_finite_zeroed
 
 ROWS, WIDTH, BATCH, STEPS = 2000, 8, 64, 400
 
@@ -852,7 +852,8 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
         # XLA step, the same program
         return osa.update_and_apply(tx, g, s, p)
 
-    (pn, sn), (px, sx) = jax.jit(step)(p, state, g), jax.jit(osa.use_kernels(False)(step))(p, state, g)
+    native = jax.jit(step)(p, state, g)
+    (pn, sn), (px, sx) = native, jax.jit(osa.use_kernels(False)(step))(p, state, g)
     assert_trees_equal(sn, sx)
     pn, px = np.asarray(pn), np.asarray(px)
     bound = 2 * np.spacing(np.maximum(np.abs(px), np.abs(np.asarray(p))))
@@ -860,6 +861,14 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
     moved = np.abs(px - np.asarray(p)) > 0
     assert moved[np.asarray(ids)].all()
     (flags,) = flagged
+    if case.endswith("schedule"):
+        # The flagged rows' fallback runs the steps kernel on the batch's 74 rows, split into parts of at least
+        # 32 rows over the threads: on 3 (3 parts; the machine's default took 1 or 2), the numbers of the default,
+        # which are the XLA path's (above), bitwise.
+        with osa.use_kernels(True, threads=3):
+            stepped = jax.jit(step)
+            assert PREFIX + "catch_up_adam_steps" in stepped.lower(p, state, g).as_text()
+            assert_trees_equal(stepped(p, state, g), native)
     long_idle = np.isin(np.arange(rows), np.asarray(ids)) & (count - 1 - last > cap)
     if case in ("adamw", "adamw injected"):
         assert long_idle.any()
@@ -888,6 +897,62 @@ def test_the_kernel_takes_the_idle_steps_the_series_does_not_reach(case: str, mo
         np.testing.assert_array_equal(flags > 0, (long_idle & tiny)[np.asarray(ids)])
     else:
         assert not flags.any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", ["adam", "adamw schedule"])
+def test_non_finite_moments_replay_as_on_the_xla_path(case: str) -> None:
+    """Rows whose moments or parameters hold NaN or an infinity (a non-finite gradient stepped them, no
+    ``apply_if_finite`` around the optimizer), idle within the window and longer: the fused step (its kernel, and
+    under a schedule the steps kernel of its fallback for the rows it flags) and ``catch_up``'s replay kernel put
+    NaN and the infinities where the XLA path does, and elsewhere its numbers: moments bitwise, parameters within
+    the replay's bound."""
+    lr = optax.cosine_decay_schedule(1e-2, 1000) if case.endswith("schedule") else 1e-2
+    tx = (
+        osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True)
+        if case.startswith("adamw")
+        else osa.sparse_adam(lr, catch_up=True)
+    )
+    rows, width, _, count = _IDLE_SHAPE
+    rng = np.random.default_rng(21)
+    p, state, last = _idle_start(tx.init, rng)
+    if case.endswith("schedule"):
+        state = _recorded(tx, p, state, count)
+    recent, idle_long = int(np.argmax(last == count - 1)), int(np.argmax(last < count - 300))
+    within = int(np.argmax((last >= count - 200) & (last < count - 1)))
+    is_state = lambda x: isinstance(x, (osa.CatchUpAdamState, osa.CatchUpAdamWState))  # noqa: E731
+
+    def poisoned(x: Any) -> Any:
+        if not is_state(x):
+            return x
+        mu, nu = np.array(x.mu), np.array(x.nu)
+        mu[idle_long, 0], nu[idle_long, 1], mu[within, 2] = np.nan, np.inf, -np.inf
+        nu[within, 3], mu[recent, 4] = np.nan, np.inf
+        return x._replace(mu=jnp.asarray(mu), nu=jnp.asarray(nu))
+
+    state = jax.tree.map(poisoned, state, is_leaf=is_state)
+    p = p.at[idle_long, 5].set(-np.inf).at[within, 6].set(np.nan)
+    ids = jnp.asarray(np.r_[idle_long, within, recent, rng.permutation(rows)[:20]].astype(np.int32))
+    g = osa.IndexedRows(ids, jnp.asarray(rng.normal(size=(ids.size, width)).astype(np.float32)), rows)
+
+    def step(p: jax.Array, s: Any) -> Any:
+        p, s = osa.update_and_apply(tx, g, s, p)
+        return osa.catch_up(tx, p, s)
+
+    native, xla = jax.jit(step), jax.jit(osa.use_kernels(False)(step))
+    text = native.lower(p, state).as_text()
+    assert PREFIX + "catch_up_adam_apply" in text and PREFIX + "catch_up_adam_replay" in text
+    want = xla(p, state)
+    for row in (idle_long, within, recent):  # each poisoned row stays poisoned
+        assert not all(np.isfinite(np.asarray(x)[row]).all() for x in jax.tree.leaves(want) if np.ndim(x) == 2)
+    # An infinite parameter whose moments are finite: as dense Adam's steps leave it, -inf (the XLA rule took
+    # inf - inf for its update, NaN, where the kernels write the row); dense AdamW's decay makes it NaN, and so here.
+    np.testing.assert_array_equal(np.asarray(want[0])[idle_long, 5], -np.inf if case == "adam" else np.nan)
+    (pn, sn), (px, sx) = non_finite_zeroed(native(p, state), want)
+    assert_trees_equal(sn, sx)
+    p0 = np.nan_to_num(np.asarray(p), nan=0.0, posinf=0.0, neginf=0.0)
+    bound = 2 * np.spacing(np.maximum(np.abs(px), np.abs(p0)))
+    assert np.all(np.abs(pn - px) <= bound), np.abs(pn - px).max()
 
 
 @needs_kernels
@@ -1677,3 +1742,46 @@ def test_schedules_that_keep_themselves_alive_are_kept_up_to_a_bound(monkeypatch
     assert len(_catch_up._VMAPPED) == 4  # the last four, alive through their own jits
     np.testing.assert_array_equal(_catch_up.rate_at(schedules[0], counts), 1.0 / (1.0 + counts))
     assert _catch_up._VMAPPED[id(schedules[0])][0]() is schedules[0]
+
+
+_WITH_DENSE = {
+    "adam": (lambda: osa.sparse_adam(1e-2, catch_up=True), lambda: optax.adam(1e-2)),
+    "amsgrad": (lambda: osa.sparse_amsgrad(1e-2, catch_up=True), lambda: optax.amsgrad(1e-2)),
+    "momentum": (lambda: osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True), lambda: optax.sgd(1e-2, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("door", ["update_and_apply", "two calls"])
+@pytest.mark.parametrize("name", list(_WITH_DENSE))
+def test_an_infinite_parameter_that_sat_out_steps_stays_as_dense_optax_leaves_it(
+    name: str, door: str, kernel_path: str
+) -> None:
+    """A row touched, idle for four steps, then touched again, whose parameter holds -inf beside finite elements:
+    the catch-up step leaves the -inf (its update the replayed -inf, where ``inf - inf`` made it NaN before) and
+    the finite elements, and after ``catch_up`` every row, as dense optax's steps take them (within float32
+    rounding of the closed forms)."""
+    sparse, dense = (make() for make in _WITH_DENSE[name])
+    p0 = jnp.ones((4, 3), jnp.float32).at[1, 0].set(-jnp.inf)
+
+    @jax.jit
+    def run(p: jax.Array) -> jax.Array:
+        s = sparse.init(p)
+        for t in range(6):
+            g = osa.IndexedRows(jnp.array([1 if t in (0, 5) else 2, 3], jnp.int32), jnp.full((2, 3), 0.5), 4)
+            if door == "update_and_apply":
+                p, s = osa.update_and_apply(sparse, g, s, p)
+            else:
+                updates, s = sparse.update(g, s, p)
+                p = osa.apply_updates(p, updates)
+        return osa.catch_up(sparse, p, s)[0]  # the row idle at the last step too
+
+    want, s = p0, dense.init(p0)
+    for t in range(6):
+        updates, s = dense.update(jnp.zeros((4, 3)).at[jnp.array([1 if t in (0, 5) else 2, 3])].add(0.5), s, want)
+        want = optax.apply_updates(want, updates)
+    if kernel_path == "native-cpu":  # the kernels' CaughtUpUpdate: the rows kernel, or momentum's apply kernel
+        kernel = {"adam": "catch_up_adam", "amsgrad": "catch_up_amsgrad", "momentum": "catch_up_momentum"}[name]
+        assert PREFIX + kernel + ("_apply" if door == "update_and_apply" else "_rows") in run.lower(p0).as_text()
+    got = np.asarray(run(p0))
+    assert got[1, 0] == -np.inf
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-6)

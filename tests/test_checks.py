@@ -47,6 +47,41 @@ def test_schedules_and_injected_hyperparameters_are_not_checked():
     jax.jit(tx.update)({"w": jnp.ones(2, jnp.float32)}, state)
 
 
+_INJECTED = {
+    "sparse_adam": osa.sparse_adam,
+    "sparse_adamw": osa.sparse_adamw,
+    "sparse_amsgrad": osa.sparse_amsgrad,
+    "sparse_adam catch_up": functools.partial(osa.sparse_adam, catch_up=True),
+    "sparse_rowwise_adagrad": osa.sparse_rowwise_adagrad,
+    "sparse_rowwise_adam": osa.sparse_rowwise_adam,
+    "sparse_adagrad": osa.sparse_adagrad,
+    "sparse_sgd momentum": functools.partial(osa.sparse_sgd, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", list(_INJECTED))
+def test_an_injected_warmup_from_zero_runs_eagerly(name):
+    """``optax.inject_hyperparams`` builds the optimizer outside a trace with each schedule value as a concrete
+    array (at ``init``, and at each eager step): a warmup from 0 is taken, its first step moving no parameter, as
+    ``inject_hyperparams(optax.adam)`` takes it; a number 0 is still refused (as torch's SparseAdam refuses it),
+    and so is a negative injected rate, by name."""
+    make = _INJECTED[name]
+    tx = optax.inject_hyperparams(make)(learning_rate=optax.linear_schedule(0.0, 0.1, 4))
+    params = {"w": jnp.ones((5, 2), jnp.float32)}
+    g = {"w": osa.IndexedRows(jnp.array([1, 3, 3], jnp.int32), jnp.ones((3, 2), jnp.float32), 5)}
+    state = tx.init(params)
+    first, state = osa.update_and_apply(tx, g, state, params)
+    updates, _ = tx.update(g, tx.init(params), params)
+    np.testing.assert_array_equal(first["w"], params["w"])
+    np.testing.assert_array_equal(osa.apply_updates(params, updates)["w"], params["w"])
+    second, state = osa.update_and_apply(tx, g, state, first)
+    assert not np.array_equal(second["w"], first["w"])
+    with pytest.raises(ValueError, match=re.escape("Invalid learning_rate: 0.0;")):
+        make(0.0)
+    with pytest.raises(ValueError, match=r"Invalid learning_rate: Array\(-0.1.*it must be finite and >= 0"):
+        optax.inject_hyperparams(make)(learning_rate=-0.1).init(params)
+
+
 N, D = 10, 3
 
 

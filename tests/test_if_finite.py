@@ -111,6 +111,26 @@ def test_fused_in_place_under_the_cond():
     assert "sparse_adam_rows" not in report.kernels
 
 
+@needs_kernels
+def test_the_finiteness_kernel_on_threads_and_under_vmap():
+    """The check's kernel on 1 and 3 threads (three parts of about 87,467 elements: a NaN inside the third, an
+    infinity at the last element, one at the first element of the second part) and under vmap (once per element)
+    decides as ``all(isfinite(x))``, as the XLA path does."""
+    from optax_sparse_adam._if_finite import is_finite
+
+    n = 4100 * 64
+    x = np.full((4, n), -3.5, np.float32)
+    x[1, 200_000], x[2, n - 1], x[3, n // 3] = np.nan, -np.inf, np.inf
+    want = [True, False, False, False]
+    for enabled, threads in ((True, 1), (True, 3), (False, 1)):
+        with osa.use_kernels(enabled, threads=threads):
+            one, batched = jax.jit(is_finite), jax.jit(jax.vmap(is_finite))
+            for jitted, arg in ((one, x[0]), (batched, x)):
+                assert (PREFIX + "all_finite" in jitted.lower(arg).as_text()) == enabled
+            assert [bool(one(row)) for row in x] == want, (enabled, threads)
+            assert np.asarray(batched(x)).tolist() == want, (enabled, threads)
+
+
 def test_the_finiteness_check_is_optaxs(kernel_path):
     """``is_finite`` (a vectorizable ``sum(x * 0)`` per array; on the CPU's native path a kernel for a large float32
     array, split over the threads) decides as optax's ``all(isfinite(x))`` does: on infinities of either sign and
@@ -154,3 +174,44 @@ def test_the_finiteness_check_is_optaxs(kernel_path):
     assert want[0] and not any(want[1:])
     kernels = set(re.findall(PREFIX + r"(\w+)", jax.jit(is_finite).lower(base).as_text()))
     assert kernels == ({"all_finite"} if kernel_path == "native-cpu" else set()), kernels  # the two large arrays'
+
+
+_STAGED_IN_A_COND = {
+    "optax.apply_if_finite(chain(clip, sparse_adam))": lambda: optax.apply_if_finite(
+        optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(0.1)), 2
+    ),
+    "optax.apply_if_finite(chain(scale, sparse_adam))": lambda: optax.apply_if_finite(
+        optax.chain(osa.sparse_aware(optax.scale(0.5)), osa.sparse_adam(0.1)), 2
+    ),
+    "chain(osa.apply_if_finite(chain(clip, sparse_adam)))": lambda: optax.chain(
+        osa.apply_if_finite(optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_adam(0.1)), 2)
+    ),
+    "optax.apply_if_finite(chain(clip, sparse_rowwise_adagrad))": lambda: optax.apply_if_finite(
+        optax.chain(osa.sparse_aware(optax.clip_by_global_norm(1.0)), osa.sparse_rowwise_adagrad(0.1)), 2
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_STAGED_IN_A_COND))
+def test_a_stage_and_optimizer_inside_a_cond_take_the_two_calls(name, kernel_path):
+    """A stage before the optimizer, both inside a wrapper's ``lax.cond`` (optax's ``apply_if_finite``, or this
+    library's nested in a chain): ``update_and_apply`` takes the two calls, bitwise (the fused step looked into
+    the branch's recorded calls, whose values belong to the branch's trace, and raised UnexpectedTracerError on the
+    native path)."""
+    tx = _STAGED_IN_A_COND[name]()
+    params = {"a": jnp.ones((8, 2), jnp.float32), "w": jnp.full((3,), 0.5, jnp.float32)}
+    grads = {
+        "a": osa.IndexedRows(jnp.array([1, 2, 2, 8], jnp.int32), jnp.arange(8.0, dtype=jnp.float32).reshape(4, 2), 8),
+        "w": jnp.array([1.0, -2.0, 3.0], jnp.float32),
+    }
+    state = tx.init(params)
+
+    def two_calls(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return osa.apply_updates(p, updates), s
+
+    for bad in (False, True):
+        g = grads if not bad else {**grads, "w": grads["w"].at[1].set(jnp.nan)}
+        got = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(params, state, g)
+        assert_trees_equal(got, jax.jit(two_calls)(params, state, g))
+        state = got[1]

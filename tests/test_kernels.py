@@ -486,6 +486,37 @@ def test_global_norm_clipping_is_taken_by_the_optimizer_kernel(optimizer, kind, 
     _assert_same((*native[:2], None), two_calls, len(steps), 0.05)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["dups", "distinct"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_clipping_kernels_under_vmap_give_each_element_its_own_step(fused, kind):
+    """chain(sparse_aware(clip_by_global_norm(c)), sparse_adam) beside a dense leaf, under vmap over two tables,
+    states and batches (one clipping and one not): the norm's kernels (coalesce_squares for the two calls' repeated
+    keys, sum_squares for the others) and the optimizer's run once per element, each element's numbers those of its
+    step alone (which the tests above compare with the two calls and the XLA path) within 4 ulps of each leaf's
+    scale: XLA batches the dense leaf's arithmetic and its squares' sum under vmap, and rounds them an ulp apart
+    there, which moves the norm, so each clipped row, by as much."""
+    tx = _clip_chain(0.5, "adam")
+    step = _run_step(tx, fused, kind == "distinct")
+    (ids0, values0), (ids1, values1) = _steps(kind, 64, n=2, seed=13)
+    ids, values = jnp.asarray(np.stack([ids0, ids1])), jnp.asarray(np.stack([values0, values1 * 1e-4]))
+    params = jax.tree.map(lambda x: jnp.stack([x, 0.5 * x]), _run_start(tx)[0])
+    state = jax.vmap(tx.init)(params)
+    with osa.use_kernels(True):
+        batched = jax.jit(jax.vmap(step))
+        calls = _kernel_targets(batched, params, state, ids, values)
+        out = batched(params, state, ids, values)
+        for b in range(2):
+            alone = step(*jax.tree.map(lambda x, b=b: x[b], (params, state, ids, values)))
+            got = jax.tree.map(lambda x, b=b: x[b], out)
+            assert jax.tree.structure(got) == jax.tree.structure(alone)
+            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(alone), strict=True):
+                x, y = np.asarray(x), np.asarray(y)
+                assert np.all(np.abs(x - y) <= 4 * np.spacing(np.abs(y).max())), (b, np.abs(x - y).max())
+    squares = "coalesce_squares" if kind == "dups" and not fused else "sum_squares"
+    assert squares in calls and ("sparse_adam_apply" if fused else "sparse_adam_rows") in calls, calls
+
+
 _ALONE = [(name, 0.5) for name in sorted(_CLIPPED) if "catch_up" not in name]
 _ALONE += [("adam", 1e6), ("rowwise_adagrad", 1e6), ("adam catch_up", 0.5)]
 
@@ -604,6 +635,8 @@ def test_global_norm_in_the_kernel_adds_the_squares_in_order_of_first_occurrence
 @needs_kernels
 @pytest.mark.parametrize("adam", sorted(ADAMS))
 def test_threads_give_the_same_numbers(adam):
+    """Both doors' kernels on 1 and 4 threads: bitwise the same numbers, and the XLA path's within
+    test_native_equals_xla's bounds (a thread count other than the machine's default against the reference)."""
     steps = _steps("dups", 4096, n=2, seed=6)
     tx = ADAMS[adam](0.1)
     with osa.use_kernels(True, threads=1):
@@ -612,10 +645,14 @@ def test_threads_give_the_same_numbers(adam):
     with osa.use_kernels(True, threads=4):
         four = _run(tx, steps, fused=True)
         four_unfused = _run(tx, steps, fused=False)
+    with osa.use_kernels(False):
+        xla = _run(tx, steps, fused=False)
     assert_trees_equal(one[:2], four[:2])
     # The two-call path's scatter-add splits rows over threads too: same sums, same order.
     assert_trees_equal(one_unfused[:2], four_unfused[:2])
     assert_trees_equal(one[1], four_unfused[1])
+    _assert_same(four_unfused, xla, len(steps), 0.1)
+    _assert_same((*four[:2], None), xla, len(steps), 0.1)
 
 
 @needs_kernels

@@ -136,6 +136,33 @@ def test_distinct_ids_on_both_paths(ids, num_rows):
         np.testing.assert_array_equal(results[True][: first.size], ids[valid][np.sort(first)])
 
 
+def test_distinct_ids_under_vmap_and_at_the_int32_limits(kernel_path):
+    """Under vmap (on the CPU the kernel runs once per batch element) each element's distinct ids and slots are
+    those of the call on it alone; ids at int32's limits and just out of range are padding; an element of one
+    repeated id, and one of padding alone, too."""
+    num_rows, k = 50, 64
+    rng = np.random.default_rng(11)
+    ids = rng.integers(-3, num_rows + 3, (4, k)).astype(np.int32)
+    ids[0, :5] = [np.iinfo(np.int32).min, np.iinfo(np.int32).max, num_rows, -1, num_rows - 1]
+    ids[1] = 7
+    ids[2] = -1
+    one = jax.jit(lambda i: distinct_ids(i, num_rows))
+    batched = jax.jit(jax.vmap(lambda i: distinct_ids(i, num_rows)))
+    if kernel_path == "native-cpu":
+        assert PREFIX + "distinct" in batched.lower(ids).as_text()
+    packed, inverse = (np.asarray(a) for a in batched(ids))
+    for b in range(ids.shape[0]):
+        alone = one(ids[b])
+        np.testing.assert_array_equal(packed[b], alone[0])
+        np.testing.assert_array_equal(inverse[b], alone[1])
+        valid = (ids[b] >= 0) & (ids[b] < num_rows)
+        distinct = np.unique(ids[b][valid])
+        assert sorted(packed[b, : distinct.size].tolist()) == distinct.tolist()
+        assert (packed[b, distinct.size :] == num_rows).all()
+        np.testing.assert_array_equal(packed[b][inverse[b][valid]], ids[b][valid])
+        assert (inverse[b][~valid] == k - 1).all()
+
+
 def test_lookup_on_both_paths_reads_the_same_rows(kernel_path):
     rng = np.random.default_rng(4)
     table = jnp.asarray(rng.standard_normal((1000, 8)), jnp.float32)

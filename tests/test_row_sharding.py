@@ -410,23 +410,34 @@ def test_a_kernels_results_vary_over_the_axes_its_operands_vary_over():
 
 
 def test_a_row_shard_kernels_function_may_hold_no_tracer():
-    """The function a kernel's partitioning rule keeps lives as long as the step's jaxpr: one that closes over a
-    tracer, directly or through a function it closes over, is refused at trace time with the variable's name; one
-    that closes over the traced value's shape alone runs."""
+    """The function a kernel's partitioning rule keeps lives as long as the step's jaxpr: one that holds a tracer
+    (closing over it, through a function it closes over, as a default argument, or through a partial's argument)
+    is refused at trace time, naming where; one that closes over the traced value's shape alone runs."""
 
-    def step(table: jax.Array, direct: bool) -> jax.Array:
+    def step(table: jax.Array, how: str) -> jax.Array:
         def add(rows: jax.Array) -> jax.Array:
             return rows + table[:1]
 
-        def fn(row_begin: jax.Array, rows: jax.Array) -> tuple[jax.Array]:
-            return ((rows + table[:1]) if direct else add(rows),)
+        def direct(row_begin: jax.Array, rows: jax.Array) -> tuple[jax.Array]:
+            return (rows + table[:1],)
 
-        return _ffi._by_row_shards(fn, "n w -> n w")(table)[0]
+        def through(row_begin: jax.Array, rows: jax.Array) -> tuple[jax.Array]:
+            return (add(rows),)  # closes over `add` alone
+
+        def default(row_begin: jax.Array, rows: jax.Array, bias: jax.Array = table[:1]) -> tuple[jax.Array]:
+            return (rows + bias,)
+
+        def biased(bias: jax.Array, row_begin: jax.Array, rows: jax.Array) -> tuple[jax.Array]:
+            return (rows + bias,)
+
+        fn = {"direct": direct, "through": through, "default": default, "partial": functools.partial(biased, table)}
+        return _ffi._by_row_shards(fn[how], "n w -> n w")(table)[0]
 
     table = jnp.arange(8.0, dtype=jnp.float32).reshape(4, 2)
-    for direct in (True, False):
-        with pytest.raises(TypeError, match="closes over the tracer 'table'"):
-            jax.jit(step, static_argnums=1)(table, direct)
+    where = {"direct": "'table'", "through": "'table'", "default": "a default argument", "partial": "a partial's"}
+    for how, held in where.items():
+        with pytest.raises(TypeError, match=re.escape(f"holds a tracer ({held}")):
+            jax.jit(step, static_argnums=1)(table, how)
 
     def shape_only(table: jax.Array) -> jax.Array:
         shape = table.shape

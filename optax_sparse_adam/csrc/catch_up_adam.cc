@@ -386,7 +386,7 @@ OSA_ROW_INLINE bool UpdateOfRow(const Scalars& s, const CatchUp& cu, int64_t slo
     UpdateRow<kTorch, kMaximize, false, false>(s, g, m, v, out, width);
   }
   if (moved != 0) {
-    for (int64_t j = 0; j < width; ++j) out[j] = (caught[j] + out[j]) - p[j];
+    for (int64_t j = 0; j < width; ++j) out[j] = CaughtUpUpdate(caught[j] + out[j], p[j]);
   }
   cu.Record(r);
   return true;

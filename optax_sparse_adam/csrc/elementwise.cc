@@ -222,7 +222,7 @@ struct CatchUpMomentumRule {
       const float tn = kNesterov ? std::fma(m, mu, g[j]) : g[j] + mu * m;
       t[j] = tn;
       const float step = neg_lr_ * (kNesterov ? std::fma(tn, mu, g[j]) : tn);
-      const float update = (caught + step) - p0;
+      const float update = CaughtUpUpdate(caught + step, p0);
       if constexpr (kApply) {
         dst[j] = p0 + update;
       } else {

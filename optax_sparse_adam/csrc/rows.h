@@ -156,6 +156,15 @@ struct F16 {
 
 OSA_ROW_INLINE bool IsFinite(float x) { return (Bits(x) & 0x7F800000u) != 0x7F800000u; }
 
+// A catch-up rule's update of a row that sat out steps (tx.update's, or the fused step's before it adds it back):
+// the difference that takes the stored p0 to `target`, the replayed row plus its step; where p0 is an infinity,
+// `target` itself (inf - inf is NaN; p0 + target is the infinity the replay kept, as the dense optimizer's steps
+// leave it). As _catch_up.caught_up_update computes it, bitwise.
+OSA_ROW_INLINE float CaughtUpUpdate(float target, float p0) {
+  const bool infinite = (Bits(p0) & 0x7FFFFFFFu) == 0x7F800000u;
+  return target - (infinite ? 0.0f : p0);
+}
+
 // b ** n for an int32 n (1 where n <= 0) from b's table (t[256 i + j] = b ** (j 256**i)), as
 // _catch_up.table_power computes it (the catch-up kernels' decays): the entries of n's base-256 digits multiplied
 // lowest first, a product below float32's smallest normal number taken as 0 (the same whether or not denormals are

@@ -138,7 +138,7 @@ OSA_ROW_INLINE void StepRow(const Scalars& s, const IdleRows* idle, int64_t slot
       const bool moved = CatchUpAmsgradRow(s, idle, slot, r, scratch, m, v, vm, width);
       UpdateRow<kTorch, kMaximize, false, kDecay, true>(s, g, m, v, dst, width, vm);
       if (moved) {
-        for (int64_t j = 0; j < width; ++j) dst[j] = (scratch[j] + dst[j]) - p[j];
+        for (int64_t j = 0; j < width; ++j) dst[j] = CaughtUpUpdate(scratch[j] + dst[j], p[j]);
       }
       return;
     }
