@@ -28,9 +28,13 @@ def apply_if_finite(
 ) -> optax.GradientTransformationExtraArgs:
     """:func:`optax.apply_if_finite`, with a fused step through :func:`update_and_apply`.
 
-    The same transformation as optax's: its ``init`` and ``update`` are
-    optax's, so its state is an :class:`optax.ApplyIfFiniteState` (checkpoints
-    move between the two) and ``tx.update`` gives the very same results. A
+    The same transformation as optax's: its ``init`` is optax's, so its state
+    is an :class:`optax.ApplyIfFiniteState` (checkpoints move between the two),
+    and ``tx.update`` is optax's rule with the very same results, but for one
+    repair: a skipped step returns zeros of the inner update's types, not the
+    gradient's. A row-wise optimizer returns a bfloat16 or float16 gradient's
+    update in float32 (its arithmetic's dtype), where optax's wrapper fails in
+    :func:`jax.lax.cond` (branches of different types). A
     step whose gradient holds a NaN or an infinity (in any array, the padding
     entries of a sparse leaf too) leaves the inner state as it was, and adds
     zeros to the parameters; after ``max_consecutive_errors`` such steps in a
@@ -75,8 +79,32 @@ def apply_if_finite(
       (Array([1., 1.], dtype=float32), 1)
     """
     tx = optax.apply_if_finite(inner, max_consecutive_errors)
+    inner = optax.with_extra_args_support(inner)
+
+    def update(updates, state, params=None, **extra_args):  # type: ignore[no-untyped-def]
+        isfinite = is_finite(updates)
+        notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count))
+
+        def do_update(_: None) -> Any:
+            return inner.update(updates, state.inner_state, params, **extra_args)
+
+        def reject_update(_: None) -> Any:
+            # Zeros of the inner update's own types: a row-wise optimizer returns a bfloat16 gradient's update in
+            # float32, where optax's wrapper (zeros like the gradient) fails in lax.cond.
+            shapes = jax.eval_shape(do_update, None)[0]
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner_state
+
+        accept = jnp.logical_or(isfinite, notfinite_count > max_consecutive_errors)
+        new_updates, new_inner_state = jax.lax.cond(accept, do_update, reject_update, None)
+        return new_updates, optax.ApplyIfFiniteState(
+            notfinite_count=notfinite_count,
+            last_finite=isfinite,
+            total_notfinite=jnp.where(isfinite, state.total_notfinite, optax.safe_increment(state.total_notfinite)),
+            inner_state=new_inner_state,
+        )
+
     return optax.GradientTransformationExtraArgs(
-        tx.init, FusableUpdate(tx.update, IfFiniteFusion(inner, max_consecutive_errors))
+        tx.init, FusableUpdate(update, IfFiniteFusion(inner, max_consecutive_errors))
     )
 
 

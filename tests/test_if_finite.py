@@ -215,3 +215,47 @@ def test_a_stage_and_optimizer_inside_a_cond_take_the_two_calls(name, kernel_pat
         got = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(params, state, g)
         assert_trees_equal(got, jax.jit(two_calls)(params, state, g))
         state = got[1]
+
+
+_NARROW = {
+    "sparse_rowwise_adagrad, float32 table": (lambda: osa.sparse_rowwise_adagrad(0.1), jnp.float32),
+    "sparse_rowwise_adam, float32 table": (lambda: osa.sparse_rowwise_adam(0.05), jnp.float32),
+    "sparse_rowwise_adagrad, bfloat16 table": (lambda: osa.sparse_rowwise_adagrad(0.1), jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two calls", "fused"])
+@pytest.mark.parametrize("name", list(_NARROW))
+def test_a_row_wise_optimizer_of_a_narrow_gradient(name, fused, kernel_path):
+    """A row-wise optimizer returns a bfloat16 gradient's update in float32: the skipped step's zeros take the
+    update's types (optax's own wrapper, whose zeros take the gradient's, fails in ``lax.cond``). Every non-finite
+    step skipped (max_consecutive_errors is 10): the result is the inner optimizer's over the finite steps alone,
+    through the same door."""
+    make, table_dtype = _NARROW[name]
+    params = {"emb": jnp.linspace(-1, 1, ROWS * WIDTH, dtype=jnp.float32).reshape(ROWS, WIDTH).astype(table_dtype)}
+
+    def train(tx: optax.GradientTransformation, batches: list) -> tuple[object, object]:
+        state = tx.init(params)
+
+        def step(p, s, ids, values):
+            grads = {"emb": osa.IndexedRows(ids, values.astype(jnp.bfloat16), ROWS)}
+            if fused:
+                return osa.update_and_apply(tx, grads, s, p)
+            updates, s = tx.update(grads, s, p)
+            return osa.apply_updates(p, updates), s
+
+        step = jax.jit(step)
+        p = params
+        for ids, values, _ in batches:
+            p, state = step(p, state, jnp.asarray(ids), jnp.asarray(values))
+        return p, state
+
+    batches = [b for b, kind in zip(_batches(), PLAN, strict=True) if kind != "inf dense"]
+    finite = [b for b in batches if np.isfinite(b[1]).all()]
+    p, s = train(osa.apply_if_finite(make(), max_consecutive_errors=10), batches)
+    p_ref, s_ref = train(make(), finite)
+    assert (int(s.total_notfinite), int(s.notfinite_count)) == (len(batches) - len(finite), 0)
+    assert_trees_equal((p, s.inner_state), (p_ref, s_ref))
+    if not fused:  # optax's wrapper, for the record: the reason for the repair
+        with pytest.raises(TypeError, match="cond branches"):
+            train(optax.apply_if_finite(make(), max_consecutive_errors=10), batches[:1])
