@@ -229,10 +229,11 @@ def test_threads_promise_and_chunks_give_the_same_numbers(name):
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", ["adagrad", "rowwise-adam"])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
-def test_in_place_under_donation_and_compiled_once(stochastic):
+def test_in_place_under_donation_and_compiled_once(stochastic, name):
     """Donated, the 16-bit table is updated in place: one kernel call, temporaries of the batch's size only."""
-    tx = _tx("adagrad")
+    tx = _tx(name)
     rows = 200_000
     p = jnp.zeros((rows, 32), jnp.bfloat16)
     s = tx.init(p)
@@ -272,15 +273,16 @@ def test_a_row_sharded_half_float_table_runs_the_kernel_on_each_shard():
 
 
 @needs_kernels
-def test_vmapped_fused_steps_equal_each_alone():
+@pytest.mark.parametrize("name", ["adagrad", "rowwise-adam"])
+def test_vmapped_fused_steps_equal_each_alone(name):
     rng = np.random.default_rng(17)
-    name = "adagrad"
     cases = [_case(rng, jnp.bfloat16, jnp.float32) for _ in range(2)]
     ps, ids, values = (jnp.stack(x) for x in zip(*cases, strict=True))
     s = jax.vmap(_tx(name).init)(ps)
     keys = jax.random.split(jax.random.key(6), 2)
     fused, _ = _steps(name, True)
     with osa.use_kernels(True):
+        assert _kernel(name) in jax.jit(jax.vmap(fused)).lower(ps, s, ids, values, keys).as_text()
         batched = jax.jit(jax.vmap(fused))(ps, s, ids, values, keys)
         alone = [fused(ps[i], jax.tree.map(lambda x, i=i: x[i], s), ids[i], values[i], keys[i]) for i in range(2)]
     assert_trees_equal(batched, jax.tree.map(lambda *x: jnp.stack(x), *alone))

@@ -75,9 +75,10 @@ def test_take_rows_with_many_ids_on_several_threads(kernel_path):
     rng = np.random.default_rng(1)
     table = rng.standard_normal((10_000, 16)).astype(np.float32)
     ids = _ids(rng, 10_000, 20_000)
-    with osa.use_kernels(kernel_path == "native-cpu", threads=4):
-        got = jax.jit(take_rows)(jnp.asarray(table), jnp.asarray(ids))
-    assert np.asarray(got).tobytes() == _gather_reference(table, ids).tobytes()
+    for threads in (1, 3, 4):  # the ids split evenly over four threads, unevenly over three
+        with osa.use_kernels(kernel_path == "native-cpu", threads=threads):
+            got = jax.jit(take_rows)(jnp.asarray(table), jnp.asarray(ids))
+        assert np.asarray(got).tobytes() == _gather_reference(table, ids).tobytes(), threads
     np.testing.assert_array_equal(take_rows(jnp.ones((5, 2), jnp.float32), jnp.array([7], jnp.int32), 3.0), [[3, 3]])
     assert take_rows(jnp.ones((0, 2), jnp.float32), jnp.array([0, 1], jnp.int32)).shape == (2, 2)
     # no ids: an empty result (XLA drops the kernel's call, whose result has no elements)
@@ -235,9 +236,10 @@ def test_scatter_rows_sets_half_float_rows_on_threads_under_vmap_and_in_place(ke
     table = rng.standard_normal((10_000, 16)).astype(jnp.bfloat16)
     ids = _ids(rng, 10_000, 20_000)
     values = rng.standard_normal((20_000, 16)).astype(jnp.bfloat16)
-    with osa.use_kernels(kernel_path == "native-cpu", threads=4):
-        got = jax.jit(lambda t, i, v: scatter_rows(t, i, v, "set"))(jnp.asarray(table), jnp.asarray(ids), values)
-    _assert_set(got, table, ids, values)
+    for threads in (1, 3, 4):
+        with osa.use_kernels(kernel_path == "native-cpu", threads=threads):
+            got = jax.jit(lambda t, i, v: scatter_rows(t, i, v, "set"))(jnp.asarray(table), jnp.asarray(ids), values)
+        _assert_set(got, table, ids, values)
     # vmapped over a batch of tables
     tables = jnp.asarray(rng.standard_normal((3, 20, 4)), jnp.float16)
     few = jnp.asarray(rng.integers(-2, 22, (3, 9)), jnp.int32)
