@@ -31,10 +31,12 @@ def apply_if_finite(
     The same transformation as optax's: its ``init`` is optax's, so its state
     is an :class:`optax.ApplyIfFiniteState` (checkpoints move between the two),
     and ``tx.update`` is optax's rule with the very same results, but for one
-    repair: a skipped step returns zeros of the inner update's types, not the
-    gradient's. A row-wise optimizer returns a bfloat16 or float16 gradient's
-    update in float32 (its arithmetic's dtype), where optax's wrapper fails in
-    :func:`jax.lax.cond` (branches of different types). A
+    repair: where the inner update's shapes or dtypes differ from the
+    gradient's, a skipped step returns zeros of the update's (shardings
+    included), not optax's zeros like the gradient. A row-wise optimizer
+    returns a bfloat16 or float16 gradient's update in float32 (its
+    arithmetic's dtype), where optax's wrapper fails in :func:`jax.lax.cond`
+    (branches of different types). The inner update is traced once. A
     step whose gradient holds a NaN or an infinity (in any array, the padding
     entries of a sparse leaf too) leaves the inner state as it was, and adds
     zeros to the parameters; after ``max_consecutive_errors`` such steps in a
@@ -84,17 +86,19 @@ def apply_if_finite(
     def update(updates, state, params=None, **extra_args):  # type: ignore[no-untyped-def]
         isfinite = is_finite(updates)
         notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count))
+        traced: list[Any] = []  # the inner update's types, as the accepting branch traces it
 
         def do_update(_: None) -> Any:
-            return inner.update(updates, state.inner_state, params, **extra_args)
+            out = inner.update(updates, state.inner_state, params, **extra_args)
+            traced.append(jax.tree.map(jax.typeof, out[0]))
+            return out
 
         def reject_update(_: None) -> Any:
-            # Zeros of the inner update's own types: a row-wise optimizer returns a bfloat16 gradient's update in
-            # float32, where optax's wrapper (zeros like the gradient) fails in lax.cond.
-            shapes = jax.eval_shape(do_update, None)[0]
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner_state
+            return _zeros_of(updates, traced[0] if traced else jax.eval_shape(do_update, None)[0]), state.inner_state
 
         accept = jnp.logical_or(isfinite, notfinite_count > max_consecutive_errors)
+        # lax.cond traces its true branch first (jax 0.10 to 0.11): the accepting one, whose types the other then
+        # takes. Were the order to change, the rejecting branch would trace the inner update once more (eval_shape).
         new_updates, new_inner_state = jax.lax.cond(accept, do_update, reject_update, None)
         return new_updates, optax.ApplyIfFiniteState(
             notfinite_count=notfinite_count,
@@ -106,6 +110,28 @@ def apply_if_finite(
     return optax.GradientTransformationExtraArgs(
         tx.init, FusableUpdate(update, IfFiniteFusion(inner, max_consecutive_errors))
     )
+
+
+def _zeros_of(updates: Any, types: Any) -> Any:
+    """The skipped step's update: optax's zeros (like the gradient) where they have the inner update's shapes and
+    dtypes, as they do but for a row-wise optimizer's float32 update of a narrower gradient; else zeros of the
+    update's types, shardings included."""
+    zeros = optax.tree.zeros_like(updates)
+    try:
+        fits = jax.tree.leaves(jax.tree.map(lambda z, t: z.shape == t.shape and z.dtype == t.dtype, zeros, types))
+    except (ValueError, TypeError):  # trees of other structures
+        fits = [False]
+    if all(fits):
+        return zeros
+    return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype, out_sharding=_explicit(t.sharding)), types)
+
+
+def _explicit(sharding: Any) -> Any:
+    """``sharding`` where its mesh has an explicit axis (what ``out_sharding`` takes), else ``None``."""
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return None
+    return sharding
 
 
 # Elements from which a float32 array is checked by the native kernel on the CPU (a smaller one costs XLA less than

@@ -259,3 +259,44 @@ def test_a_row_wise_optimizer_of_a_narrow_gradient(name, fused, kernel_path):
     if not fused:  # optax's wrapper, for the record: the reason for the repair
         with pytest.raises(TypeError, match="cond branches"):
             train(optax.apply_if_finite(make(), max_consecutive_errors=10), batches[:1])
+
+
+def test_update_keeps_optaxs_zeros_where_they_fit():
+    """Where optax's zeros have the inner update's shapes and dtypes they are the skipped step's update, with their
+    weak types and shardings: a Python float's gradient leaf gives a weakly typed update, which a bfloat16
+    parameter adds after rounding it (as optax's two calls do), and a table split over an explicit mesh keeps its
+    sharding (``lax.cond`` refuses branches that differ in it). The inner update is traced once, nested too."""
+    params = {"b": jnp.asarray(1.0, jnp.bfloat16)}
+    grads = {"b": 0.19571786}
+    got = []
+    for wrap in (osa.apply_if_finite, optax.apply_if_finite):
+        tx = wrap(optax.sgd(0.01), max_consecutive_errors=1)
+        updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        assert updates["b"].weak_type
+        got.append(osa.apply_updates(params, updates))
+    assert_trees_equal(got[0], got[1])
+
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        split = jax.sharding.NamedSharding(mesh, jax.P("d"))
+        params = {"w": jax.device_put(jnp.ones((8, 4)), split)}
+        for dtype in (jnp.float32, jnp.bfloat16):  # a bfloat16 gradient's float32 update: zeros of its own types
+            grads = {"w": jax.device_put(jnp.full((8, 4), np.nan, dtype), split)}
+            for inner in (optax.adam(0.1), osa.sparse_rowwise_adagrad(0.1)):
+                tx = osa.apply_if_finite(inner, max_consecutive_errors=1)
+                updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+                assert updates["w"].sharding.spec == jax.P("d", None) and int(state.notfinite_count) == 1
+                assert updates["w"].dtype == jnp.float32
+                assert not np.asarray(updates["w"]).any()
+
+    traces = []
+
+    def counted(u, s, p=None):
+        traces.append(1)
+        return optax.sgd(0.1).update(u, s, p)
+
+    tx = optax.GradientTransformation(optax.sgd(0.1).init, counted)
+    for _ in range(3):
+        tx = osa.apply_if_finite(tx, 1)
+    jax.jit(tx.update)({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}), {"w": jnp.ones(3)})
+    assert len(traces) == 1
