@@ -574,8 +574,9 @@ def _wrapped(
     taken on the gradients it was given, and where its update of a leaf reaches ``tx``'s updates as the very same
     arrays, its parameter is that of ``params`` and every new state leaf of that leaf is in ``tx``'s new state,
     the kernel computes the parameter and the state from those inputs; XLA drops the two calls' work for them.
-    Any leaf a wrapper changed, copied or selected (``optax.apply_if_finite``, stages after the optimizer) keeps
-    the two calls.
+    Any leaf a wrapper changed, copied or selected (stages after the optimizer) keeps the two calls, and so does a
+    call a wrapper made in a trace of its own (``optax.apply_if_finite``'s ``lax.cond`` branch): :func:`recording`
+    does not record it.
     """
     with recording() as calls:
         updates, new_state = tx.update(grads, state, params)
@@ -594,10 +595,6 @@ def _wrapped(
             continue
         fusable = _fusable(call.fusion)
         if fusable is None:
-            continue
-        if not any(_ids(u) in position for u in jax.tree.leaves(call.updates, is_leaf=is_leaf) if is_sparse(u)):
-            # None of its updates reaches tx's: a wrapper changed them, or ran the call inside a trace of its own
-            # (lax.cond's branch in optax.apply_if_finite), whose values are out of reach here (identities only).
             continue
         fused = _fusable_leaves(fusable, call.grads, call.state, call.params)
         if not fused:

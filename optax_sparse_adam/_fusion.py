@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.extend.core import get_opaque_trace_state
 
 __all__: list[str] = []
 
@@ -38,7 +39,22 @@ class Call(NamedTuple):
     new_state: Any
 
 
-_CALLS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("optax_sparse_adam_calls", default=None)
+# The innermost recording's calls, and the trace it began in (by a weak reference): a call made in another trace (a
+# lax.cond branch, a scan body inside a wrapper's update) is not recorded, for its values belong to that trace and are
+# out of the step's reach; held, they would outlive it.
+_CALLS: contextvars.ContextVar[tuple[list[Any], Any] | None] = contextvars.ContextVar(
+    "optax_sparse_adam_calls", default=None
+)
+
+
+def _trace() -> Any:
+    return get_opaque_trace_state(convention="optax_sparse_adam")
+
+
+def _calls() -> list[Any] | None:
+    """The innermost recording's list, where the running code is in the trace it began in."""
+    entry = _CALLS.get()
+    return entry[0] if entry is not None and entry[1] == _trace() else None
 
 
 @contextlib.contextmanager
@@ -46,7 +62,7 @@ def recording() -> Iterator[list[Any]]:
     """Collects the :class:`Call` of every fusable ``update`` called inside, and the :class:`Clipped` of every
     clipped sparse leaf (a nested block collects its own)."""
     calls: list[Any] = []
-    token = _CALLS.set(calls)
+    token = _CALLS.set((calls, _trace()))
     try:
         yield calls
     finally:
@@ -93,20 +109,20 @@ class Clipped(NamedTuple):
 
 
 def recording_active() -> bool:
-    """Whether a :func:`recording` block is collecting."""
-    return _CALLS.get() is not None
+    """Whether a :func:`recording` block is collecting (in the trace it began in)."""
+    return _calls() is not None
 
 
 def record_clip(leaf: Any, entries: Any, divisor: Any, factor: Any, max_norm: Any = None) -> None:
     """Adds a :class:`Clipped` to the innermost :func:`recording`, if any."""
-    calls = _CALLS.get()
+    calls = _calls()
     if calls is not None:
         calls.append(Clipped(leaf, entries, divisor, factor, max_norm))
 
 
 def record(fusion: Any, grads: Any, state: Any, params: Any, out: tuple[Any, Any]) -> None:
     """Adds a call to the innermost :func:`recording`, if any."""
-    calls = _CALLS.get()
+    calls = _calls()
     if calls is not None and fusion is not None:
         calls.append(Call(fusion, grads, state, params, *out))
 

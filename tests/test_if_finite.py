@@ -197,7 +197,8 @@ def test_a_stage_and_optimizer_inside_a_cond_take_the_two_calls(name, kernel_pat
     """A stage before the optimizer, both inside a wrapper's ``lax.cond`` (optax's ``apply_if_finite``, or this
     library's nested in a chain): ``update_and_apply`` takes the two calls, bitwise (the fused step looked into
     the branch's recorded calls, whose values belong to the branch's trace, and raised UnexpectedTracerError on the
-    native path)."""
+    native path); and no value of the branch's trace outlives it (``jax.checking_leaks``: the record of the call
+    held them, "Leaked trace")."""
     tx = _STAGED_IN_A_COND[name]()
     params = {"a": jnp.ones((8, 2), jnp.float32), "w": jnp.full((3,), 0.5, jnp.float32)}
     grads = {
@@ -212,7 +213,8 @@ def test_a_stage_and_optimizer_inside_a_cond_take_the_two_calls(name, kernel_pat
 
     for bad in (False, True):
         g = grads if not bad else {**grads, "w": grads["w"].at[1].set(jnp.nan)}
-        got = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(params, state, g)
+        with jax.checking_leaks():
+            got = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(params, state, g)
         assert_trees_equal(got, jax.jit(two_calls)(params, state, g))
         state = got[1]
 
