@@ -81,7 +81,7 @@ def apply_if_finite(
       (Array([1., 1.], dtype=float32), 1)
     """
     tx = optax.apply_if_finite(inner, max_consecutive_errors)
-    inner = optax.with_extra_args_support(inner)
+    guarded = optax.with_extra_args_support(inner)  # the fusion keeps `inner` as given
 
     def update(updates, state, params=None, **extra_args):  # type: ignore[no-untyped-def]
         isfinite = is_finite(updates)
@@ -89,7 +89,7 @@ def apply_if_finite(
         traced: list[Any] = []  # the inner update's types, as the accepting branch traces it
 
         def do_update(_: None) -> Any:
-            out = inner.update(updates, state.inner_state, params, **extra_args)
+            out = guarded.update(updates, state.inner_state, params, **extra_args)
             traced.append(jax.tree.map(jax.typeof, out[0]))
             return out
 

@@ -98,9 +98,12 @@ def test_update_is_optax_apply_if_finite_bitwise():
 
 
 @needs_kernels
-def test_fused_in_place_under_the_cond():
-    """The inner step runs in lax.cond's accepting branch: fused, and the donated tables are not copied."""
-    tx = osa.apply_if_finite(osa.sparse_adam(0.05), 3)
+@pytest.mark.parametrize("plain", [False, True], ids=["optimizer", "plain GradientTransformation"])
+def test_fused_in_place_under_the_cond(plain):
+    """The inner step runs in lax.cond's accepting branch: fused, and the donated tables are not copied; an inner
+    optimizer handed over as a plain ``optax.GradientTransformation`` (no extra-args support) too."""
+    inner = osa.sparse_adam(0.05)
+    tx = osa.apply_if_finite(optax.GradientTransformation(inner.init, inner.update) if plain else inner, 3)
     params = {"emb": jnp.zeros((100_000, 16), jnp.float32)}
     state = tx.init(params)
     grads = {"emb": osa.IndexedRows(jnp.zeros(64, jnp.int32), jnp.ones((64, 16), jnp.float32), 100_000)}
