@@ -19,7 +19,7 @@ from optax_sparse_adam._catch_up import CatchUpAdamWFusion, CatchUpFusion, fused
 from optax_sparse_adam._checks import mask_tree
 from optax_sparse_adam._ftrl import FtrlFusion
 from optax_sparse_adam._fusion import Call, Clipped, recording
-from optax_sparse_adam._if_finite import IfFiniteFusion, is_finite
+from optax_sparse_adam._if_finite import IfFiniteFusion, if_finite_step
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._partition import PartitionFusion, masked, merge
 from optax_sparse_adam._row_engine import Arrays, row_shape
@@ -537,8 +537,6 @@ def _if_finite(
     Inside :func:`jax.lax.cond` the donated tables are still updated in place: the rejecting branch returns
     them as they were, so XLA needs no copy of them (``tests/test_if_finite.py`` checks the compiled step).
     """
-    finite = is_finite(grads)
-    notfinite_count = jnp.where(finite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count))
 
     def accept() -> tuple[Any, Any]:
         return update_and_apply(fusion.inner, grads, state.inner_state, params)
@@ -552,15 +550,7 @@ def _if_finite(
         zeros = jax.tree.map(lambda s: None if is_sparse(s) else jnp.zeros(s.shape, s.dtype), shapes, is_leaf=is_sparse)
         return apply_updates(params, zeros), state.inner_state
 
-    new_params, inner_state = jax.lax.cond(
-        jnp.logical_or(finite, notfinite_count > fusion.max_consecutive_errors), accept, reject
-    )
-    return new_params, optax.ApplyIfFiniteState(
-        notfinite_count=notfinite_count,
-        last_finite=finite,
-        total_notfinite=jnp.where(finite, state.total_notfinite, optax.safe_increment(state.total_notfinite)),
-        inner_state=inner_state,
-    )
+    return if_finite_step(grads, state, fusion.max_consecutive_errors, accept, reject)
 
 
 def _wrapped(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -12,7 +13,7 @@ import optax
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._fusion import FusableUpdate
 
-__all__ = ["IfFiniteFusion", "apply_if_finite", "is_finite"]
+__all__ = ["IfFiniteFusion", "apply_if_finite", "if_finite_step", "is_finite"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,35 +81,47 @@ def apply_if_finite(
       >>> params["emb"][1], int(state.notfinite_count)
       (Array([1., 1.], dtype=float32), 1)
     """
-    tx = optax.apply_if_finite(inner, max_consecutive_errors)
+    init = optax.apply_if_finite(inner, max_consecutive_errors).init  # optax's state
     guarded = optax.with_extra_args_support(inner)  # the fusion keeps `inner` as given
 
     def update(updates, state, params=None, **extra_args):  # type: ignore[no-untyped-def]
-        isfinite = is_finite(updates)
-        notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count))
         traced: list[Any] = []  # the inner update's types, as the accepting branch traces it
 
-        def do_update(_: None) -> Any:
+        def accept() -> Any:
             out = guarded.update(updates, state.inner_state, params, **extra_args)
             traced.append(jax.tree.map(jax.typeof, out[0]))
             return out
 
-        def reject_update(_: None) -> Any:
-            return _zeros_of(updates, traced[0] if traced else jax.eval_shape(do_update, None)[0]), state.inner_state
+        def reject() -> Any:
+            # lax.cond traces its true branch first (jax 0.10 to 0.11): the accepting one, whose types this one then
+            # takes. Were the order to change, this branch would trace the inner update once more (eval_shape).
+            return _zeros_of(updates, traced[0] if traced else jax.eval_shape(accept)[0]), state.inner_state
 
-        accept = jnp.logical_or(isfinite, notfinite_count > max_consecutive_errors)
-        # lax.cond traces its true branch first (jax 0.10 to 0.11): the accepting one, whose types the other then
-        # takes. Were the order to change, the rejecting branch would trace the inner update once more (eval_shape).
-        new_updates, new_inner_state = jax.lax.cond(accept, do_update, reject_update, None)
-        return new_updates, optax.ApplyIfFiniteState(
-            notfinite_count=notfinite_count,
-            last_finite=isfinite,
-            total_notfinite=jnp.where(isfinite, state.total_notfinite, optax.safe_increment(state.total_notfinite)),
-            inner_state=new_inner_state,
-        )
+        return if_finite_step(updates, state, max_consecutive_errors, accept, reject)
 
     return optax.GradientTransformationExtraArgs(
-        tx.init, FusableUpdate(update, IfFiniteFusion(inner, max_consecutive_errors))
+        init, FusableUpdate(update, IfFiniteFusion(inner, max_consecutive_errors))
+    )
+
+
+def if_finite_step(
+    grads: Any,
+    state: optax.ApplyIfFiniteState,
+    max_consecutive_errors: int,
+    accept: Callable[[], tuple[Any, Any]],
+    reject: Callable[[], tuple[Any, Any]],
+) -> tuple[Any, optax.ApplyIfFiniteState]:
+    """:func:`optax.apply_if_finite`'s bookkeeping around a step: ``accept()`` or ``reject()``, each returning a
+    result and the inner state, in the branches of a :func:`jax.lax.cond`, and the counters as optax keeps them.
+    The update of :func:`apply_if_finite` and its fused step (``update_and_apply``) both take this."""
+    finite = is_finite(grads)
+    notfinite_count = jnp.where(finite, jnp.zeros([], jnp.int32), optax.safe_increment(state.notfinite_count))
+    out, inner_state = jax.lax.cond(jnp.logical_or(finite, notfinite_count > max_consecutive_errors), accept, reject)
+    return out, optax.ApplyIfFiniteState(
+        notfinite_count=notfinite_count,
+        last_finite=finite,
+        total_notfinite=jnp.where(finite, state.total_notfinite, optax.safe_increment(state.total_notfinite)),
+        inner_state=inner_state,
     )
 
 
