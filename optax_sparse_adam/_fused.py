@@ -542,13 +542,11 @@ def _if_finite(
         return update_and_apply(fusion.inner, grads, state.inner_state, params)
 
     def reject() -> tuple[Any, Any]:
-        # optax's rejecting branch returns zeros shaped like the inner updates, which the two calls add. Added to
-        # a dense leaf here too, where XLA folds the constant zeros away (a -0.0 stays, which the two calls' zeros,
-        # out of their cond, turn into 0.0); a sparse leaf's zeros (all at row 0) would make XLA copy the table to
-        # keep both branches in place, and leave it as it is but for a -0.0 there turning 0.0: it is left as it is.
-        shapes = jax.eval_shape(lambda: fusion.inner.update(grads, state.inner_state, params)[0])
-        zeros = jax.tree.map(lambda s: None if is_sparse(s) else jnp.zeros(s.shape, s.dtype), shapes, is_leaf=is_sparse)
-        return apply_updates(params, zeros), state.inner_state
+        # The parameters as they were. optax's rejecting branch returns zeros, which the two calls add: added here,
+        # a sparse leaf's (all at row 0) would make XLA copy the table to keep both branches in place, and a dense
+        # leaf's XLA would fold away (x + 0 to x). The values are those of the two calls but for a -0.0, which
+        # their zeros, added out of their cond, turn into 0.0; and the inner update is traced here no more.
+        return params, state.inner_state
 
     return if_finite_step(grads, state, fusion.max_consecutive_errors, accept, reject)
 

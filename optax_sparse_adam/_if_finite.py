@@ -53,15 +53,13 @@ def apply_if_finite(
     where it is the outermost transformation (it may wrap chains,
     ``multi_transform`` and the rest); wrapped in turn, its update runs as
     optax's, inside ``lax.cond``, and takes the two calls. A skipped
-    step leaves the tables bitwise as they were; the two calls add optax's
-    zero update to them, which lands on row 0 and turns a ``-0.0`` there
-    into ``0.0``. Dense leaves (and a whole dense table) are stepped by the
-    inner transformation's XLA arithmetic in the accepting branch, where XLA
-    contracts the parameter's add into the step's multiply-adds as it cannot
-    across the two calls' ``lax.cond``: they may differ from the two calls'
-    by an ulp; and a skipped step leaves their ``-0.0`` as it is (XLA folds
-    the zeros added in the rejecting branch), where the two calls' added zeros
-    turn it into ``0.0``.
+    step leaves every parameter bitwise as it was; the two calls add optax's
+    zero update, which turns a ``-0.0`` into ``0.0`` (in a table, at row 0,
+    where a sparse leaf's zeros land). Dense leaves (and a whole dense table)
+    are stepped by the inner transformation's XLA arithmetic in the accepting
+    branch, where XLA contracts the parameter's add into the step's
+    multiply-adds as it cannot across the two calls' ``lax.cond``: they may
+    differ from the two calls' by an ulp.
 
     Args:
       inner: The transformation to guard, e.g. :func:`sparse_adam`.

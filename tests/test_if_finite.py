@@ -305,3 +305,28 @@ def test_update_keeps_optaxs_zeros_where_they_fit():
         tx = osa.apply_if_finite(tx, 1)
     jax.jit(tx.update)({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)}), {"w": jnp.ones(3)})
     assert len(traces) == 1
+
+
+def test_a_skipped_fused_step_leaves_the_parameters_and_traces_the_inner_update_once(kernel_path):
+    """``update_and_apply``'s skipped step returns the parameters as they were, bitwise: a ``-0.0`` in a table's
+    row 0 and in a dense leaf stays (the two calls' zeros turn both into ``0.0``); and it traces the inner update
+    once, in the branch that accepts the step, the inner optimizer fused there."""
+    traces = []
+    inner = osa.sparse_adam(0.05)
+
+    def counted(u, s, p=None):
+        traces.append(1)
+        return inner.update(u, s, p)
+
+    tx = osa.apply_if_finite(optax.GradientTransformation(inner.init, counted), max_consecutive_errors=3)
+    params = {"emb": jnp.ones((ROWS, WIDTH), jnp.float32).at[0].set(-0.0), "w": jnp.array([-0.0, 1.0, 2.0])}
+    state = tx.init(params)
+    ids, values, dense = _batches()[1]  # a NaN in a row: skipped
+    grads = {"emb": osa.IndexedRows(jnp.asarray(ids), jnp.asarray(values), ROWS), "w": jnp.asarray(dense)}
+    step = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))
+    p, s = step(params, state, grads)
+    assert len(traces) == 1 and int(s.notfinite_count) == 1
+    assert_trees_equal((p, s.inner_state), (params, state.inner_state))
+    assert np.signbit(p["emb"][0]).all() and np.signbit(p["w"][0])
+    if kernel_path == "native-cpu":
+        assert osa.step_report(step, params, state, grads).fused
