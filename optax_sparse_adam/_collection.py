@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +151,11 @@ class EmbeddingCollection:
                 raise ValueError(
                     f"EmbeddingCollection: feature {name!r} reads table {f.table!r}, which is not among the "
                     f"tables {sorted(tables)}"
+                )
+            if f.combiner not in get_args(Combiner):
+                raise ValueError(
+                    f"EmbeddingCollection: feature {name!r} combines its bags by {f.combiner!r}; the combiner must "
+                    f"be one of {get_args(Combiner)}"
                 )
         shards = self.shards
         if isinstance(shards, bool) or not isinstance(shards, int | np.integer) or shards < 1:

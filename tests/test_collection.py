@@ -302,6 +302,9 @@ def test_checkpoints_as_plain_arrays(tmp_path):
 def test_bad_specs_and_inputs_raise():
     with pytest.raises(ValueError, match="reads table 'nope'"):
         osa.EmbeddingCollection(TABLES, {"f": osa.FeatureSpec("nope")})
+    table = next(iter(TABLES))
+    with pytest.raises(ValueError, match="feature 'f' combines its bags by 'max'"):  # at the declaration, by name
+        osa.EmbeddingCollection(TABLES, {"f": osa.FeatureSpec(table, "max")})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="TableSpec"):
         osa.EmbeddingCollection({"t": (10, 4)})
     with pytest.raises(ValueError, match="num_rows"):
