@@ -128,9 +128,13 @@ def bags(
       num_rows: Number of rows of the table (a static int).
       offsets: ``(batch + 1,)`` start of each bag in ``ids``, then the end of
         the last (the CSR form of TorchRec's jagged tensors); entries before
-        ``offsets[0]`` or from ``offsets[-1]`` on are padding.
+        ``offsets[0]`` or from ``offsets[-1]`` on are padding. They must be
+        in order, from 0 up to at most ``n``.
       lengths: ``(batch,)`` size of each bag, the bags laid out in order from
-        the start of ``ids``; entries after them are padding.
+        the start of ``ids``; entries after them are padding. They must not
+        be negative, and sum to at most ``n``. Where ``offsets`` or
+        ``lengths`` are known (outside ``jit``, or NumPy arrays) that is
+        checked; traced, they are taken as they are.
       weights: Per-id weights, of the shape of ``ids`` (floating point).
       combiner: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
 
@@ -188,8 +192,11 @@ def bags(
         else:
             if lengths is not None:
                 lengths = _integers("lengths", lengths)
+                _check_layout("lengths", lengths, ids.shape[0])
                 offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths, dtype=jnp.int32)])
-            offsets = _integers("offsets", offsets)
+            else:
+                offsets = _integers("offsets", offsets)
+                _check_layout("offsets", offsets, ids.shape[0])
             if offsets.shape[0] < 1:
                 raise ValueError("bags: offsets must hold batch + 1 entries (at least one)")
             num_bags = offsets.shape[0] - 1
@@ -234,6 +241,28 @@ def _integers(name: str, x: Any) -> jax.Array:
     if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"bags: {name} must be a 1-D integer array, got {x.dtype}{list(x.shape)}")
     return x.astype(jnp.int32)
+
+
+def _check_layout(name: str, x: jax.Array, entries: int) -> None:
+    """Where ``lengths`` or ``offsets`` are known (not traced), that they lay out bags within the ``entries`` ids:
+    lengths not negative, offsets in order, and no bag past the last id (each would pool other entries than
+    those meant, or miss some). Traced, they are taken as they are."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    v = np.asarray(x, np.int64)
+    if name == "lengths":
+        wrong = "a negative length" if (v < 0).any() else None
+        end = int(v.sum())
+    else:
+        wrong = "offsets out of order" if (np.diff(v) < 0).any() or (v[:1] < 0).any() else None
+        end = int(v[-1]) if v.size else 0
+    if wrong is None and end > entries:
+        wrong = f"bags ending at entry {end}, past the {entries} ids"
+    if wrong is not None:
+        raise ValueError(
+            f"bags: {name} must lay out bags within the ids (lengths at least 0, offsets from 0 up, in order, the "
+            f"last at most the number of ids); got {wrong}"
+        )
 
 
 def pool(table: jax.Array, bags: Bags) -> jax.Array:

@@ -234,6 +234,28 @@ def test_bad_inputs_raise():
         osa.pool(jnp.zeros((NUM_ROWS, WIDTH), jnp.float32), ids)
 
 
+@pytest.mark.parametrize(
+    "layout, wrong",
+    [
+        ({"lengths": [2, -1, 3]}, "a negative length"),
+        ({"lengths": [2, 3]}, "bags ending at entry 5, past the 4 ids"),
+        ({"offsets": [0, 3, 2, 4]}, "offsets out of order"),
+        ({"offsets": [-1, 2, 4]}, "offsets out of order"),
+        ({"offsets": [0, 2, 5]}, "bags ending at entry 5, past the 4 ids"),
+    ],
+)
+def test_a_known_layout_that_lays_out_no_bags_is_refused(layout, wrong):
+    """Lengths and offsets known outside ``jit`` (NumPy or jax arrays) that would pool other entries than those
+    meant, or miss some, are refused; in order, with padding before the first bag or after the last, they pool."""
+    ids = np.array([0, 1, 2, 3], np.int32)
+    for as_array in (np.asarray, jnp.asarray):
+        with pytest.raises(ValueError, match=f"bags: {next(iter(layout))} must lay out bags.*got {wrong}"):
+            osa.bags(ids, NUM_ROWS, **{k: as_array(v) for k, v in layout.items()})
+    table = jnp.arange(NUM_ROWS * WIDTH, dtype=jnp.float32).reshape(NUM_ROWS, WIDTH)
+    got = osa.pool(table, osa.bags(ids, NUM_ROWS, offsets=np.array([1, 1, 3])))  # entries 0 and 3 are padding
+    np.testing.assert_array_equal(got, np.stack([np.zeros(WIDTH, np.float32), table[1] + table[2]]))
+
+
 def test_value_and_row_grad_refuses_bags_for_another_table_and_arithmetic_on_their_ids():
     params = {"t": jnp.zeros((NUM_ROWS, WIDTH), jnp.float32)}
     b = osa.bags(jnp.array([[1, 2]], jnp.int32), NUM_ROWS + 1)
