@@ -90,7 +90,6 @@ def scale_by_sparse_adagrad(
     def update(
         updates: optax.Updates, state: optax.ScaleByRssState, params: optax.Params | None, scale: Any
     ) -> tuple[optax.Updates, optax.ScaleByRssState]:
-        del params
         check_state(state, optax.ScaleByRssState, _WHERE)
 
         def rule(g: jax.Array, st: tuple[jax.Array, ...], reads: tuple[jax.Array, ...]) -> Any:
@@ -111,7 +110,7 @@ def scale_by_sparse_adagrad(
             )
             return out, new
 
-        out, acc = map_rule(leaf, updates, [(state.sum_of_squares, "sum_of_squares")], _WHERE, 2)
+        out, acc = map_rule(leaf, updates, [(state.sum_of_squares, "sum_of_squares")], _WHERE, 2, params)
         return out, optax.ScaleByRssState(sum_of_squares=acc)
 
     return stage(init_fn, update)

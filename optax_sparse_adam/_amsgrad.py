@@ -172,7 +172,6 @@ def scale_by_sparse_amsgrad(
     def update(
         updates: optax.Updates, state: optax.ScaleByAmsgradState, params: optax.Params | None, scale: Any
     ) -> tuple[optax.Updates, optax.ScaleByAmsgradState]:
-        del params
         check_state(state, optax.ScaleByAmsgradState, _WHERE)
         count = optax.safe_increment(state.count)
 
@@ -194,7 +193,7 @@ def scale_by_sparse_amsgrad(
             return (out, *new)
 
         trees = [(state.mu, "mu"), (state.nu, "nu"), (state.nu_max, "nu_max")]
-        out, mu, nu, nu_max = map_rule(leaf, updates, trees, _WHERE, 4)
+        out, mu, nu, nu_max = map_rule(leaf, updates, trees, _WHERE, 4, params)
         return out, optax.ScaleByAmsgradState(count=count, mu=mu, nu=nu, nu_max=nu_max)
 
     return stage(init_fn, update)

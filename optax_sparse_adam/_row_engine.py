@@ -38,7 +38,7 @@ from optax_sparse_adam._coalesce import coalesce
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_ops import explicit_sharding, replicate, scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import SparseLeaf, for_each_chunk, to_sparse_leaf
-from optax_sparse_adam._tree import broadcast_rows, map_leaves, param_error
+from optax_sparse_adam._tree import broadcast_rows, is_leaf, map_leaves, param_error
 
 __all__ = ["Kernel", "Rule", "apply_rule", "map_rule", "row_mean_square", "row_shape", "stamp", "touched_rows"]
 
@@ -192,6 +192,7 @@ def apply_rule(
     state, reads = tuple(state), tuple(reads)
     if g is None:
         return None, state
+    check_state_shapes(path, shape, state + reads, where)
     if not is_sparse(g):
         g = _widen(check_dense_gradient(path, g, shape, where), compute_dtype)
         step, new_state = rule(g, state, reads)
@@ -219,6 +220,20 @@ def apply_rule(
     # As coalescing leaves it: distinct keys packed first, or a distinct leaf's keys in place.
     out = leaf._replace(keys=keys, values=values, distinct=True, sorted=leaf.distinct and leaf.sorted)
     return out.to_leaf(), tuple(new_state)
+
+
+def check_state_shapes(path: Any, shape: tuple[int, ...], arrays: Sequence[Any], where: str) -> None:
+    """That each of a leaf's state arrays has its parameter's ``shape`` or the per-row ``row_shape(shape)``: a
+    state built for another table would have its rows read and written out of place (past its end, dropped)."""
+    for x in arrays:
+        if hasattr(x, "shape") and tuple(x.shape) not in (tuple(shape), row_shape(shape)):
+            raise param_error(
+                ValueError,
+                where,
+                path,
+                f"the optimizer state holds an array of shape {tuple(x.shape)} for a parameter of shape "
+                f"{tuple(shape)}: the state was built for other parameters; build it with `tx.init(params)`",
+            )
 
 
 def _widen(x: jax.Array, dtype: Any) -> jax.Array:
@@ -254,9 +269,30 @@ def _run_rows(leaf: SparseLeaf, shape: tuple[int, ...], state: Arrays, reads: Ar
 
 
 def map_rule(
-    fn: Callable[..., tuple[Any, ...]], grads: Any, trees: Sequence[tuple[Any, str]], where: str, n_out: int
+    fn: Callable[..., tuple[Any, ...]],
+    grads: Any,
+    trees: Sequence[tuple[Any, str]],
+    where: str,
+    n_out: int,
+    params: Any = None,
 ) -> tuple[Any, ...]:
-    """:func:`map_leaves` over the gradient tree, with state subtrees checked to be arrays."""
+    """:func:`map_leaves` over the gradient tree, with state subtrees checked to be arrays. With ``params`` (for
+    rules that do not read them), each touched leaf's state arrays are checked against its parameter's shape
+    (:func:`check_state_shapes`) before ``fn`` sees them."""
+    try:  # parameters of another structure (which such a rule never reads) are left unchecked
+        treedef: Any = jax.tree.structure(grads, is_leaf=is_leaf)  # jax's PyTreeDef, untyped methods
+        treedef.flatten_up_to(params)
+    except (ValueError, TypeError):
+        params = None
+    if params is not None:
+
+        def with_params(path: Any, g: Any, *others: Any) -> tuple[Any, ...]:
+            *state, p = others
+            if g is not None and hasattr(p, "shape"):
+                check_state_shapes(path, tuple(p.shape), state, where)
+            return fn(path, g, *state)
+
+        return map_rule(with_params, grads, [*trees, (params, "parameters")], where, n_out)
 
     def leaf_fn(path: Any, g: Any, *others: Any) -> tuple[Any, ...]:
         for (_, name), x in zip(trees, others, strict=True):

@@ -39,6 +39,7 @@ from optax_sparse_adam._row_engine import (
     Arrays,
     Kernel,
     apply_rule,
+    check_state_shapes,
     decayed_rule,
     map_rule,
     row_full,
@@ -261,7 +262,6 @@ def scale_by_rowwise_adam(
     def update(
         updates: optax.Updates, state: ScaleByRowwiseAdamState, params: optax.Params | None, scale: Any
     ) -> tuple[optax.Updates, ScaleByRowwiseAdamState]:
-        del params
         check_state(state, ScaleByRowwiseAdamState, where)
         count = optax.safe_increment(state.count)
 
@@ -296,7 +296,7 @@ def scale_by_rowwise_adam(
         trees = [(state.mu, "mu"), (state.nu, "nu")]
         if per_row_bias_correction:
             trees.append((state.row_count, "row_count"))
-        out, mu, nu, *row_count = map_rule(leaf, updates, trees, where, 3 + int(per_row_bias_correction))
+        out, mu, nu, *row_count = map_rule(leaf, updates, trees, where, 3 + int(per_row_bias_correction), params)
         return out, ScaleByRowwiseAdamState(
             count=count, mu=mu, nu=nu, row_count=row_count[0] if per_row_bias_correction else state.row_count
         )
@@ -495,7 +495,9 @@ def scale_by_rowwise_adagrad(
             if g is None:
                 return None, acc
             shape = tuple(jnp.shape(p[0]) if p else jnp.shape(g) if not hasattr(g, "shape") else g.shape)
-            if row_shape(shape) != acc.shape:
+            if p:
+                check_state_shapes(path, shape, (acc,), where)
+            elif row_shape(shape) != acc.shape:
                 raise param_error(
                     ValueError, where, path, f"gradient shape {shape} does not fit the accumulator's shape {acc.shape}"
                 )

@@ -132,7 +132,6 @@ def _lazy_trace(momentum: Any, nesterov: bool, accumulator_dtype: Any) -> optax.
     def update(
         updates: optax.Updates, state: optax.TraceState, params: optax.Params | None, scale: Any
     ) -> tuple[optax.Updates, optax.TraceState]:
-        del params
         check_state(state, optax.TraceState, where)
         rule = scaled_rule(_trace_rule(momentum, nesterov), scale)
         # The kernels' scalars: the momentum, then the factor of the step rows (with_learning_rate's -lr, or 1).
@@ -144,7 +143,7 @@ def _lazy_trace(momentum: Any, nesterov: bool, accumulator_dtype: Any) -> optax.
             out, (t,) = apply_rule(path, g, jnp.shape(t), (t,), (), rule, where, whole_rows=False, kernel=kernel)
             return out, t
 
-        out, trace = map_rule(leaf, updates, [(state.trace, "trace")], where, 2)
+        out, trace = map_rule(leaf, updates, [(state.trace, "trace")], where, 2, params)
         return out, optax.TraceState(trace=trace)
 
     return stage(init_fn, update)
