@@ -1642,12 +1642,40 @@ def find(tx: Any, state: Any, where: str, params_structure: Any) -> tuple[RowRep
         raise ValueError(f"{where}: the optimizer state must hold one {kind.__name__}, it holds {len(found)}")
     first = update.rows.moments[0]
     structure = jax.tree.structure(getattr(found[0], first), is_leaf=_is_leaf_or_masked)
-    if structure != params_structure:
+    if structure != params_structure and _key_paths(structure) != _key_paths(params_structure):
         raise ValueError(
             f"{where}: the optimizer state's {first} has structure {structure} but the parameters "
             f"have {params_structure}; pass the parameters and the state built for them"
         )
-    return update.rows, found[0]
+    return update.rows, _plain_scalars(found[0], _key_paths(params_structure))
+
+
+def _plain_scalars(state: Any, table_paths: list[tuple[Any, ...]]) -> Any:
+    """``state`` (a catch-up state) with the arrays of its fields other than the tables' (the count, the decay's
+    log, the idle record) as arrays: an ``nnx.Optimizer``'s state holds each in an ``OptVariable``, which the
+    replay's arithmetic does not take. The tables' fields are read by their leaves (:func:`state_leaves`)."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(plain(y) for y in x))
+        structure: Any  # jax's PyTreeDef, whose methods type checkers do not see
+        leaves, structure = jax.tree.flatten(x)
+        held = len(leaves) == 1 and structure.num_nodes == 2 and not isinstance(x, dict | list | tuple)
+        return leaves[0] if held else x  # a variable holding one array
+
+    fields = {}
+    for name in state._fields:
+        x = getattr(state, name)
+        structure: Any = jax.tree.structure(x, is_leaf=_is_leaf_or_masked)
+        tables = structure.num_leaves == len(table_paths) and _key_paths(structure) == table_paths
+        fields[name] = x if tables else plain(x)
+    return state._replace(**fields)
+
+
+def _key_paths(structure: Any) -> list[tuple[Any, ...]]:
+    """The key paths of a tree structure's leaves: those of an nnx state's ``Param`` and of an ``nnx.Optimizer``
+    state's ``OptVariable`` (two node types of one layout) are the same."""
+    return [path for path, _ in jax.tree_util.tree_leaves_with_path(structure.unflatten([0] * structure.num_leaves))]
 
 
 def _is_leaf_or_masked(x: Any) -> bool:

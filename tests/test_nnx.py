@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import optax_sparse_adam as osa
@@ -127,3 +128,47 @@ def test_the_fused_step_through_cached_partial_equals_the_plain_call(kernel_path
     assert_trees_equal(nnx.state(models[1]), nnx.state(models[0]), **tol)
     assert_trees_equal(nnx.state(optimizers[1]), nnx.state(optimizers[0]), **tol)
     assert int(optimizers[1].step[...]) == 3
+
+
+def test_catch_up_through_both_nnx_optimizers_trains_as_dense_adam(kernel_path):
+    """The catch-up wiring the docs give for the Flax modules (the tables' optimizer as ``catch_up=``, the whole
+    state as ``opt_state=``) on an nnx model: ``opt_state=optimizer.opt_state``, whose arrays nnx holds in
+    ``OptVariable`` nodes where the parameters have ``Param`` nodes, trains as ``optax.adam`` on the dense model
+    (each step's loss, and the model after ``catch_up``), through ``nnx.Optimizer`` and the fused one."""
+    from optax_sparse_adam import nnx as osa_nnx
+
+    rng = np.random.default_rng(2)
+    tx = osa.sparse_adam(1e-2, catch_up=True)
+    models = [Model(nnx.Rngs(0)) for _ in range(3)]
+    optimizers = [
+        nnx.Optimizer(models[0], optax.adam(1e-2), wrt=nnx.Param),
+        nnx.Optimizer(models[1], tx, wrt=nnx.Param),
+        osa_nnx.Optimizer(models[2], tx, wrt=nnx.Param),
+    ]
+
+    @nnx.jit
+    def dense_step(model, optimizer, bags, labels):
+        loss, grads = nnx.value_and_grad(_loss)(model, bags, labels)
+        optimizer.update(model, grads)
+        return loss
+
+    @nnx.jit
+    def step(model, optimizer, bags, labels):
+        graphdef, params = nnx.split(model, nnx.Param)
+        grad_fn = osa.value_and_row_grad(
+            lambda p, b: _loss(nnx.merge(graphdef, p), b, labels), lambda p: p["emb"]["stacks"], catch_up=tx
+        )
+        loss, grads = grad_fn(params, bags, opt_state=optimizer.opt_state)
+        optimizer.update(model, grads)
+        return loss
+
+    for _ in range(5):  # rows read, left idle, read again
+        batch, labels = _batch(rng, 6), jnp.asarray(rng.standard_normal(6), jnp.float32)
+        want = dense_step(models[0], optimizers[0], batch, labels)
+        for model, optimizer in zip(models[1:], optimizers[1:], strict=True):
+            np.testing.assert_allclose(step(model, optimizer, batch, labels), want, rtol=2e-5)
+    want = nnx.state(models[0], nnx.Param)
+    for model, optimizer in zip(models[1:], optimizers[1:], strict=True):
+        params = nnx.state(model, nnx.Param)
+        caught, _ = osa.catch_up(tx, nnx.as_pure(params), nnx.as_pure(optimizer.opt_state))
+        assert_trees_equal(caught, nnx.as_pure(want), rtol=2e-5, atol=1e-6)
