@@ -29,7 +29,7 @@ def spread(names: list[str], combos: list[tuple[Any, ...]], per: int = 1) -> lis
 def assert_trees_equal(actual: Any, desired: Any, *, rtol: float = 0.0, atol: float = 0.0) -> None:
     """The same tree structure, and leaf by leaf the same dtype, shape and values.
 
-    Values are compared bitwise (NaNs equal) unless ``rtol`` or ``atol`` is given. Sparse leaves
+    Values are compared bitwise (NaNs equal; a zero's sign too) unless ``rtol`` or ``atol`` is given. Sparse leaves
     (``IndexedRows``, BCOO) are pytrees: their indices and values are compared as they are.
     """
     structure, want_structure = jax.tree.structure(actual), jax.tree.structure(desired)
@@ -45,6 +45,23 @@ def assert_trees_equal(actual: Any, desired: Any, *, rtol: float = 0.0, atol: fl
             np.testing.assert_allclose(a, d, rtol=rtol, atol=atol, err_msg=where)
         else:
             np.testing.assert_array_equal(a, d, err_msg=where, strict=True)
+            _assert_zeros_signed_alike(a, d, where)
+
+
+def _assert_zeros_signed_alike(a: np.ndarray, d: np.ndarray, where: str) -> None:
+    """Where equal arrays hold zeros, the same signs (``assert_array_equal`` takes ``-0.0`` for ``0.0``)."""
+    if a.dtype.kind == "c":
+        parts = [(a.real, d.real), (a.imag, d.imag)]
+    elif a.dtype.kind == "f":
+        parts = [(a, d)]
+    elif a.dtype.kind == "V":  # ml_dtypes' floats (bfloat16, float8): exact in float64
+        parts = [(a.astype(np.float64), d.astype(np.float64))]
+    else:
+        return
+    for x, y in parts:
+        zero = x == 0
+        if zero.any():
+            np.testing.assert_array_equal(np.signbit(x[zero]), np.signbit(y[zero]), err_msg=f"{where}: signs of zeros")
 
 
 def non_finite_values(values: np.ndarray) -> np.ndarray:
