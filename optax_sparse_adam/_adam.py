@@ -224,7 +224,8 @@ def _dense_adam(grads: Any, mu: Any, nu: Any, state_count: jax.Array, hp: AdamHy
 
         updates = jax.tree.map(step, new_mu, new_nu)
     cast = lambda new, old: jax.tree.map(lambda x, y: x.astype(y.dtype), new, old)  # noqa: E731
-    return cast(updates, grads), cast(new_mu, mu), cast(new_nu, nu)
+    # The updates in optax's dtype: the gradient's promoted with the moments' (as apply_rule's update_dtype).
+    return updates, cast(new_mu, mu), cast(new_nu, nu)
 
 
 def _update(

@@ -1279,7 +1279,7 @@ def flagged_updates(
 
     def by_steps() -> tuple[jax.Array, ...]:
         distinct = coalesce(flagged_entries(leaf, flagged, p.shape[0]))
-        new, stepped = _run_rows(distinct, p.shape, tables, (p,), rule)
+        new, stepped = _run_rows(distinct, p.shape, tables, (p,), rule, out.dtype)
         return _placed(out_keys, out, distinct.keys[:, 0], stepped, p.shape[0]), *new
 
     out, *new = jax.lax.cond(jnp.any(flagged > 0), by_steps, lambda: (out, *tables))

@@ -186,8 +186,9 @@ def apply_rule(
         returns float32 updates).
 
     Returns:
-      The update leaf (the gradient's type; padding slots zero) and the state,
-      each array in its own dtype (the update in the gradient's, or in ``compute_dtype`` where that is wider).
+      The update leaf (the gradient's type; padding slots zero) and the state, each array in its own dtype: the
+      update in :func:`update_dtype`'s (the gradient's, or ``compute_dtype`` where that is wider, promoted with the
+      floating state and reads, as optax's arithmetic promotes them).
     """
     state, reads = tuple(state), tuple(reads)
     if g is None:
@@ -196,9 +197,11 @@ def apply_rule(
     if not is_sparse(g):
         g = _widen(check_dense_gradient(path, g, shape, where), compute_dtype)
         step, new_state = rule(g, state, reads)
-        return step.astype(g.dtype), tuple(n.astype(s.dtype) for n, s in zip(new_state, state, strict=True))
+        dtype = update_dtype(g.dtype, state, reads)
+        return step.astype(dtype), tuple(n.astype(s.dtype) for n, s in zip(new_state, state, strict=True))
     leaf = to_sparse_leaf(g, shape, path, where, emits=True)
     leaf = leaf._replace(values=_widen(leaf.values, compute_dtype))
+    dtype = update_dtype(leaf.values.dtype, state, reads)
     if whole_rows and leaf.n_sparse != 1:
         raise param_error(
             ValueError,
@@ -210,13 +213,14 @@ def apply_rule(
 
     def xla() -> tuple[jax.Array, jax.Array, Arrays]:
         summed = coalesce(leaf)
-        new_state, out = _run_rows(summed, shape, state, reads, rule)
+        new_state, out = _run_rows(summed, shape, state, reads, rule, dtype)
         return summed.keys, out, new_state
 
     if kernel is not None and kernel.supports(leaf, state, reads):
         keys, values, new_state = _kernel_path.select(lambda: kernel.run(leaf, state, reads), xla)
     else:
         keys, values, new_state = xla()
+    values = values.astype(dtype)
     # As coalescing leaves it: distinct keys packed first, or a distinct leaf's keys in place.
     out = leaf._replace(keys=keys, values=values, distinct=True, sorted=leaf.distinct and leaf.sorted)
     return out.to_leaf(), tuple(new_state)
@@ -243,8 +247,19 @@ def _widen(x: jax.Array, dtype: Any) -> jax.Array:
     return x.astype(dtype) if jnp.promote_types(x.dtype, dtype) == dtype else x
 
 
-def _run_rows(leaf: SparseLeaf, shape: tuple[int, ...], state: Arrays, reads: Arrays, rule: Rule) -> tuple[Arrays, Any]:
-    """The XLA path: ``rule`` on each chunk of a coalesced leaf's rows, gathered and scattered back."""
+def update_dtype(grad_dtype: Any, state: Sequence[jax.Array], reads: Sequence[jax.Array]) -> Any:
+    """The dtype of a leaf's update: the gradient's promoted with its floating state and what the rule reads, as
+    optax's arithmetic promotes them (``optax.adam`` returns a bfloat16 gradient's update of a float32 parameter,
+    whose moments are float32, in float32)."""
+    floats = [x.dtype for x in (*state, *reads) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.result_type(grad_dtype, *floats) if floats else grad_dtype
+
+
+def _run_rows(
+    leaf: SparseLeaf, shape: tuple[int, ...], state: Arrays, reads: Arrays, rule: Rule, dtype: Any
+) -> tuple[Arrays, Any]:
+    """The XLA path: ``rule`` on each chunk of a coalesced leaf's rows, gathered and scattered back, the update's
+    rows in ``dtype``."""
 
     def index_for(x: jax.Array, idx: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         return idx[: x.ndim] if x.ndim < len(shape) else idx
@@ -264,7 +279,7 @@ def _run_rows(leaf: SparseLeaf, shape: tuple[int, ...], state: Arrays, reads: Ar
 
     # On an Explicit mesh the rows come back replicated on it; the update they fill must live there too.
     on_mesh = [x for x in state + reads if explicit_sharding(x) is not None]
-    out = replicate(jnp.zeros_like(leaf.values), like=on_mesh[0] if on_mesh else None)
+    out = replicate(jnp.zeros_like(leaf.values, dtype=dtype), like=on_mesh[0] if on_mesh else None)
     return for_each_chunk(leaf, rows_update, (state, out))
 
 

@@ -269,3 +269,38 @@ def test_a_table_of_zero_rows_takes_all_padding(name, kernel_path):
     np.testing.assert_array_equal(np.asarray(values), 0.0)
     np.testing.assert_array_equal(np.asarray(fused["w"]), np.asarray(new["w"]))
     assert jax.tree.structure(fused_state) == jax.tree.structure(new_state)
+
+
+_OPTAX_PEERS = {
+    "sparse_adam": (lambda: osa.sparse_adam(0.05), lambda: optax.adam(0.05)),
+    "sparse_adam(catch_up=True)": (lambda: osa.sparse_adam(0.05, catch_up=True), lambda: optax.adam(0.05)),
+    "sparse_adamw": (lambda: osa.sparse_adamw(0.05, weight_decay=0.1), lambda: optax.adamw(0.05, weight_decay=0.1)),
+    "sparse_amsgrad": (lambda: osa.sparse_amsgrad(0.05), lambda: optax.amsgrad(0.05)),
+    "sparse_adagrad": (lambda: osa.sparse_adagrad(0.05), lambda: optax.adagrad(0.05)),
+    "sparse_sgd(momentum)": (lambda: osa.sparse_sgd(0.05, momentum=0.9), lambda: optax.sgd(0.05, momentum=0.9)),
+    "sparse_sgd": (lambda: osa.sparse_sgd(0.05), lambda: optax.sgd(0.05)),
+}
+
+
+@pytest.mark.parametrize("form", ["dense", "rows"])
+@pytest.mark.parametrize("name", list(_OPTAX_PEERS))
+def test_a_bfloat16_gradient_of_a_float32_table_steps_as_optax(name, form, kernel_path):
+    """A bfloat16 gradient of a float32 parameter (whose state is float32) takes the update in the dtype optax's
+    arithmetic gives it: float32 where the state is (plain SGD has none: bfloat16, as optax's), not rounded to the
+    gradient's dtype, which moved the parameters by 1.7e-3 of a step away from ``optax.adam``'s. Every row touched
+    (once, as a dense leaf or as rows), three steps of the two calls, each compiled apart: bitwise optax's."""
+    ours, theirs = (make() for make in _OPTAX_PEERS[name])
+    rng = np.random.default_rng(1)
+    p0 = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+    grads = [jnp.asarray(rng.normal(size=(8, 4)), jnp.bfloat16) for _ in range(3)]
+
+    def train(tx: optax.GradientTransformation, wrap: bool) -> tuple[jax.Array, jax.Array]:
+        p, s, update = p0, tx.init(p0), jax.jit(tx.update)
+        for g in grads:
+            u, s = update(osa.IndexedRows(jnp.arange(8), g, 8) if wrap else g, s, p)
+            p = jax.jit(osa.apply_updates)(p, u)
+        return p, u.values if wrap else u
+
+    (p, u), (p_ref, u_ref) = train(ours, form == "rows"), train(theirs, False)
+    assert u.dtype == u_ref.dtype == (jnp.bfloat16 if name == "sparse_sgd" else jnp.float32)
+    np.testing.assert_array_equal(p, p_ref)
