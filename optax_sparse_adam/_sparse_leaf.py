@@ -178,6 +178,14 @@ def to_sparse_leaf(
                 path,
                 f"BCOO shape {tuple(leaf.shape)} does not match the parameter shape {param_shape}",
             )
+        if leaf.n_sparse == 0:
+            raise param_error(
+                ValueError,
+                where,
+                path,
+                "a BCOO with n_sparse=0 addresses no rows (each entry is the whole array): pass its sum as a dense "
+                "gradient (`g.todense()`), or build it with n_sparse=1 (whole rows) or more",
+            )
         index, values = leaf.indices, leaf.data
         if not jnp.issubdtype(index.dtype, jnp.integer):
             raise param_error(TypeError, where, path, f"BCOO indices must be integers, got dtype {index.dtype}")

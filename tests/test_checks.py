@@ -162,6 +162,11 @@ def _grads(table=None, scale=None):
             r"\['enc'\]\['table'\].*BCOO shape \(6, 4\)",
         ),
         (
+            _grads(table=jsparse.BCOO.fromdense(jnp.ones((6, 3), jnp.float32), n_dense=2)),
+            ValueError,
+            r"\['enc'\]\['table'\]: a BCOO with n_sparse=0 addresses no rows.*g.todense",
+        ),
+        (
             _grads(scale=osa.IndexedRows(IDX, jnp.ones((2,), jnp.float32), 1)),
             ValueError,
             r"\['enc'\]\['scale'\].*0-d parameter",
