@@ -378,8 +378,9 @@ def test_state_is_optax_adam_state_and_tree_get_works():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("mu_dtype", [None, jnp.float32])
 def test_dense_dtypes_match_optax(dtype, mu_dtype):
-    """Moments in optax's dtypes; values equal to optax's in the gradient's dtype, over several varied steps
-    (after the first, updates are no longer about +-1, so low-precision arithmetic shows)."""
+    """Moments and updates in optax's dtypes (the updates promoted with ``mu_dtype``, as optax's arithmetic
+    promotes them), values equal to optax's, over several varied steps (after the first, updates are no longer
+    about +-1, so low-precision arithmetic shows)."""
     params = {"w": jnp.linspace(-1, 1, 12, dtype=dtype).reshape(4, 3)}
     ref, tx = optax.scale_by_adam(mu_dtype=mu_dtype), osa.scale_by_sparse_adam(mu_dtype=mu_dtype)
     rs, s = ref.init(params), tx.init(params)
@@ -387,10 +388,10 @@ def test_dense_dtypes_match_optax(dtype, mu_dtype):
         g = {"w": jnp.asarray(np.random.default_rng(step).standard_normal((4, 3)), dtype)}
         ru, rs = ref.update(g, rs, params)
         u, s = tx.update(g, s, params)
-        assert u["w"].dtype == dtype  # updates in the gradient's dtype (optax promotes to mu_dtype)
+        assert u["w"].dtype == ru["w"].dtype == jnp.promote_types(dtype, mu_dtype or dtype)
         assert s.mu["w"].dtype == rs.mu["w"].dtype == (mu_dtype or dtype)
         assert s.nu["w"].dtype == rs.nu["w"].dtype == dtype
-        assert_trees_equal((u["w"], s.mu, s.nu), (ru["w"].astype(dtype), rs.mu, rs.nu))
+        assert_trees_equal((u["w"], s.mu, s.nu), (ru["w"], rs.mu, rs.nu))
     assert np.abs(np.asarray(u["w"], np.float32)).min() < 0.9  # not the first step's +-1 any more
 
 
