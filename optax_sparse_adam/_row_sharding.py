@@ -38,7 +38,7 @@ from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._routing import Route, RoutingInfo
 from optax_sparse_adam._row_grad import Selection, check_ids, check_reads_rows_only, rows_read, select_tables
 from optax_sparse_adam._row_ops import take_rows
-from optax_sparse_adam._tree import broadcast_rows, leaves_like
+from optax_sparse_adam._tree import broadcast_rows, leaves_like, param_error
 
 __all__ = ["RowSharding"]
 
@@ -53,6 +53,11 @@ def _specs_like(tree: Any, spec: PartitionSpec) -> Any:
 def _flatten_up_to(treedef: Any, tree: Any, where: str) -> list[Any]:
     """``tree``'s subtrees at the leaves of ``treedef`` (the parameters' structure), or an error naming the path."""
     return leaves_like(treedef, treedef.unflatten([None] * treedef.num_leaves), tree, where, "parameters", "parameters")
+
+
+def _paths(treedef: Any) -> list[Any]:
+    """The key paths of ``treedef``'s leaves (the parameters'), for errors."""
+    return [path for path, _ in jax.tree_util.tree_leaves_with_path(treedef.unflatten([0] * treedef.num_leaves))]
 
 
 def _abstract(x: Any, shape: tuple[int, ...] | None = None) -> Any:
@@ -291,12 +296,28 @@ class RowSharding:
             ]
         )
 
-    def _locals(self, tree: Any, chosen: list[int], treedef: Any, where: str) -> tuple[list[Any], list[Any]]:
-        """Inside ``shard_map``: ``tree``'s leaves, and the same with each table's sparse leaf local to the block."""
+    def _locals(
+        self, tree: Any, chosen: list[int], treedef: Any, where: str, params: Any
+    ) -> tuple[list[Any], list[Any]]:
+        """Inside ``shard_map``: ``tree``'s leaves, and the same with each table's sparse leaf local to the block,
+        each checked first to be of its whole table's shape (``params``: the blocks), the error naming its path."""
         flat = _flatten_up_to(treedef, tree, where)
+        blocks = _flatten_up_to(treedef, params, where)
+        paths = _paths(treedef)
         n = self.num_shards
+        for i in chosen:
+            x, p = flat[i], blocks[i]
+            whole = (p.shape[0] * n, *p.shape[1:])
+            if is_sparse(x) and tuple(x.shape) != whole:
+                raise param_error(
+                    ValueError,
+                    where,
+                    paths[i],
+                    f"the gradient ({type(x).__name__}) has shape {tuple(x.shape)} but the table has shape "
+                    f"{whole}; build it for the whole table (num_rows=table.shape[0])",
+                )
         local = [
-            _routing.to_local(x, self.axis, n, (), where) if i in chosen and is_sparse(x) else x
+            _routing.to_local(x, self.axis, n, paths[i], where) if i in chosen and is_sparse(x) else x
             for i, x in enumerate(flat)
         ]
         return flat, local
@@ -324,11 +345,11 @@ class RowSharding:
         where = "RowSharding.update"
 
         def body(grads: Any, state: Any, params: Any) -> Any:
-            flat, local = self._locals(grads, chosen, treedef, where)
+            flat, local = self._locals(grads, chosen, treedef, where, params)
             updates, state = tx.update(treedef.unflatten(local), state, params)
             out = _flatten_up_to(treedef, updates, where)
             out = [
-                _routing.to_global(u, flat[i], self.axis, self.num_shards, (), where)
+                _routing.to_global(u, flat[i], self.axis, self.num_shards, _paths(treedef)[i], where)
                 if i in chosen and is_sparse(u)
                 else u
                 for i, u in enumerate(out)
@@ -344,7 +365,7 @@ class RowSharding:
         _, _, chosen, treedef = self._selected(params)
 
         def body(params: Any, updates: Any) -> Any:
-            _, local = self._locals(updates, chosen, treedef, "RowSharding.apply_updates")
+            _, local = self._locals(updates, chosen, treedef, "RowSharding.apply_updates", params)
             return _apply_updates(params, treedef.unflatten(local))
 
         return self._map(body, (p_specs, u_specs), p_specs, params, updates)
@@ -378,7 +399,7 @@ class RowSharding:
         _, _, chosen, treedef = self._selected(params)
 
         def body(grads: Any, state: Any, params: Any, key: Any) -> Any:
-            _, local = self._locals(grads, chosen, treedef, "RowSharding.update_and_apply")
+            _, local = self._locals(grads, chosen, treedef, "RowSharding.update_and_apply", params)
             first_rows = None
             if key is not None:  # each block's rows draw by their ids in the whole table
                 block = jax.lax.axis_index(self.axis).astype(jnp.int32)

@@ -1159,6 +1159,26 @@ def test_errors_name_the_table_and_what_to_do():
         osa.RowSharding(mesh, "x", lambda p: 3).shard(_params())
 
 
+def test_a_routed_step_names_the_parameter_of_a_gradient_that_does_not_fit():
+    """A gradient a routed step cannot take is refused naming the parameter's path (it said ``<root>``) and the
+    whole table's shape (a gradient for another number of rows was measured against one device's block)."""
+    rs = osa.RowSharding(_mesh(), "x", lambda p: p["emb"])
+    params = rs.shard(_params())
+    tx = osa.sparse_adam(0.1)
+    ids = jnp.arange(8, dtype=jnp.int32)
+    for step in (rs.update_and_apply, rs.update):
+        bad = {"emb": osa.IndexedRows(ids, jnp.ones((8, D), jnp.int32), N), "w": jnp.zeros((D,), jnp.float32)}
+        with pytest.raises(TypeError, match=r"parameter \['emb'\]: sparse values must be floating point"):
+            step(tx, bad, tx.init(params), params)
+        bad = {"emb": osa.IndexedRows(ids, jnp.ones((8, D), jnp.float32), 2 * N), "w": jnp.zeros((D,), jnp.float32)}
+        with pytest.raises(
+            ValueError,
+            match=rf"\['emb'\]: the gradient \(IndexedRows\) has shape \({2 * N}, {D}\) but "
+            rf"the table has shape \({N}, {D}\)",
+        ):
+            step(tx, bad, tx.init(params), params)
+
+
 # Every loss that the one-device fast path refuses (tests/test_reliability.py), by name.
 WHOLE_TABLE_LOSSES = {
     "l2-penalty": lambda p, ids: jnp.sum(p["emb"][ids] @ p["w"]) + 0.1 * jnp.sum(p["emb"] ** 2),
