@@ -25,6 +25,7 @@ import numpy as np
 
 from optax_sparse_adam._indexed_rows import as_index_array, normalise_keys
 from optax_sparse_adam._pooled import Bags, Combiner, bags, pool
+from optax_sparse_adam._row_ops import explicit_sharding
 
 __all__ = ["EmbeddingCollection", "FeatureSpec", "TableSpec"]
 
@@ -280,6 +281,9 @@ class EmbeddingCollection:
         if self.shards == 1:
             return stack[start : start + t.num_rows]
         share = self._shares[name]  # type: ignore[attr-defined]
+        split = explicit_sharding(stack)
+        if split is not None:  # split by rows over an Explicit mesh: the table's share of each block, gathered
+            stack = jax.sharding.reshard(stack, jax.sharding.NamedSharding(split.mesh, jax.P()))
         blocks = stack.reshape(self.shards, -1, *stack.shape[1:])
         return blocks[:, start : start + share].reshape(-1, *stack.shape[1:])[: t.num_rows]
 
