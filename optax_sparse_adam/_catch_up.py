@@ -62,7 +62,7 @@ from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_engine import Kernel, Rule, _run_rows, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._row_ops import explicit_sharding
 from optax_sparse_adam._sparse_leaf import SparseLeaf
-from optax_sparse_adam._tree import broadcast_rows, is_leaf, param_error
+from optax_sparse_adam._tree import broadcast_rows, is_leaf, leaf_paths, param_error
 
 __all__ = [
     "CatchUpAdamState",
@@ -1642,12 +1642,13 @@ def find(tx: Any, state: Any, where: str, params_structure: Any) -> tuple[RowRep
         raise ValueError(f"{where}: the optimizer state must hold one {kind.__name__}, it holds {len(found)}")
     first = update.rows.moments[0]
     structure = jax.tree.structure(getattr(found[0], first), is_leaf=_is_leaf_or_masked)
-    if structure != params_structure and _key_paths(structure) != _key_paths(params_structure):
+    table_paths = leaf_paths(params_structure)
+    if structure != params_structure and leaf_paths(structure) != table_paths:
         raise ValueError(
             f"{where}: the optimizer state's {first} has structure {structure} but the parameters "
             f"have {params_structure}; pass the parameters and the state built for them"
         )
-    return update.rows, _plain_scalars(found[0], _key_paths(params_structure))
+    return update.rows, _plain_scalars(found[0], table_paths)
 
 
 def _plain_scalars(state: Any, table_paths: list[tuple[Any, ...]]) -> Any:
@@ -1667,15 +1668,9 @@ def _plain_scalars(state: Any, table_paths: list[tuple[Any, ...]]) -> Any:
     for name in state._fields:
         x = getattr(state, name)
         structure: Any = jax.tree.structure(x, is_leaf=_is_leaf_or_masked)
-        tables = structure.num_leaves == len(table_paths) and _key_paths(structure) == table_paths
+        tables = structure.num_leaves == len(table_paths) and leaf_paths(structure) == table_paths
         fields[name] = x if tables else plain(x)
     return state._replace(**fields)
-
-
-def _key_paths(structure: Any) -> list[tuple[Any, ...]]:
-    """The key paths of a tree structure's leaves: those of an nnx state's ``Param`` and of an ``nnx.Optimizer``
-    state's ``OptVariable`` (two node types of one layout) are the same."""
-    return [path for path, _ in jax.tree_util.tree_leaves_with_path(structure.unflatten([0] * structure.num_leaves))]
 
 
 def _is_leaf_or_masked(x: Any) -> bool:

@@ -38,7 +38,7 @@ from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
 from optax_sparse_adam._routing import Route, RoutingInfo
 from optax_sparse_adam._row_grad import Selection, check_ids, check_reads_rows_only, rows_read, select_tables
 from optax_sparse_adam._row_ops import take_rows
-from optax_sparse_adam._tree import broadcast_rows, leaves_like, param_error
+from optax_sparse_adam._tree import broadcast_rows, leaf_paths, leaves_like, param_error
 
 __all__ = ["RowSharding"]
 
@@ -53,11 +53,6 @@ def _specs_like(tree: Any, spec: PartitionSpec) -> Any:
 def _flatten_up_to(treedef: Any, tree: Any, where: str) -> list[Any]:
     """``tree``'s subtrees at the leaves of ``treedef`` (the parameters' structure), or an error naming the path."""
     return leaves_like(treedef, treedef.unflatten([None] * treedef.num_leaves), tree, where, "parameters", "parameters")
-
-
-def _paths(treedef: Any) -> list[Any]:
-    """The key paths of ``treedef``'s leaves (the parameters'), for errors."""
-    return [path for path, _ in jax.tree_util.tree_leaves_with_path(treedef.unflatten([0] * treedef.num_leaves))]
 
 
 def _abstract(x: Any, shape: tuple[int, ...] | None = None) -> Any:
@@ -303,7 +298,7 @@ class RowSharding:
         each checked first to be of its whole table's shape (``params``: the blocks), the error naming its path."""
         flat = _flatten_up_to(treedef, tree, where)
         blocks = _flatten_up_to(treedef, params, where)
-        paths = _paths(treedef)
+        paths = leaf_paths(treedef)
         n = self.num_shards
         for i in chosen:
             x, p = flat[i], blocks[i]
@@ -348,8 +343,9 @@ class RowSharding:
             flat, local = self._locals(grads, chosen, treedef, where, params)
             updates, state = tx.update(treedef.unflatten(local), state, params)
             out = _flatten_up_to(treedef, updates, where)
+            paths = leaf_paths(treedef)
             out = [
-                _routing.to_global(u, flat[i], self.axis, self.num_shards, _paths(treedef)[i], where)
+                _routing.to_global(u, flat[i], self.axis, self.num_shards, paths[i], where)
                 if i in chosen and is_sparse(u)
                 else u
                 for i, u in enumerate(out)

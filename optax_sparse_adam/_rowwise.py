@@ -39,7 +39,6 @@ from optax_sparse_adam._row_engine import (
     Arrays,
     Kernel,
     apply_rule,
-    check_state_shapes,
     decayed_rule,
     map_rule,
     row_full,
@@ -495,9 +494,7 @@ def scale_by_rowwise_adagrad(
             if g is None:
                 return None, acc
             shape = tuple(jnp.shape(p[0]) if p else jnp.shape(g) if not hasattr(g, "shape") else g.shape)
-            if p:
-                check_state_shapes(path, shape, (acc,), where)
-            elif row_shape(shape) != acc.shape:
+            if not p and row_shape(shape) != acc.shape:  # given the parameters, apply_rule checks the state
                 raise param_error(
                     ValueError, where, path, f"gradient shape {shape} does not fit the accumulator's shape {acc.shape}"
                 )

@@ -20,6 +20,12 @@ def path_str(path: Any) -> str:
     return jax.tree_util.keystr(tuple(path)) or "<root>"
 
 
+def leaf_paths(treedef: Any) -> list[tuple[Any, ...]]:
+    """The key paths of a tree structure's leaves. Two structures of one layout with different node types (an nnx
+    state's ``Param`` nodes and an ``nnx.Optimizer`` state's ``OptVariable`` ones) have the same."""
+    return [path for path, _ in jax.tree_util.tree_leaves_with_path(treedef.unflatten([0] * treedef.num_leaves))]
+
+
 def param_error(kind: type[Exception], where: str, path: Any, msg: str) -> Exception:
     """``kind("<where>: parameter <path>: <msg>")``, the form of every error about one leaf."""
     return kind(f"{where}: parameter {path_str(path)}: {msg}")
