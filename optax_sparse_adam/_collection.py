@@ -330,6 +330,12 @@ class EmbeddingCollection:
                         f"EmbeddingCollection.bags: the Bags of feature {name!r} were built for {x.num_rows} rows; "
                         f"its table {spec.table!r} has {rows}"
                     )
+                if x.combiner != spec.combiner:  # folded into the weights: it cannot be changed here
+                    raise ValueError(
+                        f"EmbeddingCollection.bags: the Bags of feature {name!r} combine by {x.combiner!r} but its "
+                        f"FeatureSpec says {spec.combiner!r}; build them with osa.bags(..., "
+                        f"combiner={spec.combiner!r})"
+                    )
                 per_feature[name] = x
             else:
                 per_feature[name] = bags(x, rows, weights=weights.get(name), combiner=spec.combiner)
@@ -370,7 +376,9 @@ class EmbeddingCollection:
                     return jnp.concatenate(xs)
                 return jnp.concatenate([x.reshape(parts, -1) for x in xs], axis=1).reshape(-1)
 
-            out[stack] = Bags(joined(ids), joined(bag), joined(w), n_bags, total, merged, parts)
+            combiners = {per_feature[n].combiner for n in names}
+            combiner = combiners.pop() if len(combiners) == 1 else None
+            out[stack] = Bags(joined(ids), joined(bag), joined(w), n_bags, total, merged, parts, combiner)
         return out
 
     def pool(self, params: Mapping[str, jax.Array], bags: Mapping[str, Bags]) -> dict[str, jax.Array]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -41,6 +42,14 @@ class IndexedRows:
         on the XLA path (as with jax's own ``unique_indices``); the native
         CPU kernels check the promise (one hash pass over the indices) and
         sum a broken one's duplicates as without it.
+      owner_axis: Static mark of a row-sharded table's gradient: the mesh axis
+        whose devices each hold the entries of the rows they own (set by
+        :meth:`RowSharding.value_and_row_grad` and
+        :meth:`RowSharding.route`, kept on the updates built from it).
+        :class:`RowSharding`'s steps take a table's sparse leaf only with
+        their own axis here, as a gradient laid out otherwise would lose the
+        entries each device does not own. ``None`` (default): entries in any
+        layout, as anywhere else.
 
     Adding an ``IndexedRows`` to a dense array (``table + rows``) adds its
     values to their rows with one scatter, so :func:`optax.apply_updates`, and
@@ -54,6 +63,7 @@ class IndexedRows:
     values: jax.Array
     num_rows: int
     unique_indices: bool = False
+    owner_axis: str | None = None
 
     def __post_init__(self) -> None:
         num_rows = self.num_rows
@@ -71,6 +81,8 @@ class IndexedRows:
         if not isinstance(self.unique_indices, bool | np.bool_):
             raise TypeError(f"IndexedRows: unique_indices must be a bool, got {self.unique_indices!r}")
         object.__setattr__(self, "unique_indices", bool(self.unique_indices))
+        if self.owner_axis is not None and not isinstance(self.owner_axis, str):
+            raise TypeError(f"IndexedRows: owner_axis must be a mesh axis name or None, got {self.owner_axis!r}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -100,8 +112,61 @@ class IndexedRows:
 
 
 jax.tree_util.register_dataclass(
-    IndexedRows, data_fields=["indices", "values"], meta_fields=["num_rows", "unique_indices"]
+    IndexedRows, data_fields=["indices", "values"], meta_fields=["num_rows", "unique_indices", "owner_axis"]
 )
+
+
+def owner_axis(leaf: Any) -> str | None:
+    """The mesh axis a sparse leaf's entries are split over by owner (see ``IndexedRows.owner_axis``), or None."""
+    return getattr(leaf, "owner_axis", None)
+
+
+@functools.cache
+def _routed_bcoo_type() -> type:
+    """A BCOO that carries ``owner_axis`` as static metadata: a routed BCOO gradient (made on first use, so that
+    the package loads without ``jax.experimental.sparse``)."""
+    from jax.experimental import sparse as jsparse
+
+    @jax.tree_util.register_pytree_node_class
+    class RoutedBCOO(jsparse.BCOO):
+        """A BCOO gradient or update of a row-sharded table, its entries split over ``owner_axis`` by owner."""
+
+        owner_axis: str
+
+        def __init__(self, args: Any, *, shape: Any, owner_axis: str, **flags: Any) -> None:
+            super().__init__(args, shape=shape, **flags)
+            self.owner_axis = owner_axis
+
+        def tree_flatten(self) -> tuple[Any, dict[str, Any]]:
+            children, aux = super().tree_flatten()
+            return children, {**aux, "owner_axis": self.owner_axis}
+
+        @classmethod
+        def tree_unflatten(cls, aux_data: dict[str, Any], children: Any) -> Any:
+            aux = dict(aux_data)
+            axis = aux.pop("owner_axis")
+            obj = super().tree_unflatten(aux, children)
+            obj.owner_axis = axis
+            return obj
+
+    return RoutedBCOO
+
+
+def bcoo_like(
+    args: tuple[Any, Any],
+    *,
+    shape: Any,
+    owner_axis: str | None,
+    indices_sorted: bool = False,
+    unique_indices: bool = False,
+) -> jsparse.BCOO:
+    """A BCOO, marked with ``owner_axis`` where it is not None."""
+    flags = {"indices_sorted": indices_sorted, "unique_indices": unique_indices}
+    if owner_axis is None:
+        from jax.experimental import sparse as jsparse
+
+        return jsparse.BCOO(args, shape=shape, **flags)
+    return _routed_bcoo_type()(args, shape=shape, owner_axis=owner_axis, **flags)
 
 
 def as_index_array(x: Any) -> jax.Array:

@@ -50,6 +50,9 @@ class Bags:
         block, the ``d``-th ``1/parts`` of each block's bags. Bags in one
         block are in that order for any number of parts that divides them;
         :meth:`EmbeddingCollection.bags` lays several features out so.
+      combiner: Static: the combiner folded into the weights (``"sum"``,
+        ``"mean"`` or ``"sqrtn"``), or ``None`` where the bags mix several
+        (a stack's bags of features with different combiners).
     """
 
     ids: jax.Array
@@ -59,6 +62,7 @@ class Bags:
     num_rows: int
     blocks: tuple[tuple[int, int], ...] | None = None
     parts: int = 1
+    combiner: str | None = None
 
     def splits_into(self, n: int) -> str:
         """Why these bags cannot be split over ``n`` devices by examples, each device pooling its own (``""``: they
@@ -76,9 +80,9 @@ class Bags:
             return f"their bags ({', '.join(str(nb) for nb, _ in self.blocks)} a block) do not split over {n} devices"
         return ""
 
-    def part(self, n: int, ids: jax.Array, bag: jax.Array, weights: jax.Array) -> Bags:
+    def part(self, n: int, ids: jax.Array, bag: jax.Array, weights: jax.Array, num_rows: int) -> Bags:
         """One device's part (``ids``, ``bag``, ``weights``, split by :meth:`splits_into`'s ``n``) as bags of its
-        own: its share of each block's bags, numbered from zero."""
+        own over ``num_rows`` rows: its share of each block's bags, numbered from zero."""
         assert self.blocks is not None and not self.splits_into(n)
         blocks = tuple((nb // n, size) for nb, size in self.blocks)
         num_bags = sum(nb for nb, _ in blocks)
@@ -88,11 +92,11 @@ class Bags:
             or [np.zeros(0, np.int32)]
         )
         bag = jnp.where(bag < self.num_bags, local, num_bags).astype(jnp.int32)
-        return Bags(ids, bag, weights, num_bags, self.num_rows, blocks)
+        return Bags(ids, bag, weights, num_bags, num_rows, blocks, combiner=self.combiner)
 
 
 jax.tree_util.register_dataclass(
-    Bags, data_fields=["ids", "bag", "weights"], meta_fields=["num_bags", "num_rows", "blocks", "parts"]
+    Bags, data_fields=["ids", "bag", "weights"], meta_fields=["num_bags", "num_rows", "blocks", "parts", "combiner"]
 )
 
 
@@ -218,7 +222,7 @@ def bags(
         total = total if combiner == "mean" else jnp.sqrt(total)
         w = jnp.where(total != 0, w / jnp.where(total != 0, total, 1.0), 0.0)
     ids, bag = jnp.where(valid, keys, num_rows), jnp.where(valid, bag, num_bags).astype(jnp.int32)
-    return Bags(ids, bag, w, num_bags, num_rows, blocks)
+    return Bags(ids, bag, w, num_bags, num_rows, blocks, combiner=combiner)
 
 
 def _explicit_axes(x: Any) -> tuple[str, ...]:
@@ -284,6 +288,12 @@ def pool(table: jax.Array, bags: Bags) -> jax.Array:
     if not isinstance(bags, Bags):
         raise TypeError(f"pool: bags must be a Bags (from osa.bags), got {type(bags).__name__}")
     table = jnp.asarray(table)
+    if table.ndim == 0 or table.shape[0] != bags.num_rows:
+        raise ValueError(
+            f"pool: the bags were built for a table of {bags.num_rows} rows but the table has shape {table.shape}; "
+            "build them for this table (osa.bags(..., num_rows=table.shape[0])), as their ids past their rows "
+            "were made padding"
+        )
     warn_if_gpu_scatter_add_is_slow("pool")
     acc = jnp.promote_types(table.dtype, jnp.float32)
     rows = take_rows(table, bags.ids).astype(acc)

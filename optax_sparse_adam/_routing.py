@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_sparse_adam._coalesce import coalesce_unless_known, distinct_ids
-from optax_sparse_adam._indexed_rows import IndexedRows, is_bcoo
+from optax_sparse_adam._indexed_rows import IndexedRows, bcoo_like, is_bcoo
 from optax_sparse_adam._row_ops import scatter_rows, take_rows
 from optax_sparse_adam._sparse_leaf import to_sparse_leaf
 from optax_sparse_adam._tree import broadcast_rows, is_leaf
@@ -165,7 +165,7 @@ def all_gather_rows(tree: Any, axis_name: str) -> Any:
             if not (_varies(leaf.indices, axis_name) or _varies(leaf.data, axis_name)):
                 return leaf
             data, indices = _vary(leaf.data, axis_name), _vary(leaf.indices, axis_name)
-            return type(leaf)((gather(data), gather(indices)), shape=leaf.shape)
+            return bcoo_like((gather(data), gather(indices)), shape=leaf.shape, owner_axis=None)
         x = jnp.asarray(leaf)
         return jax.lax.psum(x, axis_name) if _varies(x, axis_name) else x
 
@@ -189,12 +189,13 @@ def coalesced(leaf: Any, shape: tuple[int, ...], path: Any, where: str) -> tuple
     return sp.keys, sp.values
 
 
-def rebuild(template: Any, keys: jax.Array, values: jax.Array, shape: tuple[int, ...]) -> Any:
-    """A sparse leaf of ``template``'s type and flags with these keys (padding: ``shape[:s]`` or ``-1``)."""
+def rebuild(template: Any, keys: jax.Array, values: jax.Array, shape: tuple[int, ...], owner_axis: str | None) -> Any:
+    """A sparse leaf of ``template``'s kind and flags with these keys (padding: ``shape[:s]`` or ``-1``), marked
+    as routed over ``owner_axis`` (``None``: not routed, as a block's local leaf)."""
     if isinstance(template, IndexedRows):
         ids = jnp.where(keys[:, 0] < shape[0], keys[:, 0], -1)
-        return IndexedRows(ids, values, shape[0], unique_indices=template.unique_indices)
-    return type(template)((values, keys), shape=shape, unique_indices=template.unique_indices)
+        return IndexedRows(ids, values, shape[0], unique_indices=template.unique_indices, owner_axis=owner_axis)
+    return bcoo_like((values, keys), shape=shape, owner_axis=owner_axis, unique_indices=template.unique_indices)
 
 
 def _with_first_key(keys: jax.Array, first: jax.Array) -> jax.Array:
@@ -220,7 +221,7 @@ def to_local(leaf: Any, axis: str, n: int, path: Any, where: str) -> Any:
     owned = (keys[:, 0] < shape[0]) & (local >= 0) & (local < shard)
     local_shape = (shard, *shape[1:])
     keys = jnp.where(owned[:, None], _with_first_key(keys, local), jnp.asarray(local_shape[: keys.shape[1]]))
-    return rebuild(leaf, keys, values, local_shape)
+    return rebuild(leaf, keys, values, local_shape, None)
 
 
 def to_global(leaf: Any, template: Any, axis: str, n: int, path: Any, where: str) -> Any:
@@ -230,7 +231,7 @@ def to_global(leaf: Any, template: Any, axis: str, n: int, path: Any, where: str
     keys, values = keys_values(leaf, (shard, *shape[1:]), path, where)
     owned = keys[:, 0] < shard
     keys = jnp.where(owned[:, None], _with_first_key(keys, keys[:, 0] + lo), jnp.asarray(shape[: keys.shape[1]]))
-    return rebuild(template, keys, values, shape)
+    return rebuild(template, keys, values, shape, axis)
 
 
 # ----------------------------------------------------------------------------------- routing

@@ -618,21 +618,27 @@ class Ids(NamedTuple):
     bags: list[Bags | None]  # the Bags each came from, if any
     treedef: Any  # of the ids tree, a Bags as one leaf
 
-    def with_positions(self, positions: list[Any], rest: list[Any] | None = None, parts: int = 1) -> Any:
+    def with_positions(
+        self, positions: list[Any], rows: list[Any], rest: list[Any] | None = None, parts: int = 1
+    ) -> Any:
         """The ids tree with each array of ids replaced by its positions (a Bags keeps its weights).
 
-        ``rest`` replaces the Bags' other fields (``(bag, weights)`` per Bags), as :meth:`rest` lists them. With
-        ``parts`` (one device's share of a batch split over that many), each Bags becomes the device's own bags
-        (:meth:`Bags.part`).
+        ``rows`` are the gathered rows the positions index, one array per entry of ``positions``: a Bags becomes
+        bags of their rows, as :func:`pool` checks. ``rest`` replaces the Bags' other fields (``(bag, weights)`` per
+        Bags), as :meth:`rest` lists them. With ``parts`` (one device's share of a batch split over that many), each
+        Bags becomes the device's own bags (:meth:`Bags.part`).
         """
         rest = self.rest() if rest is None else rest
 
-        def one(p: Any, b: Bags | None, r: Any) -> Any:
+        def one(p: Any, b: Bags | None, r: Any, gathered: Any) -> Any:
             if b is None:
                 return p
-            return dataclasses.replace(b, ids=p, bag=r[0], weights=r[1]) if parts == 1 else b.part(parts, p, *r)
+            n = int(jnp.shape(gathered)[0])
+            if parts == 1:
+                return dataclasses.replace(b, ids=p, bag=r[0], weights=r[1], num_rows=n)
+            return b.part(parts, p, r[0], r[1], n)
 
-        return self.treedef.unflatten([one(*x) for x in zip(positions, self.bags, rest, strict=True)])
+        return self.treedef.unflatten([one(*x) for x in zip(positions, self.bags, rest, rows, strict=True)])
 
     def rest(self) -> list[Any]:
         """Each Bags' fields other than its ids (``None`` for plain ids), as :meth:`with_positions` takes them."""
@@ -806,16 +812,18 @@ def value_and_row_grad(
             for j, f in zip(js, flat, strict=True):
                 positions[j] = lk.inverse[start : start + f.shape[0]].reshape(id_leaves[j].shape)
                 start += f.shape[0]
-        positions_tree = given.with_positions(positions)
         if catch_up is not None:
             lookups = _caught_up(lookups, catch_up, opt_state, params, treedef)
+        positions_tree = given.with_positions(positions, [lookups[i].rows for i in chosen])
 
         def inner(diff: list[Any]) -> Any:
             return fun(treedef.unflatten(diff), positions_tree, *args, **kwargs)
 
         diff = [lookups[i].rows if i in lookups else leaf for i, leaf in enumerate(leaves)]
         check_reads_rows_only(  # a Bags' bag and weights are ordinary values, not positions
-            lambda d, pos, rest: fun(treedef.unflatten(d), given.with_positions(pos, rest), *args, **kwargs),
+            lambda d, pos, rest: fun(
+                treedef.unflatten(d), given.with_positions(pos, [d[i] for i in chosen], rest), *args, **kwargs
+            ),
             diff,
             positions,
             given.rest(),

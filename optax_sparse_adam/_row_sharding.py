@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from optax_sparse_adam import _routing
 from optax_sparse_adam._apply import apply_updates as _apply_updates
 from optax_sparse_adam._fused import fused_step
-from optax_sparse_adam._indexed_rows import IndexedRows, is_sparse
+from optax_sparse_adam._indexed_rows import IndexedRows, bcoo_like, is_sparse, owner_axis
 from optax_sparse_adam._routing import Route, RoutingInfo
 from optax_sparse_adam._row_grad import Selection, check_ids, check_reads_rows_only, rows_read, select_tables
 from optax_sparse_adam._row_ops import take_rows
@@ -257,11 +257,22 @@ class RowSharding:
         (moments, and per-row state such as row-wise accumulators or catch-up's last steps, split by row like
         their table), ``P()`` else."""
 
+        return self._state_specs(tx, state, params, "RowSharding.state_specs")
+
+    def _state_specs(self, tx: Any, state: Any, params: Any, where: str) -> Any:
         def fit(leaf: Any, spec: Any) -> Any:
             # A per-row leaf (rows,) of a table (rows, width) takes the table's spec for its dimensions.
             return _P(*tuple(spec)[: len(leaf.shape)]) if isinstance(spec, _P) else spec
 
-        return optax.tree_utils.tree_map_params(tx, fit, state, self.specs(params), transform_non_params=lambda _: _P())
+        specs = self.specs(params)
+        try:
+            return optax.tree_utils.tree_map_params(tx, fit, state, specs, transform_non_params=lambda _: _P())
+        except ValueError as e:  # the state's structure is not tx.init(params)'s
+            raise TypeError(
+                f"{where}: the optimizer state ({type(state).__name__}) does not have the structure this `tx` "
+                "builds for these parameters: it was built for another optimizer or other parameters; pass the "
+                f"state that `tx.init(params)` returned for this `tx` ({str(e).splitlines()[0]})"
+            ) from e
 
     def _put(self, tree: Any, specs: Any) -> Any:
         """``tree`` resharded to ``specs`` where the mesh has ``Explicit`` axes (``shard_map`` wants that)."""
@@ -295,7 +306,8 @@ class RowSharding:
         self, tree: Any, chosen: list[int], treedef: Any, where: str, params: Any
     ) -> tuple[list[Any], list[Any]]:
         """Inside ``shard_map``: ``tree``'s leaves, and the same with each table's sparse leaf local to the block,
-        each checked first to be of its whole table's shape (``params``: the blocks), the error naming its path."""
+        each checked first to be of its whole table's shape and routed over ``axis`` (``params``: the blocks), the
+        error naming its path."""
         flat = _flatten_up_to(treedef, tree, where)
         blocks = _flatten_up_to(treedef, params, where)
         paths = leaf_paths(treedef)
@@ -310,6 +322,16 @@ class RowSharding:
                     paths[i],
                     f"the gradient ({type(x).__name__}) has shape {tuple(x.shape)} but the table has shape "
                     f"{whole}; build it for the whole table (num_rows=table.shape[0])",
+                )
+            if is_sparse(x) and owner_axis(x) != self.axis:
+                raise param_error(
+                    ValueError,
+                    where,
+                    paths[i],
+                    f"the {type(x).__name__} of this table was not routed to the owners of its rows over axis "
+                    f"{self.axis!r} (its owner_axis is {owner_axis(x)!r}), so each device would drop the entries it "
+                    "does not own; pass gradients through `rs.route(grads, params)` or take them from "
+                    "`rs.value_and_row_grad`, and give `rs.apply_updates` the updates of `rs.update`",
                 )
         local = [
             _routing.to_local(x, self.axis, n, paths[i], where) if i in chosen and is_sparse(x) else x
@@ -335,9 +357,9 @@ class RowSharding:
         """
         g_specs = self._tree_specs(params, grads)
         p_specs = self.specs(params)
-        s_specs = self.state_specs(tx, state, params)
-        _, _, chosen, treedef = self._selected(params)
         where = "RowSharding.update"
+        s_specs = self._state_specs(tx, state, params, where)
+        _, _, chosen, treedef = self._selected(params)
 
         def body(grads: Any, state: Any, params: Any) -> Any:
             flat, local = self._locals(grads, chosen, treedef, where, params)
@@ -391,7 +413,7 @@ class RowSharding:
         """
         g_specs = self._tree_specs(params, grads)
         p_specs = self.specs(params)
-        s_specs = self.state_specs(tx, state, params)
+        s_specs = self._state_specs(tx, state, params, "RowSharding.update_and_apply")
         _, _, chosen, treedef = self._selected(params)
 
         def body(grads: Any, state: Any, params: Any, key: Any) -> Any:
@@ -438,9 +460,9 @@ class RowSharding:
         )
         out_leaves = [
             (
-                IndexedRows(flat[i].indices, flat[i].values, flat[i].num_rows)
+                IndexedRows(flat[i].indices, flat[i].values, flat[i].num_rows, owner_axis=self.axis)
                 if isinstance(flat[i], IndexedRows)
-                else type(flat[i])((flat[i].data, flat[i].indices), shape=flat[i].shape)
+                else bcoo_like((flat[i].data, flat[i].indices), shape=flat[i].shape, owner_axis=self.axis)
             )
             if i in sparse
             else flat[i]
@@ -458,7 +480,7 @@ class RowSharding:
             overflows, finish = _routing.route_entries(gradients, axis, n, route, self.capacity)
             info = _routing.decide(overflows, axis, route)
             for i, (keys, values) in zip(sparse, finish(info), strict=True):
-                g[i] = _routing.rebuild(out_leaves[i], keys, values, shapes[i])
+                g[i] = _routing.rebuild(out_leaves[i], keys, values, shapes[i], axis)
             return treedef.unflatten(g), info
 
         return self._map(body, (in_specs,), (out_specs, _ROUTING_INFO_SPECS), grads)
@@ -519,7 +541,9 @@ class RowSharding:
             id_shapes = [per_device(x) for x in id_leaves]
             k = {i: sum(math.prod(id_shapes[j]) for j in by_table[i]) for i in tables}
             check_reads_rows_only(
-                lambda d, pos, a: fun(treedef.unflatten(d), given.with_positions(pos, a[1], n_batch), *a[0]),
+                lambda d, pos, a: fun(
+                    treedef.unflatten(d), given.with_positions(pos, [d[i] for i in chosen], a[1], n_batch), *a[0]
+                ),
                 [_abstract(x, (k[i], *shapes[i][1:]) if i in tables else None) for i, x in enumerate(leaves)],
                 [jax.ShapeDtypeStruct(s, jnp.int32) for s in id_shapes],
                 tuple(jax.tree.map(lambda x: _abstract(x, per_device(x)), t) for t in (args, rest)),
@@ -535,7 +559,9 @@ class RowSharding:
             unique = route != "all_to_all"
             grad_template = treedef.unflatten(
                 [
-                    IndexedRows(jnp.zeros(1, jnp.int32), jnp.zeros((1, *shapes[i][1:])), shapes[i][0], unique)
+                    IndexedRows(
+                        jnp.zeros(1, jnp.int32), jnp.zeros((1, *shapes[i][1:])), shapes[i][0], unique, owner_axis=axis
+                    )
                     if i in tables
                     else x
                     for i, x in enumerate(leaves)
@@ -565,11 +591,11 @@ class RowSharding:
                         positions[j] = pos[start : start + x.size].reshape(jnp.shape(x))
                         start += x.size
                 rows = {i: take_rows(local[i], wanted[i]) for i in tables}
-                pos_tree = given.with_positions(positions, rest, n_batch)
 
                 def inner(diff: list[Any]) -> Any:
                     read = dict(zip(tables, exchange([diff[i] for i in tables]), strict=True))
                     full = [read[i] if i in tables else diff[i] for i in range(len(diff))]
+                    pos_tree = given.with_positions(positions, [read[i] for i in chosen], rest, n_batch)
                     out = fun(treedef.unflatten(full), pos_tree, *args)
                     if has_aux:
                         return out[0] / n_batch, out[1]
@@ -594,7 +620,13 @@ class RowSharding:
                     keep = owned & rows_read(rows[i])
                     values = jnp.where(broadcast_rows(keep, g.ndim), g, jnp.zeros((), g.dtype))
                     out.append(
-                        IndexedRows(jnp.where(owned, wanted[i] + lo, -1), values, shapes[i][0], unique_indices=unique)
+                        IndexedRows(
+                            jnp.where(owned, wanted[i] + lo, -1),
+                            values,
+                            shapes[i][0],
+                            unique_indices=unique,
+                            owner_axis=axis,
+                        )
                     )
                 return value, treedef.unflatten(out), info
 

@@ -25,7 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_sparse_adam._indexed_rows import IndexedRows, as_index_array, is_bcoo, normalise_keys
+from optax_sparse_adam._indexed_rows import (
+    IndexedRows,
+    as_index_array,
+    bcoo_like,
+    is_bcoo,
+    normalise_keys,
+    owner_axis,
+)
 
 if TYPE_CHECKING:
     from jax.experimental import sparse as jsparse
@@ -42,6 +49,13 @@ class Declared(NamedTuple):
     index_dtype: np.dtype
     unique: bool  # the leaf's static unique_indices
     sorted: bool  # a BCOO's static indices_sorted
+    owner_axis: str | None = None  # a row-sharded table's routed layout (IndexedRows.owner_axis)
+
+
+def _declared(leaf: Any, index_dtype: np.dtype) -> Declared:
+    if isinstance(leaf, IndexedRows):
+        return Declared(False, index_dtype, leaf.unique_indices, False, leaf.owner_axis)
+    return Declared(True, index_dtype, bool(leaf.unique_indices), bool(leaf.indices_sorted), owner_axis(leaf))
 
 
 class Known(NamedTuple):
@@ -99,7 +113,11 @@ class SparseLeaf(NamedTuple):
         declared = self.declared
         if not declared.bcoo:
             rows = IndexedRows(
-                self.keys[:, 0].astype(declared.index_dtype), self.values, self.shape[0], unique_indices=declared.unique
+                self.keys[:, 0].astype(declared.index_dtype),
+                self.values,
+                self.shape[0],
+                unique_indices=declared.unique,
+                owner_axis=declared.owner_axis,
             )
             object.__setattr__(rows, _KNOWN_ATTR, Known(self.shape, self.distinct, self.sorted, self.promised))
             return rows
@@ -110,11 +128,10 @@ class SparseLeaf(NamedTuple):
                 (*(self.keys[:, j] for j in range(n_sparse)), jnp.arange(k, dtype=jnp.int32)), num_keys=n_sparse
             )
             leaf = self._replace(keys=jnp.stack(keys, axis=1), values=self.values[perm], sorted=True)
-        from jax.experimental import sparse as jsparse  # loaded: the leaf came from a BCOO
-
-        bcoo = jsparse.BCOO(
+        bcoo = bcoo_like(
             (leaf.values, leaf.keys.astype(declared.index_dtype)),
             shape=self.shape,
+            owner_axis=declared.owner_axis,
             indices_sorted=declared.sorted,
             unique_indices=declared.unique,
         )
@@ -151,10 +168,9 @@ def to_sparse_leaf(
     if isinstance(known, Known) and known.shape == param_shape:  # emitted by this library: use it as it is
         if isinstance(leaf, IndexedRows):
             index, values = as_index_array(leaf.indices)[:, None], leaf.values
-            declared = Declared(False, index.dtype, leaf.unique_indices, False)
         else:
             index, values = leaf.indices, leaf.data
-            declared = Declared(True, index.dtype, bool(leaf.unique_indices), bool(leaf.indices_sorted))
+        declared = _declared(leaf, index.dtype)
         return SparseLeaf(
             index.astype(jnp.int32), values, param_shape, declared, known.distinct, known.sorted, known.promised
         )
@@ -189,7 +205,7 @@ def to_sparse_leaf(
         index, values = leaf.indices, leaf.data
         if not jnp.issubdtype(index.dtype, jnp.integer):
             raise param_error(TypeError, where, path, f"BCOO indices must be integers, got dtype {index.dtype}")
-        declared = Declared(True, index.dtype, bool(leaf.unique_indices), bool(leaf.indices_sorted))
+        declared = _declared(leaf, index.dtype)
     elif isinstance(leaf, IndexedRows):
         index, values = as_index_array(leaf.indices), jnp.asarray(leaf.values)
         if not jnp.issubdtype(index.dtype, jnp.integer):
@@ -217,7 +233,7 @@ def to_sparse_leaf(
                 f"the parameter's row shape {param_shape[1:]}",
             )
         index = index[:, None]
-        declared = Declared(False, index.dtype, leaf.unique_indices, False)
+        declared = _declared(leaf, index.dtype)
     else:  # pragma: no cover - callers dispatch on is_sparse
         raise TypeError(type(leaf))
     if not jnp.issubdtype(values.dtype, jnp.inexact):

@@ -111,7 +111,7 @@ def test_bags_that_cannot_split_by_examples_are_laid_out_in_one_part_and_pool_al
     one part (pooling anywhere, and refused by a data-parallel step), and they pool as the collection without
     shards does."""
     inputs = _inputs(np.random.default_rng(0))
-    ragged = osa.bags(np.arange(8, dtype=np.int32), 30, lengths=np.array([2, 0, 5, 1, 0, 0], np.int32))
+    ragged = osa.bags(np.arange(8, dtype=np.int32), 30, lengths=np.array([2, 0, 5, 1, 0, 0], np.int32), combiner="mean")
     for shards, given in ((3, {**inputs, "history": ragged}), (4, inputs)):
         coll, flat = _collection(shards), _collection()
         params = coll.init(jax.random.key(2))
@@ -322,7 +322,11 @@ def test_bad_specs_and_inputs_raise():
     with pytest.raises(ValueError, match="batch size"):
         coll.bags({**inputs, "user": inputs["user"][:3]})
     with pytest.raises(ValueError, match="built for 31 rows"):
-        coll.bags({**inputs, "history": osa.bags(inputs["history"], 31)})
+        coll.bags({**inputs, "history": osa.bags(inputs["history"], 31, combiner="mean")})
+    # The combiner is folded into a Bags' weights: one built with another was pooled by it, without a word.
+    for combiner in ("sum", "sqrtn"):
+        with pytest.raises(ValueError, match=rf"'history' combine by '{combiner}' but its FeatureSpec says 'mean'"):
+            coll.bags({**inputs, "history": osa.bags(inputs["history"], 30, combiner=combiner)})
     with pytest.raises(KeyError, match="no table"):
         coll.table(coll.init(jax.random.key(0)), "nope")
 

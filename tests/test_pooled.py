@@ -270,6 +270,27 @@ def test_value_and_row_grad_refuses_bags_for_another_table_and_arithmetic_on_the
         osa.value_and_row_grad(shifted, lambda p: p["t"])(params, b)
 
 
+def test_pool_refuses_bags_built_for_another_table():
+    """Bags built for another number of rows made the ids past their rows padding: pooling them from a larger
+    table pooled zeros there, without a word (inside value_and_row_grad the same mistake was already refused).
+    Inside the loss, the bags of positions are bags of the gathered rows, which pool takes."""
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.standard_normal((2 * NUM_ROWS, WIDTH)), jnp.float32)
+    ids = jnp.array([[1, NUM_ROWS + 3], [NUM_ROWS + 5, 2]], jnp.int32)
+    for num_rows in (NUM_ROWS, 4 * NUM_ROWS):
+        for pool in (osa.pool, jax.jit(osa.pool)):
+            with pytest.raises(ValueError, match=rf"pool: the bags were built for a table of {num_rows} rows"):
+                pool(table, osa.bags(ids, num_rows))
+    b = osa.bags(ids, 2 * NUM_ROWS)
+    np.testing.assert_array_equal(osa.pool(table, b), np.asarray(table)[np.asarray(ids)].sum(1))
+    params = {"t": table}
+    loss = lambda p, b: osa.pool(p["t"], b).sum()  # noqa: E731
+    value, grads = osa.value_and_row_grad(loss, lambda p: p["t"])(params, b)
+    dense_value, dense = jax.value_and_grad(loss)(params, b)
+    np.testing.assert_allclose(value, dense_value, rtol=1e-6)
+    np.testing.assert_array_equal(grads["t"].todense(), dense["t"])
+
+
 @pytest.mark.parametrize(
     "backend, version, warns",
     [

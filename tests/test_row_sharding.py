@@ -1167,7 +1167,7 @@ def test_a_routed_step_names_the_parameter_of_a_gradient_that_does_not_fit():
     tx = osa.sparse_adam(0.1)
     ids = jnp.arange(8, dtype=jnp.int32)
     for step in (rs.update_and_apply, rs.update):
-        bad = {"emb": osa.IndexedRows(ids, jnp.ones((8, D), jnp.int32), N), "w": jnp.zeros((D,), jnp.float32)}
+        bad = {"emb": osa.IndexedRows(ids, jnp.ones((8, D), jnp.int32), N, owner_axis="x"), "w": jnp.zeros((D,))}
         with pytest.raises(TypeError, match=r"parameter \['emb'\]: sparse values must be floating point"):
             step(tx, bad, tx.init(params), params)
         bad = {"emb": osa.IndexedRows(ids, jnp.ones((8, D), jnp.float32), 2 * N), "w": jnp.zeros((D,), jnp.float32)}
@@ -1177,6 +1177,61 @@ def test_a_routed_step_names_the_parameter_of_a_gradient_that_does_not_fit():
             rf"the table has shape \({N}, {D}\)",
         ):
             step(tx, bad, tx.init(params), params)
+
+
+@pytest.mark.parametrize("form", ["indexed_rows", "bcoo"])
+def test_a_routed_step_refuses_a_gradient_that_was_not_routed(form):
+    """The routed steps take a table's gradient only in the owners' layout. One in global ids that was never routed
+    (its entries split over the devices as they come) lost every entry a device did not own, without a word: on 8
+    devices, 3 of 8 rows moved. Such a gradient is now refused before anything runs, naming the table; the routed
+    one, also after a tree map and a stateless stage, steps as one device does."""
+    mesh = _mesh()
+    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"])
+    init = jax.tree.map(jnp.asarray, _params())
+    params = rs.shard(init)
+    tx = osa.sparse_adam(0.1)
+    ids = jnp.arange(0, N, N // 8, dtype=jnp.int32)  # one row on each device
+    values = jnp.ones((8, D), jnp.float32)
+    rows = osa.IndexedRows(ids, values, N)
+    grads = {"emb": rows if form == "indexed_rows" else jsparse.BCOO((values, ids[:, None]), shape=(N, D))}
+    grads["w"] = jnp.zeros((D,), jnp.float32)
+    message = r"parameter \['emb'\]: the (IndexedRows|BCOO) of this table was not routed to the owners of its rows"
+    for step in (rs.update_and_apply, rs.update):
+        with pytest.raises(ValueError, match=message):
+            step(tx, grads, tx.init(params), params)
+    with pytest.raises(ValueError, match=message):
+        rs.apply_updates(params, grads)
+    with pytest.raises(ValueError, match=message):  # marked for another mesh axis
+        rs.update(tx, {**grads, "emb": dataclasses.replace(rows, owner_axis="y")}, tx.init(params), params)
+
+    routed, _ = jax.jit(rs.route)(grads, params)
+    assert osa.IndexedRows is type(routed["emb"]) if form == "indexed_rows" else isinstance(routed["emb"], jsparse.BCOO)
+    routed = jax.tree.map(jnp.copy, routed)  # the mark is static: a tree map keeps it
+    halve = optax.chain(osa.sparse_aware(optax.scale(0.5)), tx)
+    new, _ = jax.jit(lambda g, s, p: rs.update_and_apply(halve, g, s, p))(routed, halve.init(params), params)
+    u, _ = jax.jit(lambda g, s, p: rs.update(halve, g, s, p))(routed, halve.init(params), params)
+    assert routed["emb"].owner_axis == u["emb"].owner_axis == "x"  # the updates keep the gradient's mark
+    applied = jax.jit(rs.apply_updates)(params, u)
+    ref_u, _ = halve.update({"emb": rows.todense(), "w": grads["w"]}, halve.init(init), init)
+    ref = optax.apply_updates(init, ref_u)
+    moved = np.flatnonzero(np.any(np.asarray(new["emb"]) != np.asarray(init["emb"]), axis=1))
+    np.testing.assert_array_equal(moved, np.asarray(ids))
+    for got in (new, applied):
+        np.testing.assert_allclose(np.asarray(got["emb"]), np.asarray(ref["emb"]), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("other", ["rowwise_adagrad", "sgd"])
+def test_a_routed_step_refuses_the_state_of_another_optimizer(other):
+    """A state built by another optimizer failed with JAX's pytree error about a prefix tree; the routed steps now
+    say what is wrong, as the one-device step does."""
+    rs = osa.RowSharding(_mesh(), "x", lambda p: p["emb"])
+    params = rs.shard(_params())
+    tx = osa.sparse_adam(0.1)
+    wrong = {"rowwise_adagrad": osa.sparse_rowwise_adagrad(0.1), "sgd": optax.sgd(0.1)}[other].init(params)
+    _, grads, _ = rs.value_and_row_grad(lambda p, ids: jnp.sum(p["emb"][ids] @ p["w"]))(params, jnp.arange(8))
+    for name, step in (("update_and_apply", rs.update_and_apply), ("update", rs.update)):
+        with pytest.raises(TypeError, match=rf"RowSharding.{name}: the optimizer state .* built for another optimizer"):
+            step(tx, grads, wrong, params)
 
 
 # Every loss that the one-device fast path refuses (tests/test_reliability.py), by name.
