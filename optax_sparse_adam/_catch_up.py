@@ -1634,7 +1634,8 @@ def find(tx: Any, state: Any, where: str, params_structure: Any) -> tuple[RowRep
         raise TypeError(
             f"{where}: the optimizer must be one built with catch_up=True (osa.sparse_adam, sparse_adamw, "
             f"sparse_amsgrad or sparse_sgd with momentum) itself, not wrapped or chained further; got "
-            f"{type(tx).__name__}"
+            f"{type(tx).__name__} (sparse_sgd without momentum moves no row a step does not touch: it has nothing "
+            "to catch up, and takes no catch_up here)"
         )
     kind = update.rows.state_type
     found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(x, kind)]

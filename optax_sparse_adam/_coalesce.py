@@ -196,7 +196,7 @@ def coalesce(leaf: SparseLeaf) -> SparseLeaf:
         keys, values = _kernel_path.select(native, xla)
     else:
         keys, values = xla()
-    return leaf._replace(keys=keys, values=values, distinct=True, sorted=False, promised=False)
+    return leaf.repacked(keys, values)
 
 
 def _coalesce_xla(leaf: SparseLeaf) -> tuple[jax.Array, jax.Array]:
@@ -235,7 +235,7 @@ def coalesce_with_squares(leaf: SparseLeaf) -> tuple[SparseLeaf, jax.Array]:
         keys, values, squares = _kernel_path.select(native, xla)
     else:
         keys, values, squares = xla()
-    summed = leaf._replace(keys=keys, values=values, distinct=True, sorted=False, promised=False)
+    summed = leaf.repacked(keys, values)
     return summed, squares
 
 

@@ -222,7 +222,7 @@ def apply_rule(
         keys, values, new_state = xla()
     values = values.astype(dtype)
     # As coalescing leaves it: distinct keys packed first, or a distinct leaf's keys in place.
-    out = leaf._replace(keys=keys, values=values, distinct=True, sorted=leaf.distinct and leaf.sorted)
+    out = leaf._replace(keys=keys, values=values, sorted=leaf.sorted) if leaf.distinct else leaf.repacked(keys, values)
     return out.to_leaf(), tuple(new_state)
 
 

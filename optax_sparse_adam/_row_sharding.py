@@ -15,7 +15,9 @@ sharded over the same axis as the table, and the block on device ``i`` holds
 only rows that device ``i`` owns (or padding). It has the usual meaning, so
 :func:`~optax_sparse_adam.apply_updates` and ``tx.update`` also take it
 under plain ``jit``; :meth:`RowSharding.update` and
-:meth:`RowSharding.apply_updates` run them on each block instead.
+:meth:`RowSharding.apply_updates` run them on each block instead. It is
+marked so (``owner_axis``, static), and the routed steps take no table leaf
+without their axis's mark.
 """
 
 from __future__ import annotations
@@ -345,8 +347,9 @@ class RowSharding:
         """``tx.update(grads, state, params)`` on each device's block of the tables.
 
         ``grads`` holds owner-aligned sparse leaves for the tables (from
-        :meth:`value_and_row_grad` or :meth:`route`) and replicated dense
-        leaves. Each device updates the rows it owns and their moments, with no
+        :meth:`value_and_row_grad` or :meth:`route`, which mark them with
+        ``owner_axis``; a table leaf without the mark is refused) and
+        replicated dense leaves. Each device updates the rows it owns and their moments, with no
         collective; the state keeps its shardings. ``tx`` runs per block, so
         a transformation that reduces over the whole tree
         (``clip_by_global_norm``) would see one block: apply such ones

@@ -97,6 +97,12 @@ class SparseLeaf(NamedTuple):
 
         return for_each_chunk(self, add, dense)
 
+    def repacked(self, keys: jax.Array, values: jax.Array) -> SparseLeaf:
+        """This leaf summed into new slots (its distinct keys packed first): no longer laid out entry by entry as it
+        came, so it loses a routed leaf's owner mark (``Declared.owner_axis``)."""
+        declared = self.declared._replace(owner_axis=None)
+        return self._replace(keys=keys, values=values, distinct=True, sorted=False, promised=False, declared=declared)
+
     def zero_padding(self) -> SparseLeaf:
         """Zeroes the values of padding entries (duplicates are left as they are)."""
         mask = broadcast_rows(self.valid(), self.values.ndim)
@@ -127,11 +133,12 @@ class SparseLeaf(NamedTuple):
             *keys, perm = jax.lax.sort(
                 (*(self.keys[:, j] for j in range(n_sparse)), jnp.arange(k, dtype=jnp.int32)), num_keys=n_sparse
             )
-            leaf = self._replace(keys=jnp.stack(keys, axis=1), values=self.values[perm], sorted=True)
+            unrouted = declared._replace(owner_axis=None)  # reordered: no longer in a routed leaf's layout
+            leaf = self._replace(keys=jnp.stack(keys, axis=1), values=self.values[perm], sorted=True, declared=unrouted)
         bcoo = bcoo_like(
             (leaf.values, leaf.keys.astype(declared.index_dtype)),
             shape=self.shape,
-            owner_axis=declared.owner_axis,
+            owner_axis=leaf.declared.owner_axis,
             indices_sorted=declared.sorted,
             unique_indices=declared.unique,
         )

@@ -1430,6 +1430,9 @@ def test_refusals() -> None:
         match=r"catch_up=True \(osa.sparse_adam, sparse_adamw, sparse_amsgrad or sparse_sgd with momentum\) itself",
     ):
         osa.catch_up(osa.sparse_adam(1e-2), p, osa.sparse_adam(1e-2).init(p))
+    plain_sgd = osa.sparse_sgd(1e-2, catch_up=True)  # without momentum: catch_up=True has no effect
+    with pytest.raises(TypeError, match="sparse_sgd without momentum moves no row a step does not touch"):
+        osa.catch_up(plain_sgd, p, plain_sgd.init(p))
     grad_fn = osa.value_and_row_grad(lambda p, ids: p[ids].sum(), lambda p: p, catch_up=tx)
     with pytest.raises(TypeError, match="opt_state"):
         grad_fn(p, jnp.array([1]))

@@ -1220,6 +1220,35 @@ def test_a_routed_step_refuses_a_gradient_that_was_not_routed(form):
         np.testing.assert_allclose(np.asarray(got["emb"]), np.asarray(ref["emb"]), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("routing", ["all_to_all", "all_gather"])
+def test_an_update_laid_out_anew_outside_a_routed_step_loses_the_mark(routing):
+    """``tx.update`` under plain jit sums the duplicate rows of a gradient into leading slots: the entries are no
+    longer each on their owner's device, and ``rs.apply_updates`` dropped the rows that moved, without a word. Such
+    an update loses the mark (the routed step refuses it; ``osa.apply_updates`` takes it); an update in the
+    gradient's layout (distinct rows, as the all-gather route gives) keeps it, and either applies it alike."""
+    from tests.helpers import assert_trees_equal  # here: the multi-process test runs this file as a script
+
+    mesh = _mesh()
+    rs = osa.RowSharding(mesh, "x", lambda p: p["emb"], batch_axis="x", routing=routing)
+    params = rs.shard(_params())
+    ids = jax.device_put(
+        jnp.asarray(np.random.default_rng(3).integers(0, N, K), jnp.int32), NamedSharding(mesh, P("x"))
+    )
+    _, grads, _ = rs.value_and_row_grad(lambda p, ids: jnp.sum(p["emb"][ids] @ p["w"]))(params, ids)
+    tx = osa.sparse_adam(0.1)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    want = jax.jit(osa.apply_updates)(params, updates)
+    moved = np.any(np.asarray(want["emb"]) != _params()["emb"], axis=1)
+    np.testing.assert_array_equal(moved, np.isin(np.arange(N), np.asarray(ids)))
+    if routing == "all_to_all":
+        assert updates["emb"].owner_axis is None
+        with pytest.raises(ValueError, match=r"\['emb'\]: the IndexedRows of this table was not routed"):
+            rs.apply_updates(params, updates)
+    else:
+        assert updates["emb"].owner_axis == "x"
+        assert_trees_equal(jax.jit(rs.apply_updates)(params, updates), want)
+
+
 @pytest.mark.parametrize("other", ["rowwise_adagrad", "sgd"])
 def test_a_routed_step_refuses_the_state_of_another_optimizer(other):
     """A state built by another optimizer failed with JAX's pytree error about a prefix tree; the routed steps now
