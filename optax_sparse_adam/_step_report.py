@@ -72,7 +72,8 @@ class StepReport:
 
     @property
     def fused(self) -> bool:
-        """True where the optimizer's step runs fused, in one native pass per row over its parameters and state."""
+        """True where the optimizer's step runs fused, in one native pass per row over its parameters and state
+        (for the tables the kernels cover: :meth:`__str__` names a 16-bit table whose update is applied apart)."""
         return any(name.endswith("_apply") for name in self.kernels)
 
     @property
@@ -87,9 +88,16 @@ class StepReport:
             f"arguments: {_mb(self.argument_bytes)}; temporaries: {_mb(self.temp_bytes)} "
             f"(table-sized: {_mb(self.threshold_bytes)} or more)",
         ]
+        apart = [name for name in self.kernels if name.startswith("add_rows_half")]  # a 16-bit table's p + u
         if self.fused:
             lines.append("fused: the optimizer's step is one native pass over each touched row")
-        elif any(name.endswith("_rows") for name in self.kernels):
+            if apart:
+                lines.append(
+                    f"not every table: a 16-bit table's update is applied apart ({', '.join(apart)}), its rows on "
+                    "the XLA path (an optimizer or dtype the kernels do not cover); see 'What the kernels cover' in "
+                    "docs/guides/native_kernels.md"
+                )
+        elif any(name.endswith("_rows") and name != "set_rows" for name in self.kernels):  # set_rows: a helper
             lines.append(
                 "two calls: the optimizer's rows, then a scatter into the parameters; osa.update_and_apply fuses "
                 "them for the optimizers the kernels cover, also inside inject_hyperparams, stages before the "

@@ -155,6 +155,33 @@ def test_the_report_says_whether_the_step_runs_fused(name, tx, fused, says):
 
 
 @pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
+def test_an_optimizer_on_the_xla_path_is_not_called_two_calls():
+    """A step whose optimizer takes the XLA path (a bfloat16 table's Adam, or float32 Adam with a bfloat16 ``mu``)
+    calls the helper that sets a 16-bit table's rows, ``set_rows``: the report took it for an optimizer's rows
+    kernel, called the step "two calls" and told the user to take update_and_apply, which the step was. And a step
+    fused for one table and not for another (a bfloat16 one) said each touched row was one native pass."""
+    n, d = 4096, 64
+    ids, g = jnp.arange(16) % 9, jnp.ones((16, d), jnp.float32)
+    for dtype, mu_dtype in ((jnp.bfloat16, None), (jnp.float32, jnp.bfloat16)):
+        tx = osa.sparse_adam(1e-2, mu_dtype=mu_dtype)
+        p = jnp.zeros((n, d), dtype)
+        step = jax.jit(lambda p, s, ids, g, tx=tx: osa.update_and_apply(tx, osa.IndexedRows(ids, g, n), s, p))
+        report = osa.step_report(step, p, tx.init(p), ids, g)
+        assert "set_rows" in report.kernels and not report.fused, report.kernels
+        assert "no native kernel for the optimizer: " in str(report) and "two calls" not in str(report), str(report)
+    tx = osa.sparse_adam(1e-2)
+    p = {"a": jnp.zeros((n, d), jnp.float32), "b": jnp.zeros((n, d), jnp.bfloat16)}
+
+    def both(p, s, ids, g):
+        return osa.update_and_apply(tx, {k: osa.IndexedRows(ids, g, n) for k in p}, s, p)
+
+    report = osa.step_report(jax.jit(both), p, tx.init(p), ids, g)
+    assert report.fused and "not every table: a 16-bit table's update is applied apart" in str(report), str(report)
+    p["b"] = p["b"].astype(jnp.float32)  # both tables fused: no such line
+    assert "not every table" not in str(osa.step_report(jax.jit(both), p, tx.init(p), ids, g))
+
+
+@pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
 @pytest.mark.parametrize("tx", [osa.sparse_adam(1e-2, catch_up=True), osa.sparse_adamw(1e-2, catch_up=True)])
 def test_the_report_of_catch_up_names_its_replay_and_finds_it_in_place(tx):
     """``catch_up``'s program, donated: its one kernel, the whole-table replay, named as such (not as a step
