@@ -73,7 +73,7 @@ class StepReport:
     @property
     def fused(self) -> bool:
         """True where the optimizer's step runs fused, in one native pass per row over its parameters and state
-        (for the tables the kernels cover: :meth:`__str__` names a 16-bit table whose update is applied apart)."""
+        (for the tables the kernels cover: the printed report names a 16-bit table whose update is applied apart)."""
         return any(name.endswith("_apply") for name in self.kernels)
 
     @property
