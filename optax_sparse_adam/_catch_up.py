@@ -729,7 +729,7 @@ def _correction_table(rates: _AdamRates, beta: float) -> np.ndarray | None:
     settle = math.ceil(25 * math.log(2) / -math.log(beta)) if beta > 0 else 1
     if settle > _MAX_TABLE:
         return None
-    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
         c1, c2 = _corrections(rates.hp, jnp.arange(settle + 2, dtype=jnp.int32))
         table = np.stack([np.asarray(c1, np.float32), np.asarray(c2, np.float32)], axis=1)
     return table if np.all(table[-1] == 1.0) else None

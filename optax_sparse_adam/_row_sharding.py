@@ -57,6 +57,15 @@ def _flatten_up_to(treedef: Any, tree: Any, where: str) -> list[Any]:
     return leaves_like(treedef, treedef.unflatten([None] * treedef.num_leaves), tree, where, "parameters", "parameters")
 
 
+def _on_host(x: Any) -> Any:
+    """``x``, a jax array over other processes' devices gathered whole (every process must call this alike)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
+
+
 def _abstract(x: Any, shape: tuple[int, ...] | None = None) -> Any:
     """A placeholder for ``x`` (with ``shape`` if given) for tracing without compute."""
     if x is None:
@@ -192,7 +201,9 @@ class RowSharding:
           params: The parameters (or ``jax.ShapeDtypeStruct`` placeholders),
             for the tables' sizes.
           batches: Trees of ids, each as :meth:`value_and_row_grad` takes them
-            (NumPy or jax arrays, or :class:`Bags`; their global form).
+            (NumPy or jax arrays, or :class:`Bags`; their global form). Under
+            ``jax.distributed`` a jax array over other processes' devices is
+            gathered first: call this on every process, with the same batches.
           margin: Headroom over the largest bucket seen (at least 1).
 
         Returns:
@@ -205,6 +216,7 @@ class RowSharding:
         shares = n if self.batch_axis is not None else 1
         largest = 0
         for ids in batches:
+            ids = jax.tree.map(_on_host, ids)
             leaves = [np.asarray(x) for x in check_ids(ids, sel, "RowSharding.suggest_capacity").leaves]
             for i in sorted(set(sel.chosen)):
                 rows = int(np.shape(sel.leaves[i])[0])

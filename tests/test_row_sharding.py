@@ -1392,7 +1392,8 @@ def _launch(num_processes: int, devices: int, out: pathlib.Path) -> None:
 
 @pytest.mark.slow
 def test_two_processes_train_the_table_of_a_single_process_run(tmp_path):
-    """2 processes x 2 CPU devices (gloo collectives on 127.0.0.1) against 1 process x 4 devices."""
+    """2 processes x 2 CPU devices (gloo collectives on 127.0.0.1) against 1 process x 4 devices: sparse_adam's
+    routed two calls, checkpointed, and catch-up AdamW's fused routed step (it could not be built on process 1)."""
     _launch(2, 2, tmp_path / "two")
     _launch(1, 4, tmp_path / "one")
     two, one = np.load(tmp_path / "two" / "result.npz"), np.load(tmp_path / "one" / "result.npz")
@@ -1402,6 +1403,9 @@ def test_two_processes_train_the_table_of_a_single_process_run(tmp_path):
     # The dense leaf's gradient is an all-reduce, whose order differs between gloo and one process.
     np.testing.assert_allclose(two["w"], one["w"], rtol=1e-6)
     assert two["fallbacks"].tolist() == [False, False, False, False]
+    np.testing.assert_allclose(two["catch_up_emb"], one["catch_up_emb"], rtol=1e-6, atol=1e-7)
+    assert not np.array_equal(two["catch_up_emb"], _params()["emb"])
+    assert two["capacities"][0] == two["capacities"][1] == one["capacities"][0] > 0
     assert bool(two["restored_equal"]) and bool(two["restored_sharded"])
 
 
@@ -1429,12 +1433,32 @@ def _process_main(process_id: int, num_processes: int, port: int, devices: int, 
 
     share = K // jax.process_count()
     lo = jax.process_index() * share
+
+    def feed() -> Any:  # every process draws the same batches and feeds its share
+        for ids, y in _batches(4):
+            yield tuple(jax.make_array_from_process_local_data(batch, a[lo : lo + share], (K,)) for a in (ids, y))
+
     fallbacks = []
-    for ids, y in _batches(4):  # every process draws the same batches and feeds its share
-        ids_g = jax.make_array_from_process_local_data(batch, ids[lo : lo + share], (K,))
-        y_g = jax.make_array_from_process_local_data(batch, y[lo : lo + share], (K,))
+    for ids_g, y_g in feed():
         params, state, info = step(params, state, ids_g, y_g)
         fallbacks.append(bool(info.fallback))
+
+    # Catch-up AdamW, built on every process (its constants were computed on the first CPU device, another
+    # process's on all but process 0, whose values those could not fetch), in the fused routed step.
+    cu = osa.sparse_adamw(0.05, weight_decay=0.1, catch_up=True)
+    cu_params = rs.shard(_params())
+    cu_state = cu.init(cu_params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def cu_step(p: Any, s: Any, ids: jax.Array, y: jax.Array) -> Any:
+        _, g, _ = rs.value_and_row_grad(loss_fn)(p, ids, y)
+        return rs.update_and_apply(cu, g, s, p)
+
+    for ids_g, y_g in feed():
+        cu_params, cu_state = cu_step(cu_params, cu_state, ids_g, y_g)
+    catch_up_emb = multihost_utils.process_allgather(cu_params["emb"], tiled=True)
+    # suggest_capacity of the global ids as the step takes them (each process holding its share), as of NumPy's
+    capacities = [rs.suggest_capacity(params, [ids for ids, _ in source]) for source in (feed(), _batches(4))]
 
     path = pathlib.Path(out) / "ckpt"
     with ocp.StandardCheckpointer() as ckptr:
@@ -1451,6 +1475,8 @@ def _process_main(process_id: int, num_processes: int, port: int, devices: int, 
         np.savez(
             pathlib.Path(out) / "result.npz",
             emb=whole[0]["emb"],
+            catch_up_emb=catch_up_emb,
+            capacities=np.array(capacities),
             w=whole[0]["w"],
             mu=whole[1][0].mu["emb"],
             nu=whole[1][0].nu["emb"],
