@@ -40,7 +40,7 @@ from optax_sparse_adam._indexed_rows import IndexedRows, bcoo_like, is_sparse, o
 from optax_sparse_adam._routing import Route, RoutingInfo
 from optax_sparse_adam._row_grad import Selection, check_ids, check_reads_rows_only, rows_read, select_tables
 from optax_sparse_adam._row_ops import take_rows
-from optax_sparse_adam._tree import broadcast_rows, leaf_paths, leaves_like, param_error
+from optax_sparse_adam._tree import broadcast_rows, leaves_like, param_error
 
 __all__ = ["RowSharding"]
 
@@ -316,15 +316,13 @@ class RowSharding:
             ]
         )
 
-    def _locals(
-        self, tree: Any, chosen: list[int], treedef: Any, where: str, params: Any
-    ) -> tuple[list[Any], list[Any]]:
+    def _locals(self, tree: Any, sel: Selection, where: str, params: Any) -> tuple[list[Any], list[Any]]:
         """Inside ``shard_map``: ``tree``'s leaves, and the same with each table's sparse leaf local to the block,
         each checked first to be of its whole table's shape and routed over ``axis`` (``params``: the blocks), the
         error naming its path."""
+        _, paths, chosen, treedef = sel
         flat = _flatten_up_to(treedef, tree, where)
         blocks = _flatten_up_to(treedef, params, where)
-        paths = leaf_paths(treedef)
         n = self.num_shards
         for i in chosen:
             x, p = flat[i], blocks[i]
@@ -374,13 +372,13 @@ class RowSharding:
         p_specs = self.specs(params)
         where = "RowSharding.update"
         s_specs = self._state_specs(tx, state, params, where)
-        _, _, chosen, treedef = self._selected(params)
+        sel = self._selected(params)
+        _, paths, chosen, treedef = sel
 
         def body(grads: Any, state: Any, params: Any) -> Any:
-            flat, local = self._locals(grads, chosen, treedef, where, params)
+            flat, local = self._locals(grads, sel, where, params)
             updates, state = tx.update(treedef.unflatten(local), state, params)
             out = _flatten_up_to(treedef, updates, where)
-            paths = leaf_paths(treedef)
             out = [
                 _routing.to_global(u, flat[i], self.axis, self.num_shards, paths[i], where)
                 if i in chosen and is_sparse(u)
@@ -395,10 +393,11 @@ class RowSharding:
         """:func:`~optax_sparse_adam.apply_updates` on each device's block; the tables keep their sharding."""
         u_specs = self._tree_specs(params, updates)
         p_specs = self.specs(params)
-        _, _, chosen, treedef = self._selected(params)
+        sel = self._selected(params)
+        treedef = sel.treedef
 
         def body(params: Any, updates: Any) -> Any:
-            _, local = self._locals(updates, chosen, treedef, "RowSharding.apply_updates", params)
+            _, local = self._locals(updates, sel, "RowSharding.apply_updates", params)
             return _apply_updates(params, treedef.unflatten(local))
 
         return self._map(body, (p_specs, u_specs), p_specs, params, updates)
@@ -429,10 +428,11 @@ class RowSharding:
         g_specs = self._tree_specs(params, grads)
         p_specs = self.specs(params)
         s_specs = self._state_specs(tx, state, params, "RowSharding.update_and_apply")
-        _, _, chosen, treedef = self._selected(params)
+        sel = self._selected(params)
+        _, _, chosen, treedef = sel
 
         def body(grads: Any, state: Any, params: Any, key: Any) -> Any:
-            _, local = self._locals(grads, chosen, treedef, "RowSharding.update_and_apply", params)
+            _, local = self._locals(grads, sel, "RowSharding.update_and_apply", params)
             first_rows = None
             if key is not None:  # each block's rows draw by their ids in the whole table
                 block = jax.lax.axis_index(self.axis).astype(jnp.int32)

@@ -97,11 +97,15 @@ class SparseLeaf(NamedTuple):
 
         return for_each_chunk(self, add, dense)
 
-    def repacked(self, keys: jax.Array, values: jax.Array) -> SparseLeaf:
-        """This leaf summed into new slots (its distinct keys packed first): no longer laid out entry by entry as it
-        came, so it loses a routed leaf's owner mark (``Declared.owner_axis``)."""
+    def relaid(self, keys: jax.Array, values: jax.Array, **flags: Any) -> SparseLeaf:
+        """This leaf with its entries in new slots (and ``flags`` set): no longer laid out entry by entry as it came,
+        so it loses a routed leaf's owner mark (``Declared.owner_axis``)."""
         declared = self.declared._replace(owner_axis=None)
-        return self._replace(keys=keys, values=values, distinct=True, sorted=False, promised=False, declared=declared)
+        return self._replace(keys=keys, values=values, declared=declared, **flags)
+
+    def repacked(self, keys: jax.Array, values: jax.Array) -> SparseLeaf:
+        """This leaf summed into new slots, its distinct keys packed first (:meth:`relaid`)."""
+        return self.relaid(keys, values, distinct=True, sorted=False, promised=False)
 
     def zero_padding(self) -> SparseLeaf:
         """Zeroes the values of padding entries (duplicates are left as they are)."""
@@ -133,8 +137,7 @@ class SparseLeaf(NamedTuple):
             *keys, perm = jax.lax.sort(
                 (*(self.keys[:, j] for j in range(n_sparse)), jnp.arange(k, dtype=jnp.int32)), num_keys=n_sparse
             )
-            unrouted = declared._replace(owner_axis=None)  # reordered: no longer in a routed leaf's layout
-            leaf = self._replace(keys=jnp.stack(keys, axis=1), values=self.values[perm], sorted=True, declared=unrouted)
+            leaf = self.relaid(jnp.stack(keys, axis=1), self.values[perm], sorted=True)
         bcoo = bcoo_like(
             (leaf.values, leaf.keys.astype(declared.index_dtype)),
             shape=self.shape,
