@@ -1702,7 +1702,9 @@ def catch_up(
     so that the parameters and moments are those of dense :func:`optax.adam`
     fed the same gradients (zeros elsewhere): call it before evaluating on
     rows the training did not touch lately, exporting, or a final checkpoint.
-    It costs O(table) per parameter: call it rarely. On the CPU's native
+    It costs O(table) per parameter: call it rarely. Called on arrays, it
+    compiles one program for the optimizer and the shapes, which the next such
+    call reuses (jit it yourself to donate the arrays). On the CPU's native
     kernels, Adam's and AdamW's float32 tables are replayed in place (donated,
     they take no table-sized temporary, only a few integers a row; the rows
     the kernel leaves to the XLA path, under a schedule those idle past the
@@ -1746,6 +1748,25 @@ def catch_up(
       >>> params[:, 0].round(4)  # as optax.adam: step 2 moves row 0 by 0.1 * (0.09 / 0.19) / sqrt(0.000999 / 0.001999)
       Array([-0.167,  0.   ], dtype=float32)
     """
+    leaves = jax.tree.leaves((params, opt_state))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves) or not _hashable(tx):
+        return _catch_up(tx, params, opt_state)
+    # Called on arrays: one compiled program, kept for the next call with the same optimizer, shapes and kernel
+    # setting. Run op by op, the replay's loops and conditionals (built anew on each call) compiled again each time.
+    return _catch_up_jit(tx, params, opt_state)
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _catch_up(
+    tx: optax.GradientTransformation, params: optax.Params, opt_state: optax.OptState
+) -> tuple[optax.Params, optax.OptState]:
     structure: Any  # jax's PyTreeDef, which type checkers do not see
     path_leaves, structure = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
     rows, state = find(tx, opt_state, "catch_up", structure)
@@ -1767,6 +1788,11 @@ def catch_up(
     new_params, last, *moments = (structure.unflatten([o[i] for o in outs]) for i in range(2 + len(names)))
     new = state._replace(last_step=last, **dict(zip(names, moments, strict=True)))
     return new_params, _replace(opt_state, new)
+
+
+# catch_up on arrays (not under a trace): the optimizer static, so that a call with the same one, shapes and kernel
+# setting (part of jit's key, _kernel_path._CONFIG) reuses the program.
+_catch_up_jit = jax.jit(_catch_up, static_argnums=0)
 
 
 def _replay_on_each_device(

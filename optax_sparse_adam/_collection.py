@@ -72,8 +72,9 @@ _DEFAULT_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", ou
 @functools.partial(jax.jit, static_argnums=1)
 def _default_tables(keys: tuple[jax.Array, ...], specs: tuple[tuple[int, int, Any], ...]) -> list[jax.Array]:
     """Tables of ``(rows, width, dtype)`` drawn by the default initializer, one from each key."""
+    # A table of no rows has no fan-in for the initializer's scale (it divides by it): it holds nothing to draw.
     return [
-        jnp.asarray(_DEFAULT_INIT(k, (rows, width), dtype), dtype)
+        jnp.asarray(_DEFAULT_INIT(k, (rows, width), dtype), dtype) if rows > 0 else jnp.zeros((0, width), dtype)
         for k, (rows, width, dtype) in zip(keys, specs, strict=True)
     ]
 
@@ -338,7 +339,10 @@ class EmbeddingCollection:
                     )
                 per_feature[name] = x
             else:
-                per_feature[name] = bags(x, rows, weights=weights.get(name), combiner=spec.combiner)
+                try:
+                    per_feature[name] = bags(x, rows, weights=weights.get(name), combiner=spec.combiner)
+                except (TypeError, ValueError) as e:  # bags' own checks, which do not know the feature's name
+                    raise type(e)(f"EmbeddingCollection.bags: feature {name!r}: {e}") from e
         sizes = {b.num_bags for b in per_feature.values()}
         if len(sizes) > 1:
             raise ValueError(

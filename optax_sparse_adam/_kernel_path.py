@@ -128,13 +128,18 @@ def _load() -> ctypes.CDLL | None:
     return None
 
 
+def _kernels_from_env() -> bool:
+    raw = os.environ.get("OPTAX_SPARSE_ADAM_KERNELS", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"OPTAX_SPARSE_ADAM_KERNELS={raw!r}: it must be 1 (the native kernels) or 0 (the XLA path)")
+    return raw == "1"
+
+
 _LIB = _load()  # registration happens here, once per process
 # (kernels enabled, threads, tracing a kernel's branch of a selection: see select). Part of the key of jit's caches
 # and of JAX's other trace caches (cond's, loops'): a function traced with the kernels is traced again without them,
 # and one traced inside a kernel's branch again outside it.
-_CONFIG = jax.make_user_context(
-    default_value=(os.environ.get("OPTAX_SPARSE_ADAM_KERNELS", "1") != "0", _threads_from_env(), False)
-)
+_CONFIG = jax.make_user_context(default_value=(_kernels_from_env(), _threads_from_env(), False))
 
 
 def available() -> bool:

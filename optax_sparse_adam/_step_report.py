@@ -38,7 +38,8 @@ class StepReport:
 
     Attributes:
       kernel_path: ``"native-cpu"`` or ``"xla"``, as :func:`kernel_path` said when the step was traced.
-      kernel_calls: How many calls of the library's native kernels the compiled step makes.
+      kernel_calls: How many calls of the library's native kernels the compiled step holds: its call sites, a
+        call inside a loop (``lax.scan``, ``vmap`` of a kernel that runs row block by block) counted once.
       argument_bytes: The bytes of the step's array arguments.
       temp_bytes: The bytes of temporaries XLA allocates for the step.
       threshold_bytes: What counts as table-sized below.
@@ -73,38 +74,46 @@ class StepReport:
     @property
     def fused(self) -> bool:
         """True where the optimizer's step runs fused, in one native pass per row over its parameters and state
-        (for the tables the kernels cover: the printed report names a 16-bit table whose update is applied apart)."""
+        (for the tables the kernels cover: the printed report names the kernels of a table whose rows run the XLA
+        path, applied apart, and of one that takes the two calls)."""
         return any(name.endswith("_apply") for name in self.kernels)
 
     @property
     def in_place(self) -> bool:
-        """Whether the step updates its table-sized arguments in place (all donated, none copied)."""
+        """Whether the step updates its table-sized arguments in place (all donated, none copied, and no
+        table-sized temporary built)."""
         return not self.not_donated and not self.copies and self.temp_bytes < self.threshold_bytes
 
     def __str__(self) -> str:
         lines = [
-            f"kernel path: {self.kernel_path} ({self.kernel_calls} native kernel call(s) in the compiled step"
+            f"kernel path: {self.kernel_path} ({self.kernel_calls} native kernel call site(s) in the compiled step"
             + (f": {', '.join(self.kernels)})" if self.kernels else ")"),
             f"arguments: {_mb(self.argument_bytes)}; temporaries: {_mb(self.temp_bytes)} "
             f"(table-sized: {_mb(self.threshold_bytes)} or more)",
         ]
-        apart = [name for name in self.kernels if name.startswith("add_rows_half")]  # a 16-bit table's p + u
+        # A 16-bit table's rows computed apart: p + u added by add_rows_half*, or rows the XLA path computed written
+        # back by set_rows (a helper, not an optimizer's rows kernel).
+        apart = [name for name in self.kernels if name.startswith("add_rows_half") or name == "set_rows"]
+        rows = [name for name in self.kernels if name.endswith("_rows") and name != "set_rows"]
+        two_calls = (
+            "the optimizer's rows, then a scatter into the parameters; osa.update_and_apply fuses "
+            "them for the optimizers the kernels cover, also inside inject_hyperparams, stages before the "
+            "optimizer and multi_transform, but not where a wrapper changes the updates or the state "
+            "(optax.apply_if_finite: use osa.apply_if_finite, outermost; stages after the optimizer): see "
+            "'One pass through optax wrappers' in docs/guides/optax_pipelines.md"
+        )
         if self.fused:
             lines.append("fused: the optimizer's step is one native pass over each touched row")
             if apart:
                 lines.append(
-                    f"not every table: a 16-bit table's update is applied apart ({', '.join(apart)}), its rows on "
-                    "the XLA path (an optimizer or dtype the kernels do not cover); see 'What the kernels cover' in "
-                    "docs/guides/native_kernels.md"
+                    f"not every table: a table's update is applied apart ({', '.join(apart)}), its rows on the XLA "
+                    "path (a 16-bit table or state, or an optimizer the kernels do not cover); see 'What the "
+                    "kernels cover' in docs/guides/native_kernels.md"
                 )
-        elif any(name.endswith("_rows") and name != "set_rows" for name in self.kernels):  # set_rows: a helper
-            lines.append(
-                "two calls: the optimizer's rows, then a scatter into the parameters; osa.update_and_apply fuses "
-                "them for the optimizers the kernels cover, also inside inject_hyperparams, stages before the "
-                "optimizer and multi_transform, but not where a wrapper changes the updates or the state "
-                "(optax.apply_if_finite: use osa.apply_if_finite, outermost; stages after the optimizer): see "
-                "'One pass through optax wrappers' in docs/guides/optax_pipelines.md"
-            )
+            if rows:
+                lines.append(f"not every table: some take the two calls ({', '.join(rows)}): {two_calls}")
+        elif rows:
+            lines.append(f"two calls: {two_calls}")
         elif any(name.endswith("_replay") for name in self.kernels):
             lines.append("catch-up replay: rows brought up to date in one native pass (catch_up, caught-up lookups)")
         elif self.kernel_path == "native-cpu":
@@ -129,7 +138,10 @@ class StepReport:
                 f"table-sized copy: {name} ({_mb(size)}): {why}; see 'When a step is slow' in docs/which_path.md"
             )
         if self.temp_bytes >= self.threshold_bytes and not self.copies:
-            lines.append("table-sized temporaries: a dense array of a table's size is built (a dense gradient?)")
+            lines.append(
+                "table-sized temporaries: an array of a table's size is built every step (a dense gradient, or on "
+                "the XLA path a 16-bit table converted to float32 around a scatter)"
+            )
         if self.temporaries_mapped:
             lines.append(
                 f"temporaries over glibc's {_mb(_mmap_limit())} mmap limit: XLA:CPU allocates them as one block a "
@@ -191,16 +203,17 @@ def step_report(step: Callable[..., Any], *args: Any, min_bytes: int | None = No
     lowered = step.lower(*args, **kwargs)  # type: ignore[attr-defined]
     compiled = lowered.compile()
     infos = jax.tree_util.tree_leaves_with_path(lowered.args_info)
-    sizes = [(jax.tree_util.keystr(p), _nbytes(info), bool(info.donated)) for p, info in infos]
+    # args_info leaves out static arguments: its positional indices are those of the others among args.
+    static = {i % len(args) for i in getattr(getattr(step, "_jit_info", None), "static_argnums", ()) if args}
+    dynamic = [i for i in range(len(args)) if i not in static]
+    sizes = [(_arg_path(jax.tree_util.keystr(p), dynamic), _nbytes(info), bool(info.donated)) for p, info in infos]
     # The compiled program is one device's: a sharded argument's table-sized buffers are its block's size.
     leaves = jax.tree.leaves((args, kwargs))
     local = [_local_nbytes(x) for x in leaves] if len(leaves) == len(sizes) else [s for _, s, _ in sizes]
     largest = max(local, default=0)
     threshold = min_bytes if min_bytes is not None else max(2**20, largest // 4)
     not_donated = tuple(
-        (_arg_path(p), size)
-        for (p, size, donated), mine in zip(sizes, local, strict=True)
-        if mine >= threshold and not donated
+        (p, size) for (p, size, donated), mine in zip(sizes, local, strict=True) if mine >= threshold and not donated
     )
     hlo = compiled.as_text()
     copies = []
@@ -272,8 +285,15 @@ def _local_nbytes(x: Any) -> int:
     return math.prod(shape) * _itemsize(getattr(x, "dtype", "float32"))
 
 
-def _arg_path(keystr: str) -> str:
-    """``args_info``'s path ``[0][1][0].mu`` as ``args[1][0].mu`` (its first index is args vs. kwargs)."""
+_POSITIONAL = re.compile(r"\[0\]\[(\d+)\]")
+
+
+def _arg_path(keystr: str, dynamic: list[int] | None = None) -> str:
+    """``args_info``'s path ``[0][1][0].mu`` as ``args[1][0].mu`` (its first index is args vs. kwargs); with
+    ``dynamic`` (the indices among args of those args_info holds, the others static) by the index among args."""
+    match = _POSITIONAL.match(keystr)
+    if match is not None and dynamic is not None and int(match.group(1)) < len(dynamic):
+        return f"args[{dynamic[int(match.group(1))]}]" + keystr[match.end() :]
     if keystr.startswith("[0]"):
         return "args" + keystr[3:]
     if keystr.startswith("[1]"):

@@ -329,6 +329,30 @@ def test_bad_specs_and_inputs_raise():
             coll.bags({**inputs, "history": osa.bags(inputs["history"], 30, combiner=combiner)})
     with pytest.raises(KeyError, match="no table"):
         coll.table(coll.init(jax.random.key(0)), "nope")
+    # osa.bags' own checks of a feature's input, which did not say which feature it was.
+    history = inputs["history"]
+    for bad, error, says in [
+        (history.astype(np.float32), TypeError, "ids must be integers"),
+        (history[None], ValueError, "ids must be"),
+    ]:
+        with pytest.raises(error, match=f"feature 'history': bags: {says}"):
+            coll.bags({**inputs, "history": bad})
+    with pytest.raises(ValueError, match="feature 'history': bags: weights must have the shape of ids"):
+        coll.bags(inputs, {"history": np.ones((history.shape[0], history.shape[1] + 1), np.float32)})
+
+
+def test_a_table_of_no_rows_takes_the_default_initializer():
+    """TableSpec takes 0 rows; the default initializer (fan-in scaled) divided by them and ``init`` raised
+    ZeroDivisionError. Every other table is still its initializer applied to its own key (within float32
+    rounding: drawn in one program beside another table, XLA may fuse the draws' arithmetic otherwise)."""
+    tables = dict(TABLES, empty=osa.TableSpec(0, 4))
+    coll = osa.EmbeddingCollection(tables)
+    params = coll.init(jax.random.key(7))
+    default = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+    for (name, spec), key in zip(tables.items(), jax.random.split(jax.random.key(7), len(tables)), strict=True):
+        shape = (spec.num_rows, spec.width)
+        want = default(key, shape, spec.dtype) if spec.num_rows else jnp.zeros(shape, spec.dtype)
+        np.testing.assert_allclose(coll.table(params, name), want, rtol=1e-6, atol=1e-7)
 
 
 def test_a_ragged_feature_among_padded_ones_pools_alike():

@@ -70,6 +70,21 @@ def test_main_prints_what_a_bug_report_needs(kernels):
         assert line.startswith("native-cpu: built and loaded ("), line
 
 
+@pytest.mark.parametrize(
+    ("name", "value"), [("OPTAX_SPARSE_ADAM_KERNELS", "false"), ("OPTAX_SPARSE_ADAM_THREADS", "0")]
+)
+def test_a_setting_in_the_environment_it_does_not_take_is_refused_at_import(name, value):
+    """OPTAX_SPARSE_ADAM_KERNELS=false (or off, no) left the kernels on: only "0" turned them off."""
+    run = subprocess.run(
+        [sys.executable, "-c", "import optax_sparse_adam"],
+        env={**os.environ, name: value},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0 and f"ValueError: {name}={value!r}: it must be" in run.stderr, run.stderr
+
+
 def test_kernel_line_without_a_cpu_backend(monkeypatch):
     """On a GPU host the kernels serve CPU arrays only; without a CPU backend, none."""
     if not _kernel_path.enabled():

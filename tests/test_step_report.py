@@ -176,9 +176,56 @@ def test_an_optimizer_on_the_xla_path_is_not_called_two_calls():
         return osa.update_and_apply(tx, {k: osa.IndexedRows(ids, g, n) for k in p}, s, p)
 
     report = osa.step_report(jax.jit(both), p, tx.init(p), ids, g)
-    assert report.fused and "not every table: a 16-bit table's update is applied apart" in str(report), str(report)
+    assert report.fused and "not every table: a table's update is applied apart" in str(report), str(report)
+
+    def typed(p, s, ids, g):  # each table's gradient in its dtype: the bfloat16 rows written by set_rows
+        return osa.update_and_apply(tx, {k: osa.IndexedRows(ids, g.astype(p[k].dtype), n) for k in p}, s, p)
+
+    report = osa.step_report(jax.jit(typed), p, tx.init(p), ids, g)
+    assert "set_rows" in report.kernels and "not every table: a table's update is applied apart (set_rows" in str(
+        report
+    ), str(report)
     p["b"] = p["b"].astype(jnp.float32)  # both tables fused: no such line
     assert "not every table" not in str(osa.step_report(jax.jit(both), p, tx.init(p), ids, g))
+
+
+@pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
+def test_a_fused_step_names_a_table_that_takes_the_two_calls():
+    """One table fused, the other two calls (a stage after its optimizer, in a multi_transform): the report said
+    only that the step was fused, each touched row one native pass."""
+    n, d = 4096, 64
+    ids, g = jnp.arange(16) % 9, jnp.ones((16, d), jnp.float32)
+    after = optax.chain(osa.sparse_adam(0.1), osa.sparse_aware(optax.scale(0.5)))
+    tx = optax.multi_transform({"A": osa.sparse_adam(0.1), "B": after}, {"a": "A", "b": "B"})
+    p = {"a": jnp.zeros((n, d), jnp.float32), "b": jnp.zeros((n, d), jnp.float32)}
+
+    def step(p, s, ids, g):
+        return osa.update_and_apply(tx, {k: osa.IndexedRows(ids, g, n) for k in p}, s, p)
+
+    report = osa.step_report(jax.jit(step, donate_argnums=(0, 1)), p, tx.init(p), ids, g)
+    assert report.fused and {"sparse_adam_apply", "sparse_adam_rows", "scatter_add"} <= set(report.kernels)
+    assert "not every table: some take the two calls (sparse_adam_rows)" in str(report), str(report)
+    tx = optax.multi_transform({"A": osa.sparse_adam(0.1), "B": osa.sparse_adam(0.5)}, {"a": "A", "b": "B"})
+    report = osa.step_report(jax.jit(step, donate_argnums=(0, 1)), p, tx.init(p), ids, g)
+    assert report.fused and "two calls" not in str(report), str(report)
+
+
+def test_paths_count_the_static_arguments():
+    """A step with a static first argument: args_info leaves it out, and the report named the table args[0] (the
+    static int) among the arguments not donated, where its 4 KiB-pages line said args[1]."""
+    n, d = 4096, 64
+    tx = osa.sparse_adam(0.1)
+
+    def step(scale, p, s, ids, g):
+        return osa.update_and_apply(tx, osa.IndexedRows(ids, g * scale, n), s, p)
+
+    p = jnp.zeros((n, d), jnp.float32)
+    args = (p, tx.init(p), jnp.arange(8), jnp.ones((8, d), jnp.float32))
+    for static in (0, -5):
+        report = osa.step_report(jax.jit(step, static_argnums=static), 2, *args)
+        assert [path for path, _ in report.not_donated] == ["args[1]", "args[2][0].mu", "args[2][0].nu"], report
+    report = osa.step_report(jax.jit(lambda *a, scale: step(scale, *a), static_argnames="scale"), *args, scale=2)
+    assert [path for path, _ in report.not_donated] == ["args[0]", "args[1][0].mu", "args[1][0].nu"], report
 
 
 @pytest.mark.skipif(osa.kernel_path() != "native-cpu", reason="the native kernels are off or were not built")
