@@ -393,6 +393,17 @@ class EmbeddingCollection:
         """
         features = self.features
         assert features is not None
+        read = [stack for stack in self.stacks if any(self._stack_of(f.table) == stack for f in features.values())]
+        if not isinstance(bags, Mapping):
+            raise TypeError(
+                f"EmbeddingCollection.pool: bags must be what EmbeddingCollection.bags returns, a Bags for each stack "
+                f"({', '.join(map(repr, read))}); got a {type(bags).__name__}"
+            )
+        if missing := [stack for stack in read if stack not in bags]:
+            raise ValueError(
+                f"EmbeddingCollection.pool: bags holds no Bags for stack(s) {missing} (its keys: {list(bags)}); "
+                "build them with EmbeddingCollection.bags(inputs), which keys them by stack"
+            )
         out: dict[str, jax.Array] = {}
         for stack in self.stacks:
             names = [n for n, f in features.items() if self._stack_of(f.table) == stack]

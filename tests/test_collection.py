@@ -339,6 +339,13 @@ def test_bad_specs_and_inputs_raise():
             coll.bags({**inputs, "history": bad})
     with pytest.raises(ValueError, match="feature 'history': bags: weights must have the shape of ids"):
         coll.bags(inputs, {"history": np.ones((history.shape[0], history.shape[1] + 1), np.float32)})
+    # pool takes the dict of Bags by stack that coll.bags returns: a Bags alone, or a dict by feature, failed
+    # inside it ("'Bags' object is not subscriptable", a KeyError of a stack's name).
+    params, batch = coll.init(jax.random.key(0)), coll.bags(inputs)
+    with pytest.raises(TypeError, match=r"bags must be what EmbeddingCollection\.bags returns, a Bags for each stack"):
+        coll.pool(params, next(iter(batch.values())))
+    with pytest.raises(ValueError, match=r"bags holds no Bags for stack\(s\) \['float32_4'"):
+        coll.pool(params, {"history": next(iter(batch.values()))})
 
 
 def test_a_table_of_no_rows_takes_the_default_initializer():
