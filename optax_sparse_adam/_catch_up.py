@@ -62,7 +62,7 @@ from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._row_engine import Kernel, Rule, _run_rows, apply_rule, map_rule, row_full, stamp
 from optax_sparse_adam._row_ops import explicit_sharding
 from optax_sparse_adam._sparse_leaf import SparseLeaf
-from optax_sparse_adam._tree import broadcast_rows, is_leaf, leaf_paths, param_error
+from optax_sparse_adam._tree import broadcast_rows, compiled_on_arrays, is_leaf, leaf_paths, param_error
 
 __all__ = [
     "CatchUpAdamState",
@@ -1748,20 +1748,9 @@ def catch_up(
       >>> params[:, 0].round(4)  # as optax.adam: step 2 moves row 0 by 0.1 * (0.09 / 0.19) / sqrt(0.000999 / 0.001999)
       Array([-0.167,  0.   ], dtype=float32)
     """
-    leaves = jax.tree.leaves((params, opt_state))
-    if any(isinstance(x, jax.core.Tracer) for x in leaves) or not _hashable(tx):
-        return _catch_up(tx, params, opt_state)
-    # Called on arrays: one compiled program, kept for the next call with the same optimizer, shapes and kernel
-    # setting. Run op by op, the replay's loops and conditionals (built anew on each call) compiled again each time.
-    return _catch_up_jit(tx, params, opt_state)
-
-
-def _hashable(x: Any) -> bool:
-    try:
-        hash(x)
-    except TypeError:
-        return False
-    return True
+    # Called on arrays: one compiled program, kept for the next call (run op by op, the replay's loops and
+    # conditionals, built anew on each call, compiled again every time).
+    return _catch_up_on_arrays(tx, params, opt_state, like=(0, 1))
 
 
 def _catch_up(
@@ -1790,9 +1779,7 @@ def _catch_up(
     return new_params, _replace(opt_state, new)
 
 
-# catch_up on arrays (not under a trace): the optimizer static, so that a call with the same one, shapes and kernel
-# setting (part of jit's key, _kernel_path._CONFIG) reuses the program.
-_catch_up_jit = jax.jit(_catch_up, static_argnums=0)
+_catch_up_on_arrays = compiled_on_arrays(_catch_up, "catch_up")
 
 
 def _replay_on_each_device(

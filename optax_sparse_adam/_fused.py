@@ -28,7 +28,7 @@ from optax_sparse_adam._rowwise import RowwiseAdagradFusion, RowwiseAdamFusion, 
 from optax_sparse_adam._sgd import CatchUpMomentumFusion, MomentumFusion
 from optax_sparse_adam._sparse_leaf import SparseLeaf, to_sparse_leaf
 from optax_sparse_adam._stochastic_rounding import apply_stochastic, leaf_seeds
-from optax_sparse_adam._tree import is_leaf
+from optax_sparse_adam._tree import compiled_on_arrays, is_leaf
 
 __all__ = ["update_and_apply"]
 
@@ -95,7 +95,10 @@ def update_and_apply(
     them computed on their own: see the native kernels guide). On
     other platforms, for other leaves, under differentiation and in
     :func:`jax.export` artifacts the two calls run. Use it under
-    :func:`jax.jit` with the parameters and state donated.
+    :func:`jax.jit` with the parameters and state donated. Called on arrays
+    (outside a jitted function), it runs as one compiled program, kept for the
+    next call with the same optimizer and shapes; it then keeps the arrays it
+    is given, and writes new ones.
 
     Row-wise Adagrad and row-wise Adam (their state float32) also run fused on
     bfloat16 and float16 tables: each touched row is widened to float32, updated,
@@ -136,7 +139,10 @@ def update_and_apply(
              [0.9, 0.9],
              [1. , 1. ]], dtype=float32)
     """
-    return fused_step(tx, grads, state, params, key)
+    # Called on arrays: one compiled program, kept for the next call (run op by op, the step's conditionals, built
+    # anew on each call, compiled again every time: 2.3 s a step for sparse_adam(schedule, catch_up=True) on a table
+    # of 100 rows; and each step count's bias correction too).
+    return _fused_step_on_arrays(tx, params, state, grads, key, like=(0, 1))
 
 
 def fused_step(
@@ -208,6 +214,13 @@ def fused_step(
             leaves[i] = x
     trees = {name: treedef.unflatten(leaves) for name, leaves in zip(fusable.fields, out_state, strict=True)}
     return treedef.unflatten(out_p), optax.tree.set(new_state, **trees)
+
+
+def _fused_step_in_order(tx: Any, params: Any, state: Any, grads: Any, key: Any) -> tuple[Any, Any]:
+    return fused_step(tx, grads, state, params, key)
+
+
+_fused_step_on_arrays = compiled_on_arrays(_fused_step_in_order, "update_and_apply")
 
 
 class _Fusable(NamedTuple):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,3 +134,58 @@ def map_leaves(
 def broadcast_rows(mask: jax.Array, ndim: int) -> jax.Array:
     """A per-row mask of shape ``(k,)`` reshaped to broadcast against ``(k, ...)`` with ``ndim`` axes."""
     return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
+
+
+def compiled_on_arrays(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn(tx, *args)`` (returning a tree shaped as the args at ``like``) run as one compiled program where it is
+    called on jax arrays alone: kept for the next call with the same ``tx``, shapes and kernel setting (part of
+    jit's key), for the last 8 transformations used (each program holds its ``tx`` and a compiled step). Run op by
+    op, the conditionals and loops ``fn`` builds anew on each call compiled again every time. Under a trace (the
+    caller's ``jit``, ``vmap``, ``shard_map``), on NumPy arrays or Python numbers, or with a ``tx`` that cannot be
+    hashed, ``fn`` runs as it is."""
+
+    @functools.lru_cache(maxsize=8)
+    def compiled(tx: Any) -> Callable[..., Any]:
+        step = jax.jit(functools.partial(fn, tx))
+        step.__name__ = name  # type: ignore[attr-defined]
+        return step
+
+    def call(tx: Any, *args: Any, like: tuple[int, ...]) -> Any:
+        # Only jax arrays: jit would take a NumPy array's 64-bit ids as int32 (x64 off), where fn reads them in
+        # their own dtype (an id past int32's range is padding, not wrapped onto a row).
+        if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            return fn(tx, *args)
+        if not _hashable(tx):
+            return fn(tx, *args)
+        out = compiled(tx)(*args)
+        # The program's outputs as the caller laid out its inputs: on an Auto mesh, XLA may lay an output that its
+        # input's layout does not reach (a per-row record written by a scatter) out whole on every device.
+        inputs = tuple(args[i] for i in like)
+        structure: Any = jax.tree.structure(out)  # jax's PyTreeDef, which type checkers do not see
+        if structure != jax.tree.structure(inputs):
+            return out
+        return jax.tree.map(_laid_out_as, out, inputs)
+
+    return call
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _laid_out_as(out: Any, given: Any) -> Any:
+    """``out`` moved to ``given``'s sharding where both are arrays of one shape laid out otherwise."""
+    if (
+        isinstance(out, jax.Array)
+        and isinstance(given, jax.Array)
+        and out.shape == given.shape
+        and not given.is_deleted()
+        and out.is_fully_addressable
+        and out.sharding != given.sharding
+    ):
+        return jax.device_put(out, given.sharding)
+    return out
