@@ -8,10 +8,11 @@ drift, where lazy Adam is off by O(1).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.serialization
@@ -1790,6 +1791,23 @@ def test_an_infinite_parameter_that_sat_out_steps_stays_as_dense_optax_leaves_it
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-6)
 
 
+@contextlib.contextmanager
+def _compiles() -> Iterator[list[str]]:
+    """The XLA compiles (or persistent cache loads) inside the block, one entry each."""
+    compiles: list[str] = []
+    listening = [True]
+
+    def on_duration(event: str, duration: float, **_: Any) -> None:
+        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        yield compiles
+    finally:
+        listening[0] = False
+
+
 @pytest.mark.parametrize("name", list(_CATCH_UP))
 def test_catch_up_on_arrays_compiles_once_and_reuses_its_program(name: str, kernel_path: str) -> None:
     """``catch_up`` called on arrays, as before an evaluation: it ran op by op, and its loops and conditionals,
@@ -1803,22 +1821,12 @@ def test_catch_up_on_arrays_compiles_once_and_reuses_its_program(name: str, kern
     for ids in ([1, 2, 3], [4, 5]):
         g = {k: osa.IndexedRows(jnp.asarray(ids), jnp.ones((len(ids), 8)), v.shape[0]) for k, v in params.items()}
         params, state = step(g, state, params)
-    compiles: list[str] = []
-    listening = [True]
-
-    def on_duration(event: str, duration: float, **_: Any) -> None:
-        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    try:
+    with _compiles() as compiles:
         first = osa.catch_up(tx, params, state)
         assert len(compiles) == 1, compiles
         compiles.clear()
         second = osa.catch_up(tx, params, state)
         assert not compiles, compiles
-    finally:
-        listening[0] = False
     assert_trees_equal(second, first)
     assert_trees_equal(first, jax.jit(lambda p, s: osa.catch_up(tx, p, s))(params, state))
 
@@ -1844,15 +1852,7 @@ def test_update_and_apply_on_arrays_compiles_once_and_steps_as_jitted(name: str,
     state = tx.init(params)
     keys = jax.random.split(jax.random.key(0), 4) if "key" in name else [None] * 4
     jitted = jax.jit(lambda g, s, p, key: osa.update_and_apply(tx, g, s, p, key=key))
-    compiles: list[str] = []
-    listening = [True]
-
-    def on_duration(event: str, duration: float, **_: Any) -> None:
-        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    try:
+    with _compiles() as compiles:
         p, s = params, state
         for i, key in enumerate(keys):
             ids = jnp.asarray([i, i + 1, i, 40 + i])
@@ -1864,8 +1864,6 @@ def test_update_and_apply_on_arrays_compiles_once_and_steps_as_jitted(name: str,
             p, s = osa.update_and_apply(tx, g, s, p, key=key)
             assert len(compiles) == (1 if i == 0 else 0), (i, compiles)
             assert_trees_equal((p, s), want)
-    finally:
-        listening[0] = False
 
 
 def test_catch_up_on_arrays_keeps_the_layout_of_a_table_split_over_an_auto_mesh() -> None:
