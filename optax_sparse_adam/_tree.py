@@ -181,6 +181,7 @@ def _laid_out_as(out: Any, given: Any) -> Any:
     """``out`` moved to ``given``'s sharding where both are arrays of one shape laid out otherwise."""
     if (
         isinstance(out, jax.Array)
+        and not isinstance(out, jax.core.Tracer)  # arrays a function closes over, called under its trace
         and isinstance(given, jax.Array)
         and out.shape == given.shape
         and not given.is_deleted()

@@ -1829,6 +1829,8 @@ def test_catch_up_on_arrays_compiles_once_and_reuses_its_program(name: str, kern
         assert not compiles, compiles
     assert_trees_equal(second, first)
     assert_trees_equal(first, jax.jit(lambda p, s: osa.catch_up(tx, p, s))(params, state))
+    # Arrays closed over in a jitted function: the program is called under that trace, its results tracers.
+    assert_trees_equal(first, jax.jit(lambda: osa.catch_up(tx, params, state))())
 
 
 _EAGER = {
