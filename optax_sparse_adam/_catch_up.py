@@ -59,7 +59,7 @@ from optax_sparse_adam._checks import check_dense_gradient, check_params, check_
 from optax_sparse_adam._coalesce import coalesce, distinct_ids
 from optax_sparse_adam._fusion import Clipped, FusableUpdate
 from optax_sparse_adam._indexed_rows import is_sparse
-from optax_sparse_adam._row_engine import Kernel, Rule, _run_rows, apply_rule, map_rule, row_full, stamp
+from optax_sparse_adam._row_engine import Kernel, Rule, _run_rows, apply_rule, map_rule, row_full, row_shape, stamp
 from optax_sparse_adam._row_ops import explicit_sharding
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import broadcast_rows, compiled_on_arrays, is_leaf, leaf_paths, param_error
@@ -1603,6 +1603,8 @@ class RowReplay:
         parameters; ``None`` for every leaf by default.
       fresh_rows_move: Whether a row that never moved changes over idle steps (AdamW's decay), so that
         :func:`catch_up` marks it up to date too.
+      per_row: The ``moments`` that hold one value a row (shape ``p.shape[:1]``, as ``last_step``); the others
+        hold one a parameter element.
     """
 
     state_type: type
@@ -1610,12 +1612,27 @@ class RowReplay:
     replay: Callable[[jax.Array, tuple[jax.Array, ...], jax.Array, Any, Any], Any]
     infos: Callable[[Any], list[Any]] | None = None
     fresh_rows_move: bool = False
+    per_row: tuple[str, ...] = ()
 
     def leaf_infos(self, params: Any) -> list[Any]:
         """``infos(params)``, or ``None`` for each leaf."""
         if self.infos is None:
             return [None] * len(jax.tree.leaves(params, is_leaf=is_leaf))
         return self.infos(params)
+
+    def check_shapes(self, where: str, path: Any, shape: tuple[int, ...], last: Any, moments: tuple[Any, ...]) -> None:
+        """That a parameter's ``last_step`` and ``moments`` have the shapes ``init`` gives them, before a replay
+        reads them by its rows (a state built for a table of other rows was read out of place, or failed in JAX)."""
+        for name, x in zip(("last_step", *self.moments), (last, *moments), strict=True):
+            want = row_shape(shape) if name == "last_step" or name in self.per_row else tuple(shape)
+            if tuple(jnp.shape(x)) != want:
+                raise param_error(
+                    ValueError,
+                    where,
+                    path,
+                    f"shape {tuple(shape)} but its optimizer state's {name} has shape {tuple(jnp.shape(x))}, not "
+                    f"{want}: the state was built for other parameters; pass the state `tx.init(params)` built",
+                )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1764,10 +1781,7 @@ def _catch_up(
     def leaf(path: Any, p: Any, info: Any, last: Any, *moments: Any) -> tuple[Any, ...]:
         if isinstance(last, optax.MaskedNode):  # a parameter another optimizer of a partition owns
             return p, last, *moments
-        if jnp.shape(p) != jnp.shape(moments[0]):
-            raise param_error(
-                ValueError, "catch_up", path, f"shape {jnp.shape(p)} but its {names[0]} has {jnp.shape(moments[0])}"
-            )
+        rows.check_shapes("catch_up", path, jnp.shape(p), last, moments)
         p, moments = _replay_on_each_device(rows, jnp.asarray(p), moments, last, state, info)
         return p, jnp.where((last > 0) | rows.fresh_rows_move, state.count, last), *moments
 
@@ -2037,5 +2051,7 @@ def catch_up_adamw(
         out, mu, nu, last_step, decay_mark = map_rule(leaf, updates, trees, where, 5)
         return out, CatchUpAdamWState(count, mu, nu, last_step, log_decay, decay_mark, record)
 
-    rows = RowReplay(CatchUpAdamWState, ("mu", "nu", "decay_mark"), replay_rows, flags_of, adamw.decaying)
+    rows = RowReplay(
+        CatchUpAdamWState, ("mu", "nu", "decay_mark"), replay_rows, flags_of, adamw.decaying, per_row=("decay_mark",)
+    )
     return optax.GradientTransformationExtraArgs(init_fn, CatchUpUpdate(update_fn, fusion, rows=rows))

@@ -692,12 +692,15 @@ def _caught_up(
     replay, state = _catch_up.find(tx, opt_state, where, treedef)
     last, *moments = (_catch_up.state_leaves(getattr(state, f)) for f in ("last_step", *replay.moments))
     infos, out = replay.leaf_infos(params), {}
+    path_leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_leaf)
     for i, lk in lookups.items():
         if isinstance(last[i], optax.MaskedNode):
             raise ValueError(
                 f"{where}: table {i} of the tables is not trained by the catch-up optimizer given (its state holds "
                 "no rows for it): pass the optimizer that trains the tables, e.g. partition_tables' tables_tx"
             )
+        path, table = path_leaves[i]
+        replay.check_shapes(where, path, jnp.shape(table), last[i], tuple(x[i] for x in moments))
         taken = tuple(take_rows(x[i], lk.indices) for x in moments)
         rows, _ = replay.replay(lk.rows, taken, take_rows(last[i], lk.indices), state, infos[i])
         out[i] = dataclasses.replace(lk, rows=rows)

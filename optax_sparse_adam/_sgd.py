@@ -286,6 +286,9 @@ def _catch_up_sgd(
         p0: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array, record: IdleRecord
     ) -> Any:
         """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (trace,))``."""
+        if jnp.ndim(p0) == 0:  # a scalar parameter: a table of one row
+            p, (m,) = replay_rows(p0[None], (moments[0][None],), last[None], done, record)
+            return p[0], (m[0],)
         (m0,) = moments
         idle, coefficients = idle_coefficients(last, done, record)
         coefficient, decay = coefficients[..., 0], coefficients[..., 1]

@@ -1071,7 +1071,10 @@ _CATCH_UP = {
         lambda: optax.adamw(optax.cosine_decay_schedule(1e-2, 100), weight_decay=0.3),
     ),
     "amsgrad": (lambda: osa.sparse_amsgrad(1e-2, catch_up=True), lambda: optax.amsgrad(1e-2)),
-    "sgd": (lambda: osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True), lambda: optax.sgd(1e-2, momentum=0.9)),
+    "sgd schedule": (
+        lambda: osa.sparse_sgd(optax.cosine_decay_schedule(1e-2, 100), momentum=0.9, catch_up=True),
+        lambda: optax.sgd(optax.cosine_decay_schedule(1e-2, 100), momentum=0.9),
+    ),
 }
 
 
@@ -1153,7 +1156,7 @@ def test_a_scalar_parameter_steps_as_optax_and_catch_up_leaves_it(name: str, ker
     """A scalar parameter beside a table (a dense leaf: every step touches it) takes the dense optimizer's steps,
     and ``catch_up`` leaves it as it is (it is up to date), float32 and bfloat16 alike: float32
     scalars raised an IndexError in ``catch_up`` (Adam's and AdamW's replay indexed the table's rows), and in
-    AMSGrad's step too."""
+    AMSGrad's step too; momentum SGD's under a schedule, a loop's carry-type error."""
     make, dense = _CATCH_UP[name]
     tx, reference = make(), dense()
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -1447,6 +1450,32 @@ def test_refusals() -> None:
     bcoo = jax.experimental.sparse.BCOO.fromdense(jnp.ones((4, 2), jnp.float32), n_batch=0)
     with pytest.raises(ValueError, match="whole rows"):
         tx.update(bcoo, tx.init(p), p)
+
+
+def test_a_state_field_of_another_shape_is_refused_naming_the_parameter_and_the_field() -> None:
+    """``catch_up`` and caught-up lookups check each of a table's state fields against the shape ``init`` gives it
+    (per element, or per row for the last steps and AdamW's decay marks) before a replay reads it by its rows: they
+    checked the first moment only, and a second moment, last steps or decay marks built for a table of other rows
+    failed in JAX or were read as they were (AdamW's decay marks at a constant rate: no error)."""
+    params, other = {"t": jnp.ones((6, 3))}, {"t": jnp.ones((5, 3))}
+    optimizers = [
+        osa.sparse_adam(1e-2, catch_up=True),
+        osa.sparse_adamw(1e-2, weight_decay=0.1, catch_up=True),
+        osa.sparse_amsgrad(1e-2, catch_up=True),
+        osa.sparse_sgd(1e-2, momentum=0.9, catch_up=True),
+    ]
+    for tx in optimizers:
+        good, wrong = tx.init(params), tx.init(other)
+        lookups = osa.value_and_row_grad(lambda q, ids: q["t"][ids].sum(), lambda q: q["t"], catch_up=tx)
+        fields = [f for f in good._fields if isinstance(getattr(good, f), dict)]
+        assert len(fields) >= 2, fields
+        for field in fields:
+            state = good._replace(**{field: getattr(wrong, field)})
+            message = rf"parameter \['t'\]: shape \(6, 3\) but its optimizer state's {field} has shape \(5"
+            with pytest.raises(ValueError, match=message):
+                osa.catch_up(tx, params, state)
+            with pytest.raises(ValueError, match=message):
+                lookups(params, jnp.array([1]), opt_state=state)
 
 
 @pytest.mark.slow
