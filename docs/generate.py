@@ -13,6 +13,8 @@ None of them is committed:
 - ``docs/benchmarks/huge_pages.md`` and ``docs/_generated/huge_pages.md`` (its table, for the "Which path do I
   use" page): ``benchmarks/huge_pages.py`` (``markdown``) on ``benchmarks/results/huge_pages.json``;
 - ``docs/_generated/costs.md``: the measured costs on the "Which path do I use" page, from ``results.json``;
+- ``docs/_generated/tune_malloc.md``: what ``osa.tune_malloc()`` changed on the DLRM benchmark at width 64, for the
+  same page, from ``dlrm_w64.json`` and ``dlrm_w64_malloc.json``;
 - ``docs/_generated/bf16_losses.md``: the mean losses of ``examples/bf16_stochastic_rounding.py``'s run, from the
   ``examples/bf16_stochastic_rounding.json`` it wrote;
 - ``docs/gallery/*.ipynb``: the notebooks of ``notebooks/``, copied with their stored outputs (the build does not
@@ -616,6 +618,29 @@ def huge_pages_table(huge_pages: Any, doc: dict[str, Any]) -> str:
     )
 
 
+def tune_malloc_sentence(wide: dict[str, Any], tuned: dict[str, Any]) -> str:
+    """What ``osa.tune_malloc()`` changed on the DLRM benchmark at width 64, for the "Which path do I use" page: the
+    library's Adam step on a stacked collection without (``dlrm_w64.json``) and with it (``dlrm_w64_malloc.json``),
+    in ms and as torch's ``EmbeddingBag`` + ``SparseAdam`` over it, for each configuration both runs hold."""
+    before, after = (
+        {c["config"]["name"]: {k: r["median_ms"] for k, r in c["results"].items()} for c in doc["configs"]}
+        for doc in (wide, tuned)
+    )
+    names = {"kaggle": "one-hot", "dlrmv2": "DLRMv2's bags"}
+    times, speedups = [], []
+    for name in (n for n in before if n in after):
+        b, a = before[name], after[name]
+        times.append(f"from {_ms(b['osa_adam'])} to {_ms(a['osa_adam'])} ms ({names.get(name, name)})")
+        speedups.append((b["torch_sparse_adam"] / b["osa_adam"], a["torch_sparse_adam"] / a["osa_adam"]))
+    commits = sorted({_commit(doc["machine"]) for doc in (wide, tuned)})
+    return (
+        f"On the [DLRM benchmark](benchmarks/dlrm.md) at width 64 (at {' and '.join(commits)}), without and with it, "
+        f"the library's Adam step on a stacked collection went {' and '.join(times)}: from "
+        f"{' and '.join(f'{x:.1f}x' for x, _ in speedups)} to {' and '.join(f'{y:.1f}x' for _, y in speedups)} "
+        "faster than torch's `EmbeddingBag` + `SparseAdam`.\n"
+    )
+
+
 def huge_pages_page(huge_pages: Any, doc: dict[str, Any]) -> str:
     """Each contender on 4 KiB pages and on 2 MiB pages, from ``huge_pages.json``."""
     s = doc["settings"]
@@ -663,7 +688,7 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     if (
         stamp.exists()
         and stamp.read_text() == digest
-        and all((out / n).exists() for n in ("costs.md", "huge_pages.md"))
+        and all((out / n).exists() for n in ("costs.md", "huge_pages.md", "tune_malloc.md"))
     ):
         return
     results = json.loads((RESULTS / "results.json").read_text())
@@ -675,6 +700,8 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
             for n in ("dlrm_w64.json", "dlrm_w64_malloc.json")
         )
         write_if_changed(pages / "dlrm.md", dlrm_page(dlrm, dlrm_doc, pages, wide, tuned))
+        if wide is not None and tuned is not None:
+            write_if_changed(out / "tune_malloc.md", tune_malloc_sentence(wide, tuned))
         import gpu  # benchmarks/gpu.py, on the path here
 
         write_if_changed(pages / "gpu.md", gpu.render(json.loads((RESULTS / "gpu.json").read_text())))

@@ -152,3 +152,21 @@ def test_dlrm_train_benchmark_smoke_agrees_with_pytorch_and_renders(tmp_path: pa
     generate, dlrm_train = _page_modules("generate", "dlrm_train")
     page = generate.dlrm_train_page(dlrm_train, doc)
     assert "## dlrmv2: 256 examples" in page and "| PyTorch EmbeddingBag + SparseAdam" in page
+
+
+def test_the_tune_malloc_figures_of_the_which_path_page_are_the_results_files() -> None:
+    """The "Which path do I use" page's figures for ``osa.tune_malloc()`` are generated from the committed width-64
+    DLRM results, without and with it: the run's commit, each configuration's median of the library's stacked Adam
+    step, and torch's over it (they were copied by hand, and went stale when the benchmark ran again)."""
+    (generate,) = _page_modules("generate")
+    results = ROOT / "benchmarks" / "results"
+    wide, tuned = (json.loads((results / n).read_text()) for n in ("dlrm_w64.json", "dlrm_w64_malloc.json"))
+    sentence = generate.tune_malloc_sentence(wide, tuned)
+    assert "](benchmarks/dlrm.md)" in sentence
+    for doc in (wide, tuned):
+        assert doc["machine"]["optax_sparse_adam"]["commit"][:7] in sentence
+        for config in doc["configs"]:
+            r = {k: v["median_ms"] for k, v in config["results"].items()}
+            assert f"{generate._ms(r['osa_adam'])} " in sentence, (config["config"]["name"], sentence)
+            assert f"{r['torch_sparse_adam'] / r['osa_adam']:.1f}x" in sentence, sentence
+    assert "_generated/tune_malloc.md" in (ROOT / "docs" / "which_path.md").read_text()
