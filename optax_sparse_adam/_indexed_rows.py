@@ -149,7 +149,21 @@ def _routed_bcoo_type() -> type:
             obj.owner_axis = axis
             return obj
 
+        def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+            # By the module's function: pickle and copy look a class up by its name, which this one, made in a
+            # function, does not have.
+            flags = (self.indices_sorted, self.unique_indices)
+            return _routed_bcoo, (self.data, self.indices, self.shape, self.owner_axis, *flags)
+
     return RoutedBCOO
+
+
+def _routed_bcoo(
+    data: Any, indices: Any, shape: Any, owner_axis: str, indices_sorted: bool, unique_indices: bool
+) -> jsparse.BCOO:
+    """A routed BCOO rebuilt from its parts (its ``__reduce__``)."""
+    flags = {"indices_sorted": indices_sorted, "unique_indices": unique_indices}
+    return _routed_bcoo_type()((data, indices), shape=shape, owner_axis=owner_axis, **flags)
 
 
 def bcoo_like(

@@ -74,3 +74,19 @@ def test_numpy_ids_too_wide_for_jax_are_padding_not_wrapped(dtype, kernel_path):
     np.testing.assert_array_equal(np.asarray(updates.todense()[:, 0]) != 0, want[:, 0] != 0)
     new, _ = osa.update_and_apply(tx, g, tx.init(table), table)
     np.testing.assert_array_equal(np.asarray(new[:, 0]) != 0, want[:, 0] != 0)
+
+
+def test_a_routed_bcoo_pickles_and_copies_with_its_mark() -> None:
+    """A routed BCOO (a row-sharded table's gradient, marked with its owner axis) pickles, deep-copies and copies as
+    itself, mark and flags kept: its class, made on first use, has no name pickle can look up, and pickling raised."""
+    import copy
+    import pickle
+
+    from optax_sparse_adam._indexed_rows import bcoo_like, owner_axis
+
+    parts = (jnp.arange(6.0).reshape(3, 2), jnp.array([[0], [2], [4]]))
+    routed = bcoo_like(parts, shape=(5, 2), owner_axis="x", unique_indices=True)
+    for again in (pickle.loads(pickle.dumps(routed)), copy.deepcopy(routed), copy.copy(routed)):
+        assert type(again) is type(routed) and owner_axis(again) == "x"
+        assert (again.unique_indices, again.indices_sorted, again.shape) == (True, False, (5, 2))
+        np.testing.assert_array_equal(again.todense(), routed.todense())
