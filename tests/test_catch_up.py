@@ -27,7 +27,7 @@ import optax_sparse_adam as osa
 from optax_sparse_adam import _adam, _catch_up, _coalesce, _kernel_path
 from optax_sparse_adam._catch_up import idle_cap
 from optax_sparse_adam._kernel_path import PREFIX
-from tests.helpers import KERNELS_OFF, assert_trees_equal, jit_once, needs_kernels, non_finite_zeroed
+from tests.helpers import KERNELS_OFF, assert_trees_equal, checking_leaks, jit_once, needs_kernels, non_finite_zeroed
 
 ROWS, WIDTH, BATCH, STEPS = 2000, 8, 64, 400
 
@@ -1734,7 +1734,7 @@ def test_a_schedule_is_traced_once_and_goes_with_its_optimizer(
 
     gc.collect()  # entries of schedules an earlier test left in cyclic garbage go now, not during the count
     entries = len(_catch_up._VMAPPED)
-    with jax.checking_leaks():
+    with checking_leaks():
         cached = jax.jit(lambda peak: run(peak))(jnp.float32(0.05))  # a function of its own: traced anew
     assert len(_catch_up._VMAPPED) == entries
     cached_traces, traces[0] = traces[0], 0

@@ -17,7 +17,7 @@ import pytest
 
 import optax_sparse_adam as osa
 from optax_sparse_adam._kernel_path import PREFIX
-from tests.helpers import assert_trees_equal, jit_once, needs_kernels
+from tests.helpers import assert_trees_equal, checking_leaks, jit_once, needs_kernels
 
 ROWS, WIDTH, K = 40, 8, 12
 INNER = {
@@ -216,7 +216,7 @@ def test_a_stage_and_optimizer_inside_a_cond_take_the_two_calls(name, kernel_pat
 
     for bad in (False, True):
         g = grads if not bad else {**grads, "w": grads["w"].at[1].set(jnp.nan)}
-        with jax.checking_leaks():
+        with checking_leaks():
             got = jax.jit(lambda p, s, g: osa.update_and_apply(tx, g, s, p))(params, state, g)
         assert_trees_equal(got, jax.jit(two_calls)(params, state, g))
         state = got[1]
