@@ -13,6 +13,8 @@ None of them is committed:
 - ``docs/benchmarks/huge_pages.md`` and ``docs/_generated/huge_pages.md`` (its table, for the "Which path do I
   use" page): ``benchmarks/huge_pages.py`` (``markdown``) on ``benchmarks/results/huge_pages.json``;
 - ``docs/_generated/costs.md``: the measured costs on the "Which path do I use" page, from ``results.json``;
+- ``docs/_generated/gpu_crossover.md``: where the lazy step and ``optax.adam`` cross on a GPU, for the same page,
+  from the last run of ``gpu.json``;
 - ``docs/_generated/tune_malloc.md``: what ``osa.tune_malloc()`` changed on the DLRM benchmark at width 64, for the
   same page, from ``dlrm_w64.json`` and ``dlrm_w64_malloc.json``;
 - ``docs/_generated/bf16_losses.md``: the mean losses of ``examples/bf16_stochastic_rounding.py``'s run, from the
@@ -618,6 +620,28 @@ def huge_pages_table(huge_pages: Any, doc: dict[str, Any]) -> str:
     )
 
 
+def gpu_crossover_sentence(doc: dict[str, Any]) -> str:
+    """Where the lazy step and ``optax.adam`` cross on a GPU, for the "Which path do I use" page: the last run of
+    ``gpu.json`` (every configuration), the fused step against ``optax.adam`` at a million Zipf ids a step on
+    10^7 and 10^6 rows and at 8,192 ids on 10^6 rows."""
+    run = doc["runs"][-1]
+    by_label = {c["label"]: {k: r["median_ms"] for k, r in c["results"].items()} for c in run["configs"]}
+
+    def compare(label: str) -> str:
+        r = by_label[label]
+        ratio = r["optax_adam"] / r["osa_fused"]
+        return f"{ratio:.1f}x faster than" if ratio >= 1 else f"{1 / ratio:.1f}x slower than"
+
+    wide, small, few = "1e7 x 64, 1048576 ids, zipf", "1e6 x 64, 1048576 ids, zipf", "1e6 x 64, 8192 ids, zipf"
+    return (
+        f"Measured on an {run['machine']['jax_device']} at {run['commit']} with jaxlib {run['machine']['jaxlib']} "
+        f"(see [One step on a GPU](benchmarks/gpu.md)): with a million Zipf ids a step, the lazy step is "
+        f"{compare(wide)} `optax.adam` on a 10^7-row table of width 64 and {compare(small)} it on a 10^6-row one; at "
+        f"8,192 ids a step it is {compare(few)} `optax.adam` there ({_ms(by_label[few]['osa_fused'])} ms against "
+        f"{_ms(by_label[few]['optax_adam'])}).\n"
+    )
+
+
 def tune_malloc_sentence(wide: dict[str, Any], tuned: dict[str, Any]) -> str:
     """What ``osa.tune_malloc()`` changed on the DLRM benchmark at width 64, for the "Which path do I use" page: the
     library's Adam step on a stacked collection without (``dlrm_w64.json``) and with it (``dlrm_w64_malloc.json``),
@@ -688,7 +712,7 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
     if (
         stamp.exists()
         and stamp.read_text() == digest
-        and all((out / n).exists() for n in ("costs.md", "huge_pages.md", "tune_malloc.md"))
+        and all((out / n).exists() for n in ("costs.md", "huge_pages.md", "tune_malloc.md", "gpu_crossover.md"))
     ):
         return
     results = json.loads((RESULTS / "results.json").read_text())
@@ -704,7 +728,9 @@ def benchmarks(pages: pathlib.Path, out: pathlib.Path) -> None:
             write_if_changed(out / "tune_malloc.md", tune_malloc_sentence(wide, tuned))
         import gpu  # benchmarks/gpu.py, on the path here
 
-        write_if_changed(pages / "gpu.md", gpu.render(json.loads((RESULTS / "gpu.json").read_text())))
+        gpu_doc = json.loads((RESULTS / "gpu.json").read_text())
+        write_if_changed(pages / "gpu.md", gpu.render(gpu_doc))
+        write_if_changed(out / "gpu_crossover.md", gpu_crossover_sentence(gpu_doc))
         import rowwise_fbgemm  # benchmarks/rowwise_fbgemm.py
 
         doc = json.loads((RESULTS / "rowwise_fbgemm.json").read_text())

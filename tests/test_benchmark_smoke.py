@@ -170,3 +170,20 @@ def test_the_tune_malloc_figures_of_the_which_path_page_are_the_results_files() 
             assert f"{generate._ms(r['osa_adam'])} " in sentence, (config["config"]["name"], sentence)
             assert f"{r['torch_sparse_adam'] / r['osa_adam']:.1f}x" in sentence, sentence
     assert "_generated/tune_malloc.md" in (ROOT / "docs" / "which_path.md").read_text()
+
+
+def test_the_gpu_crossover_figures_of_the_which_path_page_are_the_last_gpu_run() -> None:
+    """The "Which path do I use" page's GPU crossover (the lazy step against ``optax.adam``) is generated from the
+    last run of the committed ``gpu.json``: its device, commit and each ratio (they were copied by hand from an
+    older run)."""
+    (generate,) = _page_modules("generate")
+    doc = json.loads((ROOT / "benchmarks" / "results" / "gpu.json").read_text())
+    sentence, run = generate.gpu_crossover_sentence(doc), doc["runs"][-1]
+    assert run["commit"] in sentence and run["machine"]["jax_device"] in sentence
+    for config in run["configs"]:
+        if config["config"]["width"] != 64 or config["config"]["dist"] != "zipf":
+            continue
+        r = {k: v["median_ms"] for k, v in config["results"].items()}
+        ratio = max(r["optax_adam"] / r["osa_fused"], r["osa_fused"] / r["optax_adam"])
+        assert f"{ratio:.1f}x" in sentence, (config["label"], sentence)
+    assert "_generated/gpu_crossover.md" in (ROOT / "docs" / "which_path.md").read_text()
