@@ -1,6 +1,7 @@
 """step_report: what a compiled step costs, read from its donation, memory analysis and HLO."""
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import optax
 import pytest
 
 import optax_sparse_adam as osa
+from tests.helpers import needs_kernels
 
 ROWS, WIDTH = 1 << 14, 64
 
@@ -238,3 +240,61 @@ def test_the_report_of_catch_up_names_its_replay_and_finds_it_in_place(tx):
     assert "catch-up replay: rows brought up to date in one native pass" in str(report), str(report)
     assert "no native kernel" not in str(report)
     assert report.in_place, str(report)
+
+
+# The optimizers of the native kernels guide's table, by the label the table gives them.
+_GUIDE_SCHEDULE = optax.cosine_decay_schedule(1e-2, 100)
+_GUIDE_OPTIMIZERS = {
+    "sparse_adam": lambda: osa.sparse_adam(0.1),
+    "sparse_adamw": lambda: osa.sparse_adamw(0.1),
+    "sparse_amsgrad": lambda: osa.sparse_amsgrad(0.1),
+    "sparse_rowwise_adam": lambda: osa.sparse_rowwise_adam(0.1),
+    "sparse_rowwise_adagrad": lambda: osa.sparse_rowwise_adagrad(0.1),
+    "sparse_adagrad": lambda: osa.sparse_adagrad(0.1),
+    "sparse_ftrl": lambda: osa.sparse_ftrl(0.1),
+    "sparse_sgd": lambda: osa.sparse_sgd(0.1),
+    "sparse_sgd(momentum=0.9)": lambda: osa.sparse_sgd(0.1, momentum=0.9),
+    "sparse_adam(0.1, catch_up=True)": lambda: osa.sparse_adam(0.1, catch_up=True),
+    "sparse_adam(schedule, catch_up=True)": lambda: osa.sparse_adam(_GUIDE_SCHEDULE, catch_up=True),
+    "sparse_adamw(0.1, catch_up=True)": lambda: osa.sparse_adamw(0.1, catch_up=True),
+    "sparse_adamw(schedule, catch_up=True)": lambda: osa.sparse_adamw(_GUIDE_SCHEDULE, catch_up=True),
+    "sparse_amsgrad(schedule, catch_up=True)": lambda: osa.sparse_amsgrad(_GUIDE_SCHEDULE, catch_up=True),
+    "sparse_sgd(schedule, momentum=0.9, catch_up=True)": lambda: osa.sparse_sgd(
+        _GUIDE_SCHEDULE, momentum=0.9, catch_up=True
+    ),
+}
+
+
+@needs_kernels
+def test_the_native_kernels_guide_names_the_kernels_each_door_runs() -> None:
+    """The native kernels guide's table of each optimizer's kernels, through ``tx.update``, ``update_and_apply`` and
+    ``catch_up``, is what ``step_report`` reads from the compiled steps (a float32 table of 1,000 x 8, 10 ids)."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "native_kernels.md").read_text()
+    rows = [line for line in text.split("### Each optimizer's kernels")[1].splitlines() if line.startswith("| `")]
+    table = {}
+    for row in rows:
+        label, *doors = (cell.strip() for cell in row.strip("|").split("|"))
+        table[label.strip("`")] = [tuple(k.strip(" `") for k in door.split(",")) if door else () for door in doors]
+    assert list(table) == list(_GUIDE_OPTIMIZERS)
+    p = {"t": jnp.ones((1000, 8), jnp.float32)}
+    g = {"t": osa.IndexedRows(jnp.arange(10), jnp.ones((10, 8), jnp.float32), 1000)}
+    for label, make in _GUIDE_OPTIMIZERS.items():
+        tx = make()
+        s = tx.init(p)
+
+        def two_calls(g, s, p, tx=tx):
+            updates, s = tx.update(g, s, p)
+            return osa.apply_updates(p, updates), s
+
+        got = [
+            osa.step_report(jax.jit(two_calls, donate_argnums=(1, 2)), g, s, p).kernels,
+            osa.step_report(
+                jax.jit(lambda g, s, p, tx=tx: osa.update_and_apply(tx, g, s, p), donate_argnums=(1, 2)), g, s, p
+            ).kernels,
+        ]
+        if "catch_up" in label:
+            caught = jax.jit(lambda p, s, tx=tx: osa.catch_up(tx, p, s), donate_argnums=(0, 1))
+            got.append(osa.step_report(caught, p, s).kernels)
+        else:
+            got.append(())
+        assert [tuple(k) for k in got] == table[label], label
