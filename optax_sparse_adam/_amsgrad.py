@@ -338,13 +338,11 @@ def _catch_up_amsgrad(
         coefficient = _catch_up._coefficients(plan, lr_at, last, idle, done, record=record)[:, 0]
         return idle, jnp.stack([coefficient, _catch_up._power(b1, idle), _catch_up._power(b2, idle)], axis=1)
 
+    @_catch_up.scalar_as_one_row
     def replay_rows(
         p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array, record: IdleRecord
     ) -> Any:
         """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (mu, nu, nu_max))``."""
-        if jnp.ndim(p) == 0:  # a scalar parameter: a table of one row
-            p, moments = replay_rows(p[None], tuple(x[None] for x in moments), last[None], done, record)
-            return p[0], tuple(x[0] for x in moments)
         m, v, v_max = moments
         idle, coefficients = idle_coefficients(last, done, record)
         coefficient, decay1, decay2 = (broadcast_rows(coefficients[:, j], p.ndim) for j in range(3))

@@ -196,6 +196,23 @@ def caught_up_update(p0: jax.Array, p: jax.Array, step: jax.Array, moved: jax.Ar
     return jnp.where(moved, caught, step)
 
 
+ReplayRows = Callable[[jax.Array, tuple[jax.Array, ...], jax.Array, jax.Array, Any], Any]
+
+
+def scalar_as_one_row(replay_rows: ReplayRows) -> ReplayRows:
+    """``replay_rows(p, moments, last, done, record) -> (p, moments)`` that takes a scalar parameter (its moments and
+    last step scalars too) as a table of one row."""
+
+    @functools.wraps(replay_rows)
+    def replay(p: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array, record: Any) -> Any:
+        if jnp.ndim(p) != 0:
+            return replay_rows(p, moments, last, done, record)
+        p, moments = replay_rows(p[None], tuple(x[None] for x in moments), last[None], done, record)
+        return p[0], tuple(x[0] for x in moments)
+
+    return replay
+
+
 @dataclasses.dataclass(frozen=True)
 class Decay:
     """Decoupled weight decay through the idle steps (AdamW's): the idle step with count ``tau`` multiplies the row

@@ -43,6 +43,7 @@ from optax_sparse_adam._catch_up import (
     of_keys,
     rate_at,
     record_step,
+    scalar_as_one_row,
 )
 from optax_sparse_adam._checks import (
     check_bool,
@@ -282,13 +283,11 @@ def _catch_up_sgd(
                 coefficient = jnp.asarray(momentum, jnp.float32) * coefficient
         return idle, jnp.stack([coefficient, _power(momentum, idle)], axis=-1)
 
+    @scalar_as_one_row
     def replay_rows(
         p0: jax.Array, moments: tuple[jax.Array, ...], last: jax.Array, done: jax.Array, record: IdleRecord
     ) -> Any:
         """Rows last moved at step ``last`` brought up to step ``done``: ``(p, (trace,))``."""
-        if jnp.ndim(p0) == 0:  # a scalar parameter: a table of one row
-            p, (m,) = replay_rows(p0[None], (moments[0][None],), last[None], done, record)
-            return p[0], (m[0],)
         (m0,) = moments
         idle, coefficients = idle_coefficients(last, done, record)
         coefficient, decay = coefficients[..., 0], coefficients[..., 1]
