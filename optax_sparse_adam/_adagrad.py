@@ -17,6 +17,7 @@ import optax
 
 from optax_sparse_adam import _ffi
 from optax_sparse_adam._checks import check_hparam, check_learning_rate, check_params, check_state
+from optax_sparse_adam._fusion import compiled_when_eager
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import apply_rule, elementwise_kernel, map_rule, scaled_rule, step_factor
 
@@ -116,6 +117,7 @@ def scale_by_sparse_adagrad(
     return stage(init_fn, update)
 
 
+@compiled_when_eager
 def sparse_adagrad(
     learning_rate: optax.ScalarOrSchedule,
     initial_accumulator_value: jax.typing.ArrayLike = 0.1,

@@ -32,6 +32,7 @@ from optax_sparse_adam._checks import (
     check_state,
     mask_tree,
 )
+from optax_sparse_adam._fusion import compiled_when_eager
 from optax_sparse_adam._indexed_rows import is_sparse
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
@@ -411,6 +412,7 @@ def scale_by_sparse_adam(
     return stage(init_fn, functools.partial(_update, hp, lazy_dense))
 
 
+@compiled_when_eager
 def sparse_adam(
     learning_rate: optax.ScalarOrSchedule,
     b1: jax.typing.ArrayLike = 0.9,

@@ -24,6 +24,7 @@ from optax_sparse_adam._checks import (
     check_state,
     mask_tree,
 )
+from optax_sparse_adam._fusion import compiled_when_eager
 from optax_sparse_adam._learning_rate import with_learning_rate
 from optax_sparse_adam._row_engine import apply_rule, at_count, map_rule, row_full, stamp
 from optax_sparse_adam._tree import broadcast_rows
@@ -145,6 +146,7 @@ def lazy_decoupled_weight_decay(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@compiled_when_eager
 def sparse_adamw(
     learning_rate: optax.ScalarOrSchedule,
     b1: jax.typing.ArrayLike = 0.9,

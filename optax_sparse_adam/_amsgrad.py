@@ -32,7 +32,7 @@ from optax_sparse_adam._checks import (
     check_params,
     check_state,
 )
-from optax_sparse_adam._fusion import Clipped
+from optax_sparse_adam._fusion import Clipped, compiled_when_eager
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
     Arrays,
@@ -199,6 +199,7 @@ def scale_by_sparse_amsgrad(
     return stage(init_fn, update)
 
 
+@compiled_when_eager
 def sparse_amsgrad(
     learning_rate: optax.ScalarOrSchedule,
     b1: jax.typing.ArrayLike = 0.9,

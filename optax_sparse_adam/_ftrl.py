@@ -19,7 +19,7 @@ import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
 from optax_sparse_adam._checks import check_hparam, check_params, check_state
-from optax_sparse_adam._fusion import FusableUpdate
+from optax_sparse_adam._fusion import FusableUpdate, compiled_when_eager
 from optax_sparse_adam._row_engine import Arrays, Kernel, apply_rule, at_count, elementwise_kernel, map_rule
 from optax_sparse_adam._sparse_leaf import SparseLeaf
 from optax_sparse_adam._tree import param_error
@@ -104,6 +104,7 @@ class FtrlFusion(NamedTuple):
         )
 
 
+@compiled_when_eager
 def sparse_ftrl(
     learning_rate: optax.ScalarOrSchedule,
     learning_rate_power: jax.typing.ArrayLike = -0.5,

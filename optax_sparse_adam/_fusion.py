@@ -17,13 +17,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.extend.core import get_opaque_trace_state
+
+from optax_sparse_adam._indexed_rows import is_sparse
+from optax_sparse_adam._tree import laid_out_as, on_arrays
 
 __all__: list[str] = []
 
@@ -129,14 +133,107 @@ def record(fusion: Any, grads: Any, state: Any, params: Any, out: tuple[Any, Any
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FusableUpdate:
-    """An optimizer's ``update`` function that also carries how to fuse it with the parameters' update."""
+    """An optimizer's ``update`` function that also carries how to fuse it with the parameters' update, and how
+    the optimizer was built (``recipe``, where :func:`compiled_when_eager` built it)."""
 
     update: optax.TransformUpdateExtraArgsFn
     fusion: Any  # an AdamFusion, a RowwiseAdagradFusion, or a _partition.PartitionFusion
+    recipe: Recipe | None = dataclasses.field(default=None, kw_only=True)
 
     def __call__(
         self, updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, optax.OptState]:
+        if self.recipe is not None and self.recipe.takes(updates, state, params, extra_args):
+            return self.recipe.update(updates, state, params)
         out = self.update(updates, state, params, **extra_args)
         record(self.fusion, updates, state, params, out)
         return out
+
+
+# The place of an array among a recipe's arguments.
+_ARRAY = object()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Recipe:
+    """How an optimizer was built: its factory, the structure and the other values of its arguments (``key``), and
+    their jax arrays (``arrays``: injected hyperparameters, a stochastic rounding key)."""
+
+    key: tuple[Any, ...]
+    arrays: tuple[jax.Array, ...]
+
+    @staticmethod
+    def takes(updates: Any, state: Any, params: Any, extra_args: dict[str, Any]) -> bool:
+        """Whether a call runs compiled: sparse gradients (dense ones run op by op, as optax's optimizers do, and
+        equal them bitwise so), jax arrays alone, no trace, no extra arguments."""
+        return (
+            not extra_args
+            and any(is_sparse(x) for x in jax.tree.leaves(updates, is_leaf=is_sparse))
+            and not recording_active()
+            and on_arrays(updates, state, params)
+        )
+
+    def update(self, updates: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        """The optimizer's ``update`` as one program, compiled for the first optimizer built alike and kept for the
+        next (``optax.inject_hyperparams`` builds one at every step; its hyperparameters are the arrays); its state
+        laid out as the caller's."""
+        new_updates, new_state = _compiled_update(self.key)(self.arrays, updates, state, params)
+        return new_updates, laid_out_as(new_state, state)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_update(key: tuple[Any, ...]) -> Callable[..., Any]:
+    factory, treedef, statics = key
+
+    def update(arrays: tuple[jax.Array, ...], updates: Any, state: Any, params: Any) -> Any:
+        given = iter(arrays)
+        leaves = [next(given) if x is _ARRAY else x[1] for x in statics]
+        args, kwargs = jax.tree.unflatten(treedef, leaves)
+        return factory(*args, **kwargs).update(updates, state, params)
+
+    update.__name__ = update.__qualname__ = f"{factory.__name__}_update"  # the program's name in a profile
+    return jax.jit(update)
+
+
+def _recipe(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recipe | None:
+    """``factory(*args, **kwargs)``'s :class:`Recipe`; ``None`` where an argument is traced or can be neither an
+    operand nor a key (a NumPy array)."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    statics: list[Any] = []
+    arrays: list[jax.Array] = []
+    for x in leaves:
+        if isinstance(x, jax.core.Tracer):
+            return None
+        if isinstance(x, jax.Array):
+            statics.append(_ARRAY)
+            arrays.append(x)
+        else:
+            statics.append((type(x), x))  # the type too: 1, 1.0 and True are equal keys, and may build apart
+    key = (factory, treedef, tuple(statics))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return Recipe(key, tuple(arrays))
+
+
+_Factory = TypeVar("_Factory", bound=Callable[..., Any])
+
+
+def compiled_when_eager(factory: _Factory) -> _Factory:
+    """An optimizer factory whose optimizer's ``update``, called on jax arrays outside any trace (op by op, a
+    step's conditionals and loops would be traced and compiled again on every call: from 0.1 s a step for
+    ``sparse_adam`` to seconds for a catch-up step under a schedule), runs as one compiled program, kept for the
+    next optimizer built alike. Under a trace (the caller's ``jit``, ``vmap``, a recording of
+    :func:`update_and_apply`), with extra arguments, or on NumPy arrays, it runs as it is."""
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        tx = factory(*args, **kwargs)
+        if isinstance(tx.update, FusableUpdate):
+            recipe = _recipe(factory, args, kwargs)
+            if recipe is not None:
+                tx = tx._replace(update=dataclasses.replace(tx.update, recipe=recipe))
+        return tx
+
+    return cast(_Factory, build)

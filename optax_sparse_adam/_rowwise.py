@@ -34,6 +34,7 @@ from optax_sparse_adam._checks import (
     check_state,
     literal_zero,
 )
+from optax_sparse_adam._fusion import compiled_when_eager
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
     Arrays,
@@ -303,6 +304,7 @@ def scale_by_rowwise_adam(
     return stage(init_fn, update)
 
 
+@compiled_when_eager
 def sparse_rowwise_adam(
     learning_rate: optax.ScalarOrSchedule,
     b1: jax.typing.ArrayLike = 0.9,
@@ -540,6 +542,7 @@ class RowwiseAdagradFusion(NamedTuple):
     decay: int
 
 
+@compiled_when_eager
 def sparse_rowwise_adagrad(
     learning_rate: optax.ScalarOrSchedule,
     eps: jax.typing.ArrayLike = 1e-10,

@@ -53,7 +53,7 @@ from optax_sparse_adam._checks import (
     check_params,
     check_state,
 )
-from optax_sparse_adam._fusion import Clipped
+from optax_sparse_adam._fusion import Clipped, compiled_when_eager
 from optax_sparse_adam._learning_rate import stage, with_learning_rate
 from optax_sparse_adam._row_engine import (
     Arrays,
@@ -522,6 +522,7 @@ def _geometric_numbers(mu: float, cap: int, nesterov: bool) -> np.ndarray:
     return out
 
 
+@compiled_when_eager
 def sparse_sgd(
     learning_rate: optax.ScalarOrSchedule,
     momentum: jax.typing.ArrayLike | None = None,

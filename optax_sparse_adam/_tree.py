@@ -151,22 +151,28 @@ def compiled_on_arrays(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         return step
 
     def call(tx: Any, *args: Any, like: tuple[int, ...]) -> Any:
-        # Only jax arrays: jit would take a NumPy array's 64-bit ids as int32 (x64 off), where fn reads them in
-        # their own dtype (an id past int32's range is padding, not wrapped onto a row).
-        if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+        if not on_arrays(*args) or not _hashable(tx):
             return fn(tx, *args)
-        if not _hashable(tx):
-            return fn(tx, *args)
-        out = compiled(tx)(*args)
-        # The program's outputs as the caller laid out its inputs: on an Auto mesh, XLA may lay an output that its
-        # input's layout does not reach (a per-row record written by a scatter) out whole on every device.
-        inputs = tuple(args[i] for i in like)
-        structure: Any = jax.tree.structure(out)  # jax's PyTreeDef, which type checkers do not see
-        if structure != jax.tree.structure(inputs):
-            return out
-        return jax.tree.map(_laid_out_as, out, inputs)
+        return laid_out_as(compiled(tx)(*args), tuple(args[i] for i in like))
 
     return call
+
+
+def on_arrays(*args: Any) -> bool:
+    """Whether ``args`` hold jax arrays alone, none of them traced: what a compiled program may take in place of a
+    function run op by op. Not NumPy arrays: jit would take 64-bit ids as int32 (x64 off), where the library reads
+    them in their own dtype (an id past int32's range is padding, not wrapped onto a row)."""
+    return all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+
+
+def laid_out_as(out: Any, inputs: Any) -> Any:
+    """A program's outputs as the caller laid out its inputs (trees of one structure; else ``out`` as it is): on an
+    Auto mesh, XLA may lay an output that its input's layout does not reach (a per-row record written by a
+    scatter) out whole on every device."""
+    structure: Any = jax.tree.structure(out)  # jax's PyTreeDef, which type checkers do not see
+    if structure != jax.tree.structure(inputs):
+        return out
+    return jax.tree.map(_laid_out_as, out, inputs)
 
 
 def _hashable(x: Any) -> bool:

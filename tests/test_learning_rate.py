@@ -214,3 +214,52 @@ def test_two_calls_take_no_pass_of_their_own_to_scale_the_rows(name):
         grads = osa.IndexedRows(jnp.zeros((BATCH,), jnp.int32), jnp.ones((BATCH, WIDTH), jnp.float32), ROWS)
         assert _row_passes(ours, params, grads) == []
         assert _row_passes(chain, params, grads) != []  # the check sees the pass it is there to rule out
+
+
+# name -> (the optimizer at a learning rate or schedule, its program's name).
+_EAGER: dict[str, tuple[Callable[[Any], optax.GradientTransformation], str]] = {
+    "adam": (lambda lr: osa.sparse_adam(lr), "sparse_adam"),
+    "adamw catch_up": (lambda lr: osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True), "sparse_adamw"),
+    "amsgrad": (lambda lr: osa.sparse_amsgrad(lr), "sparse_amsgrad"),
+    "adagrad": (lambda lr: osa.sparse_adagrad(lr), "sparse_adagrad"),
+    "ftrl": (lambda lr: osa.sparse_ftrl(lr), "sparse_ftrl"),
+    "rowwise_adagrad": (lambda lr: osa.sparse_rowwise_adagrad(lr), "sparse_rowwise_adagrad"),
+    "rowwise_adam": (lambda lr: osa.sparse_rowwise_adam(lr), "sparse_rowwise_adam"),
+    "sgd momentum catch_up": (lambda lr: osa.sparse_sgd(lr, momentum=0.9, catch_up=True), "sparse_sgd"),
+}
+
+
+def _traces(caplog: pytest.LogCaptureFixture, name: str) -> int:
+    return sum(f"Finished tracing {name}_update " in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", list(_EAGER))
+def test_an_eager_update_of_row_gradients_is_one_program_kept_for_the_next_steps(
+    name: str, kernel_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Called on arrays outside ``jit``, ``tx.update`` of row gradients runs as one compiled program, traced at
+    the first step and kept for the next (op by op, a step traced and compiled its conditionals and loops again at
+    every call: 2.5 s a step for catch-up AdamW under a schedule); its numbers are the jitted update's, bitwise.
+    Through ``optax.inject_hyperparams``, which builds the optimizer anew at every step from arrays, the program is
+    kept for the next optimizer built alike, the arrays its operands; a learning rate changed between steps
+    changes the step as under ``jit``."""
+    make, program = _EAGER[name]
+    schedule = optax.linear_schedule(0.1, 0.01, 10)
+    injected = optax.inject_hyperparams(lambda learning_rate: make(learning_rate))(learning_rate=0.1)
+    p0 = jnp.asarray(np.random.default_rng(0).normal(size=(12, 3)), jnp.float32)
+    for tx in (make(schedule), injected):
+        caplog.clear()
+        eager = jitted = (p0, tx.init(p0))
+        step = jax.jit(tx.update)
+        with jax.log_compiles():
+            for t in range(4):
+                if tx is injected:
+                    for s in (eager[1], jitted[1]):
+                        s.hyperparams["learning_rate"] = jnp.asarray(0.1 / (t + 1), jnp.float32)
+                g = osa.IndexedRows(jnp.array([t, 2 * t + 1, 7, 7]), jnp.full((4, 3), 0.5 + t, jnp.float32), 12)
+                u, s = tx.update(g, eager[1], eager[0])
+                eager = (osa.apply_updates(eager[0], u), s)
+                u, s = step(g, jitted[1], jitted[0])
+                jitted = (osa.apply_updates(jitted[0], u), s)
+        assert _traces(caplog, program) == 1, [r.getMessage() for r in caplog.records if "tracing" in r.getMessage()]
+        assert_trees_equal(eager, jitted)
