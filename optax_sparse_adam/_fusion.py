@@ -150,8 +150,8 @@ class FusableUpdate:
         return out
 
 
-# The place of an array among a recipe's arguments.
-_ARRAY = object()
+# The place of an array among a recipe's arguments, and the mark of an optimizer there that has a recipe.
+_ARRAY, _BUILT = object(), object()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -181,24 +181,34 @@ class Recipe:
         return new_updates, laid_out_as(new_state, state)
 
 
+def _built(x: Any) -> bool:
+    """Whether ``x`` is an optimizer a :func:`compiled_when_eager` factory built (with its recipe)."""
+    return isinstance(x, optax.GradientTransformation) and getattr(x.update, "recipe", None) is not None
+
+
+def _rebuild(key: tuple[Any, ...], given: Iterator[jax.Array]) -> Any:
+    """The optimizer of recipe ``key`` (its factory's own, without a recipe), its arrays taken from ``given``."""
+    factory, treedef, statics = key
+    leaves = [next(given) if x is _ARRAY else _rebuild(x[1], given) if x[0] is _BUILT else x[1] for x in statics]
+    args, kwargs = jax.tree.unflatten(treedef, leaves)
+    return factory(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled_update(key: tuple[Any, ...]) -> Callable[..., Any]:
-    factory, treedef, statics = key
-
     def update(arrays: tuple[jax.Array, ...], updates: Any, state: Any, params: Any) -> Any:
-        given = iter(arrays)
-        leaves = [next(given) if x is _ARRAY else x[1] for x in statics]
-        args, kwargs = jax.tree.unflatten(treedef, leaves)
-        return factory(*args, **kwargs).update(updates, state, params)
+        return _rebuild(key, iter(arrays)).update(updates, state, params)
 
-    update.__name__ = update.__qualname__ = f"{factory.__name__}_update"  # the program's name in a profile
+    update.__name__ = update.__qualname__ = f"{key[0].__name__}_update"  # the program's name in a profile
     return jax.jit(update)
 
 
 def _recipe(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recipe | None:
     """``factory(*args, **kwargs)``'s :class:`Recipe`; ``None`` where an argument is traced or can be neither an
-    operand nor a key (a NumPy array)."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
+    operand nor a key (a NumPy array). An optimizer among the arguments built by such a factory enters by its own
+    recipe, so that a wrapper of an optimizer built anew at each step (by ``optax.inject_hyperparams``) keeps its
+    key."""
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_built)
     statics: list[Any] = []
     arrays: list[jax.Array] = []
     for x in leaves:
@@ -207,6 +217,9 @@ def _recipe(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         if isinstance(x, jax.Array):
             statics.append(_ARRAY)
             arrays.append(x)
+        elif _built(x):
+            statics.append((_BUILT, x.update.recipe.key))
+            arrays.extend(x.update.recipe.arrays)
         else:
             statics.append((type(x), x))  # the type too: 1, 1.0 and True are equal keys, and may build apart
     key = (factory, treedef, tuple(statics))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_sparse_adam import _ffi, _kernel_path
-from optax_sparse_adam._fusion import FusableUpdate
+from optax_sparse_adam._fusion import FusableUpdate, compiled_when_eager
 
 __all__ = ["IfFiniteFusion", "apply_if_finite", "if_finite_step", "is_finite"]
 
@@ -24,6 +24,7 @@ class IfFiniteFusion:
     max_consecutive_errors: int
 
 
+@compiled_when_eager
 def apply_if_finite(
     inner: optax.GradientTransformation, max_consecutive_errors: int
 ) -> optax.GradientTransformationExtraArgs:
