@@ -30,10 +30,11 @@ SCRIPT = textwrap.dedent(
     x = jnp.linspace(0.0, 1.0, 3200, dtype=jnp.float32)
     for _ in range(30):  # the heap settles over the first calls
         step(x).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    faults = []  # each call's
     for _ in range(20):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         step(x).block_until_ready()
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     report = osa.step_report(step, x)
     print(json.dumps({
         "tuned": tuned, "faults": faults, "temp_bytes": report.temp_bytes, "mapped": report.temporaries_mapped,
@@ -69,18 +70,19 @@ def test_tuned_malloc_keeps_a_steps_temporaries_in_the_heap():
     plain, tuned = _run("plain"), _run("tune")
     pages = plain["temp_bytes"] / 4096
     assert plain["temp_bytes"] > 32 * 2**20, plain
-    assert plain["faults"] >= 0.9 * pages and plain["mapped"] and plain["said"], plain  # every page, every call
+    assert min(plain["faults"]) >= 0.9 * pages and plain["mapped"] and plain["said"], plain  # every page, every call
     x = [i / 3199 for i in range(3200)]
     want = x[7] * sum(v * v for v in x)  # (x x^T) x = x |x|^2
     assert abs(plain["result"] - want) <= 1e-5 * want
     assert tuned["result"] == plain["result"]
     if not _glibc():
-        assert tuned["tuned"] is False and tuned["faults"] >= 0.9 * pages, tuned
+        assert tuned["tuned"] is False and min(tuned["faults"]) >= 0.9 * pages, tuned
         return
     assert tuned["tuned"] is True, tuned
     # Async dispatch can run one call's allocation before the last call's block is freed: now and then a call still
-    # finds the heap short and grows it (none in most runs, up to a fifth of the calls in some).
-    assert tuned["faults"] < 0.25 * pages, tuned
+    # finds the heap short and grows it (none in most runs; a fifth to a quarter of the calls in some, on a loaded
+    # machine). The typical call faults in none of the block.
+    assert sorted(tuned["faults"])[len(tuned["faults"]) // 2] < 0.01 * pages, tuned
     assert not tuned["mapped"] and not tuned["said"], tuned
 
 
