@@ -491,6 +491,9 @@ def idle_operands(
         assert idle is not None
         decay2 = _catch_up._power(hp.b2, idle)
     powers = jnp.asarray(np.concatenate([t.reshape(-1) for t in tables]))
+    # float32, as the kernels read them: in jax's 64-bit mode the NumPy tables and a schedule's rates are float64.
+    window, far, powers = (jnp.asarray(x, jnp.float32) for x in (window, far, powers))
+    decay2 = None if decay2 is None else jnp.asarray(decay2, jnp.float32)
     return _ffi.AmsgradIdleOperands(window, far, powers, decay2, plan.cap, far_by_key)
 
 

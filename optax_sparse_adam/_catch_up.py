@@ -973,10 +973,12 @@ def record_step(
         row = row / weights.through[-1]
     last = (done - plan.cap).astype(jnp.int32)
     slot = jnp.mod(last, steps)
+    zero = jnp.zeros((), jnp.int32)  # the indices of one type (a Python 0 is an int64 in jax's 64-bit mode)
     if variant is None:
-        coefficients = jax.lax.dynamic_update_slice(record.coefficients, row[None], (slot, 0))
+        coefficients = jax.lax.dynamic_update_slice(record.coefficients, row[None], (slot, zero))
     else:
-        coefficients = jax.lax.dynamic_update_slice(record.coefficients, row[None, None], (variant, slot, 0))
+        at = (jnp.asarray(variant, jnp.int32), slot, zero)
+        coefficients = jax.lax.dynamic_update_slice(record.coefficients, row[None, None], at)
     return IdleRecord(coefficients, jax.lax.dynamic_update_slice(record.last_steps, last[None], (slot,)))
 
 
@@ -999,12 +1001,12 @@ def _long_idle_loop(
         def body(k: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             total, power, through = carry
             power = power * rho[None, :]
-            tau = last + k
+            tau = last + k.astype(last.dtype)  # k is an int64 in jax's 64-bit mode
             term = plan.rates(tau, lr(tau - 1), jnp) * power
             if weights is not None:  # through: the log of the decay of the row's first k idle steps
-                through = through + weights.decay.log(weights.lr_at, tau)[:, None]
+                through = through + weights.decay.log(weights.lr_at, tau)[:, None].astype(through.dtype)
                 term = term * jnp.exp(-through)
-            return total + term, power, through
+            return total + term.astype(total.dtype), power, through
 
         zeros = _zeros(last, plan.rho.size)
         init = (zeros, jnp.ones_like(zeros), zeros[..., :1])  # through: one per row (one exp per row and step)
@@ -1227,7 +1229,9 @@ def _kernel_operands(
     scalars = (plan.binv, _RATIO, long_neg_lr, has_table, new_log, old_log)
     limits = jnp.stack([jnp.asarray(x, jnp.float32) for x in scalars])
     far = zeros if far is None else far
-    return _ffi.CatchUpOperands(window, far, powers, through, limits, neg_rates, corrections)
+    # float32, as the kernels read them: in jax's 64-bit mode the NumPy tables and a schedule's rates are float64.
+    ops = (window, far, powers, through, limits, neg_rates, corrections)
+    return _ffi.CatchUpOperands(*(jnp.asarray(x, jnp.float32) for x in ops))
 
 
 def _rows_kernel(

@@ -1926,3 +1926,56 @@ def test_catch_up_on_arrays_keeps_the_layout_of_a_table_split_over_an_auto_mesh(
     assert_trees_equal(out, want)
     for got, given in zip(jax.tree.leaves(out), jax.tree.leaves((p, state)), strict=True):
         assert got.sharding.is_equivalent_to(given.sharding, got.ndim), (got.sharding, given.sharding)
+
+
+_X64 = {
+    "adam": (lambda lr: osa.sparse_adam(lr, catch_up=True), optax.adam),
+    "adamw": (
+        lambda lr: osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True),
+        lambda lr: optax.adamw(lr, weight_decay=0.3),
+    ),
+    "amsgrad": (lambda lr: osa.sparse_amsgrad(lr, catch_up=True), optax.amsgrad),
+    "sgd": (lambda lr: osa.sparse_sgd(lr, momentum=0.9, catch_up=True), lambda lr: optax.sgd(lr, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("schedule", [False, True], ids=["constant", "schedule"])
+@pytest.mark.parametrize("name", list(_X64))
+def test_in_jax_64_bit_mode_a_float32_table_steps_and_catches_up_as_dense_optax(
+    name: str, schedule: bool, kernel_path: str
+) -> None:
+    """In jax's 64-bit mode a float32 table steps through both doors and is caught up to the dense optax
+    optimizer's table there (whose arithmetic jax then partly does in float64, as the library's), within 8 ulps of
+    the table's scale (1e-6; 4 at most in this run). The kernels'
+    coefficient operands were float64 in that mode (NumPy tables, a schedule's rates), which the kernels refused at
+    run time (Adam, AdamW, AMSGrad); under a schedule the record of long-idle coefficients was written at indices of
+    int32 and int64 together, and the long-idle loop's carry turned float64, which failed to trace (all four)."""
+    sparse, dense = _X64[name]
+
+    def run(tx: optax.GradientTransformation, is_sparse: bool) -> Any:
+        p = jnp.asarray(np.random.default_rng(0).normal(size=(30, 4)), jnp.float32)
+        state = tx.init(p)
+
+        @functools.partial(jax.jit, static_argnums=4)
+        def step(p: jax.Array, state: Any, ids: jax.Array, values: jax.Array, fused: bool) -> Any:
+            g: Any = osa.IndexedRows(ids, values, 30)
+            if not is_sparse:
+                g = jnp.zeros_like(p).at[ids].add(values)
+            if fused:
+                return osa.update_and_apply(tx, g, state, p)
+            updates, state = tx.update(g, state, p)
+            return osa.apply_updates(p, updates), state
+
+        for t in range(12):  # rows idle past the window (12 steps and more: rows 8 to 28)
+            ids = jnp.array([t % 5, 7, 7, 29], jnp.int32)
+            values = jnp.asarray(np.random.default_rng(t).normal(size=(4, 4)), jnp.float32)
+            p, state = step(p, state, ids, values, t % 2 == 0)
+        if is_sparse:
+            p, state = jax.jit(lambda p, s: osa.catch_up(tx, p, s))(p, state)
+        return np.asarray(p)
+
+    with jax.enable_x64(True):
+        rate = optax.linear_schedule(1e-2, 1e-3, 40) if schedule else 1e-2
+        got, want = run(sparse(rate), True), run(dense(rate), False)
+    assert got.dtype == np.float32 and np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
