@@ -14,6 +14,7 @@ very same traced arrays), the fused kernel's results can stand in for them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -144,7 +145,9 @@ class FusableUpdate:
         self, updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None, **extra_args: Any
     ) -> tuple[optax.Updates, optax.OptState]:
         if self.recipe is not None and self.recipe.takes(updates, state, params, extra_args):
-            return self.recipe.update(updates, state, params)
+            compiled = self.recipe.update(updates, state, params)
+            if compiled is not None:
+                return compiled
         out = self.update(updates, state, params, **extra_args)
         record(self.fusion, updates, state, params, out)
         return out
@@ -173,11 +176,15 @@ class Recipe:
             and on_arrays(updates, state, params)
         )
 
-    def update(self, updates: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    def update(self, updates: Any, state: Any, params: Any) -> tuple[Any, Any] | None:
         """The optimizer's ``update`` as one program, compiled for the first optimizer built alike and kept for the
         next (``optax.inject_hyperparams`` builds one at every step; its hyperparameters are the arrays); its state
-        laid out as the caller's."""
-        new_updates, new_state = _compiled_update(self.key)(self.arrays, updates, state, params)
+        laid out as the caller's. ``None`` where the optimizer's key changes at every call (see
+        :func:`_compiled_update`): the caller then runs it op by op."""
+        program = _compiled_update(self.key)
+        if program is None:
+            return None
+        new_updates, new_state = program(self.arrays, updates, state, params)
         return new_updates, laid_out_as(new_state, state)
 
 
@@ -194,13 +201,37 @@ def _rebuild(key: tuple[Any, ...], given: Iterator[jax.Array]) -> Any:
     return factory(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled_update(key: tuple[Any, ...]) -> Callable[..., Any]:
+# The programs of the last _PROGRAMS_KEPT recipes called (each holds its recipe's static arguments), and at each
+# place (a factory and its arguments' structure) the calls since the last that found its program.
+_PROGRAMS: collections.OrderedDict[tuple[Any, ...], Callable[..., Any]] = collections.OrderedDict()
+_PROGRAMS_KEPT = 16
+_MISSES: dict[tuple[Any, ...], int] = {}
+_MAX_MISSES = 4
+
+
+def _compiled_update(key: tuple[Any, ...]) -> Callable[..., Any] | None:
+    """The jitted update of recipe ``key``; ``None`` where the last ``_MAX_MISSES`` calls at its place each built
+    a program of their own: an argument built anew at every step (a mask or schedule defined inside the function
+    ``inject_hyperparams`` calls, a chain inside a wrapper) makes every call a new key, and compiling each costs
+    more than running it op by op. A call that finds its program opens the place again."""
+    program = _PROGRAMS.get(key)
+    place = key[:2]
+    if program is not None:
+        _PROGRAMS.move_to_end(key)
+        _MISSES[place] = 0
+        return program
+    if _MISSES.get(place, 0) >= _MAX_MISSES:
+        return None
+    _MISSES[place] = _MISSES.get(place, 0) + 1
+
     def update(arrays: tuple[jax.Array, ...], updates: Any, state: Any, params: Any) -> Any:
         return _rebuild(key, iter(arrays)).update(updates, state, params)
 
     update.__name__ = update.__qualname__ = f"{key[0].__name__}_update"  # the program's name in a profile
-    return jax.jit(update)
+    program = _PROGRAMS[key] = jax.jit(update)
+    while len(_PROGRAMS) > _PROGRAMS_KEPT:
+        _PROGRAMS.popitem(last=False)
+    return program
 
 
 def _recipe(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recipe | None:

@@ -189,6 +189,9 @@ def _laid_out_as(out: Any, given: Any) -> Any:
         isinstance(out, jax.Array)
         and not isinstance(out, jax.core.Tracer)  # arrays a function closes over, called under its trace
         and isinstance(given, jax.Array)
+        # An uncommitted input (a state's count from tx.init) may go wherever a program puts it: moved back to its
+        # device, the output would be committed there and refused next to arrays on a mesh.
+        and given.committed
         and out.shape == given.shape
         and not given.is_deleted()
         and out.is_fully_addressable

@@ -5,6 +5,7 @@ sparse_aware(scale_by_learning_rate))``, their decay too: the chain's numbers an
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Callable
 from typing import Any
@@ -266,3 +267,61 @@ def test_an_eager_update_of_row_gradients_is_one_program_kept_for_the_next_steps
                 jitted = (osa.apply_updates(jitted[0], u), s)
         assert _traces(caplog, program) == 1, [r.getMessage() for r in caplog.records if "tracing" in r.getMessage()]
         assert_trees_equal(eager, jitted)
+
+
+def test_an_eager_update_whose_optimizer_is_built_anew_at_every_call_goes_back_to_op_by_op(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An optimizer whose arguments change at every step (a mask defined inside the function
+    ``inject_hyperparams`` calls) is a new key at every call: after ``_MAX_MISSES`` programs at its place none of
+    which was called again, its update runs op by op (compiling each cost more than that), as it did before eager
+    updates were compiled."""
+    from optax_sparse_adam import _fusion
+
+    monkeypatch.setattr(_fusion, "_PROGRAMS", collections.OrderedDict())
+    monkeypatch.setattr(_fusion, "_MISSES", {})
+
+    def make(learning_rate: Any) -> optax.GradientTransformation:
+        return osa.sparse_adamw(learning_rate, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+
+    tx = optax.inject_hyperparams(make)(learning_rate=0.1)
+    params = {"emb": jnp.ones((20, 4), jnp.float32), "b": jnp.ones((4,), jnp.float32)}
+    eager = jitted = (params, tx.init(params))
+    step = jax.jit(tx.update)
+    with jax.log_compiles():
+        for t in range(10):
+            g = {"emb": osa.IndexedRows(jnp.array([t, t + 5, 9]), jnp.ones((3, 4)), 20), "b": jnp.ones((4,))}
+            u, s = tx.update(g, eager[1], eager[0])
+            eager = (osa.apply_updates(eager[0], u), s)
+            u, s = step(g, jitted[1], jitted[0])
+            jitted = (osa.apply_updates(jitted[0], u), s)
+    assert _traces(caplog, "sparse_adamw") == _fusion._MAX_MISSES
+    # Op by op, a bias correction at a known count is a product of its factors (jax's integer_pow), and XLA rounds
+    # a few operations otherwise: 2e-6 apart after ten steps of rate 0.1, 1e-4 of a step at most.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), eager[0], jitted[0])
+
+
+def test_an_eager_update_of_a_table_split_over_devices_steps_again_and_keeps_the_layouts() -> None:
+    """Eager steps of a table split by rows over 8 devices, ``tx.update`` and ``update_and_apply``: the state
+    ``init`` makes uncommitted (its count) is left where the compiled update puts it (moved back to its one
+    device, it was refused next to the mesh's arrays at the second step), and the moments keep the table's
+    layout."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    p0 = jnp.asarray(np.random.default_rng(0).normal(size=(64, 4)), jnp.float32)
+    for tx in (osa.sparse_adam(0.1), osa.sparse_adam(0.1, catch_up=True), osa.sparse_ftrl(0.1)):
+        eager = (jax.device_put(p0, split), tx.init(jax.device_put(p0, split)))
+        jitted = fused = eager
+        for t in range(3):
+            ids, values = jnp.array([t, 40 + t, 9]), jnp.full((3, 4), 0.5 + t, jnp.float32)
+            g = osa.IndexedRows(jax.device_put(ids, whole), jax.device_put(values, whole), 64)
+            u, s = tx.update(g, eager[1], eager[0])
+            eager = (osa.apply_updates(eager[0], u), s)
+            u, s = jax.jit(tx.update)(g, jitted[1], jitted[0])
+            jitted = (osa.apply_updates(jitted[0], u), s)
+            fused = osa.update_and_apply(tx, g, fused[1], fused[0])  # refused at the second step too
+        assert_trees_equal(eager, jitted)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), fused, jitted)
+        assert eager[0].sharding.spec == split.spec
+        assert all(x.sharding.spec == split.spec for x in jax.tree.leaves(eager[1]) if x.shape == p0.shape)
