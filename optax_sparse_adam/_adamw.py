@@ -17,6 +17,7 @@ from optax_sparse_adam._adam import (
 )
 from optax_sparse_adam._checks import (
     check_bool,
+    check_decay_factor,
     check_dtype,
     check_hparam,
     check_learning_rate,
@@ -72,7 +73,9 @@ def lazy_decoupled_weight_decay(
 
     Args:
       learning_rate: A float or an optax schedule.
-      weight_decay: Decay rate :math:`\lambda`.
+      weight_decay: Decay rate :math:`\lambda`. ``learning_rate * weight_decay`` must be below 1 (a row's decay
+        over its idle steps is a power of ``1 - learning_rate * weight_decay``): numbers are checked here; under a
+        schedule or an injected rate that reaches it, the rows the step decays become NaN.
       mask: ``None`` (decay all), a bool, a tree of bools that is a prefix of
         the parameters, or a function of the parameters returning one, as
         :func:`optax.add_decayed_weights`'s ``mask``; leaves masked out get
@@ -99,6 +102,7 @@ def lazy_decoupled_weight_decay(
     """
     check_learning_rate(learning_rate)
     check_hparam("weight_decay", weight_decay, lower=0.0, lower_open=False)
+    check_decay_factor(learning_rate, weight_decay, _WHERE)
 
     def init_fn(params: optax.Params) -> LazyWeightDecayState:
         check_params(params, _WHERE)
@@ -198,7 +202,9 @@ def sparse_adamw(
         :func:`optax.add_decayed_weights` takes it (the two calls of that chain then run, in either door).
       mask: Which parameters decay, as :func:`optax.adamw`'s ``mask``.
       catch_up: Whether a returning row first takes the steps it sat out, as
-        dense AdamW took them (decay and momentum).
+        dense AdamW took them (decay and momentum). ``learning_rate * weight_decay`` must then be below 1 (the
+        idle steps' decay is a power of ``1 - learning_rate * weight_decay``): numbers are checked here; under a
+        schedule or an injected rate that reaches it, the rows the step decays become NaN.
       maximize: Whether to ascend rather than descend.
       eps_placement: ``"optax"`` or ``"torch"``, as in :func:`sparse_adam`.
 
@@ -228,6 +234,7 @@ def sparse_adamw(
                 "sparse_adamw(catch_up=True) takes a constant weight_decay (its record holds log(1 - lr * "
                 "weight_decay) at one decay), not a schedule: pass a number, or use catch_up=False"
             )
+        check_decay_factor(learning_rate, weight_decay, "sparse_adamw(catch_up=True)")
         from optax_sparse_adam import _catch_up  # it builds on sparse_adam's rule
 
         hp = _catch_up_hyperparams(b1, b2, eps, eps_root, maximize, eps_placement, False)

@@ -36,6 +36,24 @@ def literal_zero(x: Any) -> bool:
     return isinstance(x, int | float) and x == 0
 
 
+def check_decay_factor(learning_rate: Any, weight_decay: Any, where: str) -> None:
+    """Refuses a learning rate and weight decay, both numbers, whose product is 1 or more: a row's decay over the
+    steps it sat out is taken as a power of ``1 - learning_rate * weight_decay`` (by its logarithm), which is
+    defined for a factor above 0 alone. Schedules and arrays are left alone (see the optimizers' docs)."""
+    numbers_ = [x for x in (learning_rate, weight_decay) if isinstance(x, int | float | np.generic) and np.ndim(x) == 0]
+    if len(numbers_) < 2:
+        return
+    product = float(learning_rate) * float(weight_decay)
+    if product >= 1.0:
+        raise ValueError(
+            f"{where}: learning_rate * weight_decay is {product:g} (learning_rate {learning_rate!r}, weight_decay "
+            f"{weight_decay!r}); it must be below 1: each step multiplies a row by 1 - learning_rate * "
+            "weight_decay, and the decay of the steps a row sat out is taken as a power of that factor, which is "
+            "defined only above 0. Lower the weight decay or the rate, or use sparse_adamw without catch_up, which "
+            "decays each touched row by one step's factor"
+        )
+
+
 def check_hparam(name: str, value: Any, *, lower: float, lower_open: bool, upper: float = math.inf) -> None:
     """Checks a concrete scalar hyperparameter; schedules and traced (injected) values are left alone."""
     if callable(value) or isinstance(value, jax.core.Tracer):

@@ -164,3 +164,28 @@ def test_bad_hyperparameters_and_missing_params_raise():
         tx.update(g, tx.init(p))
     with pytest.raises(ValueError, match="mask"):
         osa.sparse_adamw(0.1, catch_up=True, mask={"x": True}).init({"y": p})
+
+
+@pytest.mark.parametrize(
+    ("build", "product"),
+    [
+        (lambda: osa.sparse_adamw(1e-2, weight_decay=100.0, catch_up=True), "1"),
+        (lambda: osa.sparse_adamw(1e-2, weight_decay=150.0, catch_up=True), "1.5"),
+        (lambda: osa.lazy_decoupled_weight_decay(0.1, 10.0), "1"),
+        (lambda: osa.lazy_decoupled_weight_decay(0.5, 3.0), "1.5"),
+    ],
+    ids=["catch_up-1", "catch_up-1.5", "lazy_decay-1", "lazy_decay-1.5"],
+)
+def test_a_decay_factor_of_zero_or_less_is_refused_where_idle_steps_decay(build, product):
+    """Where a row's decay over its idle steps is a power of ``1 - lr * wd`` (catch-up AdamW,
+    ``lazy_decoupled_weight_decay``), ``lr * wd >= 1`` is refused at construction, naming both: the power was
+    taken through ``log1p(-lr * wd)``, a bare "math domain error" at construction, NaN rows or wrong numbers in the
+    step. Without catch-up each touched row decays by one step's factor, as ``optax.adamw``: still taken."""
+    with pytest.raises(ValueError, match=rf"learning_rate \* weight_decay is {product} .*must be below 1"):
+        build()
+    p = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), jnp.float32)
+    g = jnp.asarray(np.random.default_rng(1).normal(size=(6, 3)), jnp.float32)
+    tx, ref = osa.sparse_adamw(1e-2, weight_decay=150.0), optax.adamw(1e-2, weight_decay=150.0)
+    got = osa.update_and_apply(tx, osa.IndexedRows(jnp.arange(6), g, 6), tx.init(p), p)[0]
+    want = optax.apply_updates(p, ref.update(g, ref.init(p), p)[0])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
