@@ -281,12 +281,25 @@ class RowSharding:
         specs = self.specs(params)
         try:
             return optax.tree_utils.tree_map_params(tx, fit, state, specs, transform_non_params=lambda _: _P())
-        except ValueError as e:  # the state's structure is not tx.init(params)'s
+        except (TypeError, ValueError) as e:
+            failed = e
+        # tree_map_params runs tx.init on one placeholder for the whole tree, which a wrapper that labels the
+        # parameters (optax.multi_transform, osa.partition_tables) cannot label. Where the state has the structure
+        # tx.init gives these parameters, each of its leaves of a table's shape, or of the table's rows alone (a
+        # per-row record), is split as the table; the others are replicated (a leaf taken for the other kind fails
+        # the step's shapes, it does not pass with other numbers).
+        built: Any = jax.tree.structure(jax.eval_shape(tx.init, params))  # jax's PyTreeDef: type checkers miss ==
+        if built != jax.tree.structure(state):
             raise TypeError(
                 f"{where}: the optimizer state ({type(state).__name__}) does not have the structure this `tx` "
                 "builds for these parameters: it was built for another optimizer or other parameters; pass the "
-                f"state that `tx.init(params)` returned for this `tx` ({str(e).splitlines()[0]})"
-            ) from e
+                f"state that `tx.init(params)` returned for this `tx` ({str(failed).splitlines()[0]})"
+            ) from failed
+        leaves, _, chosen, _ = self._selected(params)
+        split = {
+            s: _P(self.axis, *([None] * (len(s) - 1))) for i in chosen for s in (leaves[i].shape, leaves[i].shape[:1])
+        }
+        return jax.tree.map(lambda x: split.get(tuple(jnp.shape(x)), _P()), state)
 
     def _put(self, tree: Any, specs: Any) -> Any:
         """``tree`` resharded to ``specs`` where the mesh has ``Explicit`` axes (``shard_map`` wants that)."""

@@ -1587,3 +1587,36 @@ def test_a_collections_table_of_stacks_split_over_the_mesh(kind):
         want = np.asarray(coll.table(whole["emb"], name))
         np.testing.assert_array_equal(coll.table(params["emb"], name), want)
         np.testing.assert_array_equal(jax.jit(coll.table, static_argnums=1)(params["emb"], name), want)
+
+
+@pytest.mark.parametrize("wrapper", ["partition_tables", "multi_transform"])
+def test_a_labelling_wrapper_steps_as_its_plain_jitted_step(wrapper: str) -> None:
+    """``RowSharding``'s steps take a wrapper that labels the parameters (a table optimizer beside a dense one):
+    the state's specs came from ``optax.tree_utils.tree_map_params``, whose ``tx.init`` on one placeholder for the
+    whole tree such a wrapper cannot label (``partition_tables`` raised that ``tables`` computes with the leaves,
+    ``multi_transform`` that the state was built for another optimizer). Now the table's moments are split as the
+    table, and the routed step gives the numbers of the plain jitted two calls on the same gradients."""
+    mesh = jax.make_mesh((8,), ("x",))
+    rs = osa.RowSharding(mesh, "x", tables=lambda p: p["emb"], batch_axis="x")
+    if wrapper == "partition_tables":
+        tx = osa.partition_tables(osa.sparse_adam(1e-2), optax.adam(1e-2), tables=lambda p: p["emb"])
+    else:
+        tx = optax.multi_transform({"t": osa.sparse_adam(1e-2), "d": optax.adam(1e-2)}, {"emb": "t", "w": "d"})
+
+    def loss_fn(p: Any, ids: jax.Array, y: jax.Array) -> jax.Array:
+        return jnp.mean((p["emb"][ids] @ p["w"] - y) ** 2)
+
+    params = rs.shard({"emb": jax.random.normal(jax.random.key(0), (64, 4)), "w": jnp.ones((4,))})
+    routed = plain = (params, tx.init(params))
+    two_calls = jax.jit(lambda g, s, p: (lambda u, s: (osa.apply_updates(p, u), s))(*tx.update(g, s, p)))
+    for t in range(3):
+        ids, y = (jnp.arange(16, dtype=jnp.int32) * 3 + t) % 64, jnp.ones(16)
+        g = rs.value_and_row_grad(loss_fn)(routed[0], ids, y)[1]
+        p, s = jax.jit(lambda g, s, p: rs.update_and_apply(tx, g, s, p))(g, routed[1], routed[0])
+        routed = (p, s)
+        g = rs.value_and_row_grad(loss_fn)(plain[0], ids, y)[1]
+        plain = two_calls(g, plain[1], plain[0])
+    assert routed[0]["emb"].sharding.spec == P("x", None)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), routed, plain)
+    table_moments = [x for x in jax.tree.leaves(routed[1]) if x.shape == (64, 4)]
+    assert len(table_moments) == 2 and all(x.sharding.spec == P("x", None) for x in table_moments)
