@@ -1928,19 +1928,8 @@ def test_catch_up_on_arrays_keeps_the_layout_of_a_table_split_over_an_auto_mesh(
         assert got.sharding.is_equivalent_to(given.sharding, got.ndim), (got.sharding, given.sharding)
 
 
-_X64 = {
-    "adam": (lambda lr: osa.sparse_adam(lr, catch_up=True), optax.adam),
-    "adamw": (
-        lambda lr: osa.sparse_adamw(lr, weight_decay=0.3, catch_up=True),
-        lambda lr: optax.adamw(lr, weight_decay=0.3),
-    ),
-    "amsgrad": (lambda lr: osa.sparse_amsgrad(lr, catch_up=True), optax.amsgrad),
-    "sgd": (lambda lr: osa.sparse_sgd(lr, momentum=0.9, catch_up=True), lambda lr: optax.sgd(lr, momentum=0.9)),
-}
-
-
 @pytest.mark.parametrize("schedule", [False, True], ids=["constant", "schedule"])
-@pytest.mark.parametrize("name", list(_X64))
+@pytest.mark.parametrize("name", list(_BY_RATE))
 def test_in_jax_64_bit_mode_a_float32_table_steps_and_catches_up_as_dense_optax(
     name: str, schedule: bool, kernel_path: str
 ) -> None:
@@ -1950,7 +1939,7 @@ def test_in_jax_64_bit_mode_a_float32_table_steps_and_catches_up_as_dense_optax(
     coefficient operands were float64 in that mode (NumPy tables, a schedule's rates), which the kernels refused at
     run time (Adam, AdamW, AMSGrad); under a schedule the record of long-idle coefficients was written at indices of
     int32 and int64 together, and the long-idle loop's carry turned float64, which failed to trace (all four)."""
-    sparse, dense = _X64[name]
+    sparse, dense = _BY_RATE[name]
 
     def run(tx: optax.GradientTransformation, is_sparse: bool) -> Any:
         p = jnp.asarray(np.random.default_rng(0).normal(size=(30, 4)), jnp.float32)
